@@ -1,0 +1,75 @@
+"""LigerConfig: which fusions the patcher applies. Shared by `swift_liger.apply` and the ms-swift plugin."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+CROSS_ENTROPY_MODES = ("fused_linear", "fused", "off")
+
+
+@dataclass
+class LigerConfig:
+    """Switch per fusion.
+
+    rms_norm:      swap every RMSNorm module's forward for the Triton RMSNorm.
+    rope:          swap the rotary application (rotate-half) for the one-launch q+k kernel.
+    swiglu:        swap the MLP activation (SwiGLU, or GeGLU for Gemma-style MLPs).
+    cross_entropy: "fused_linear" (loss from hidden states, logits never materialised, training with labels only),
+                   "fused" (Triton CE on materialised logits) or "off".
+    qk_norm_rope:  Qwen3-style attention: fuse q_norm/k_norm with the rotation (needs rope=True).
+    rolling_cache: {"window": int, "sinks": int} installs RollingKVCache for generation; None leaves caches alone.
+    strict:        an unsupported model type is an error instead of a warning.
+    """
+    rms_norm: bool = True
+    rope: bool = True
+    swiglu: bool = True
+    cross_entropy: str = "fused_linear"
+    qk_norm_rope: bool = True
+    rolling_cache: Optional[dict] = None
+    strict: bool = False
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for name in ("rms_norm", "rope", "swiglu", "qk_norm_rope", "strict"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"LigerConfig.{name} must be true or false, got {value!r}")
+        if self.cross_entropy is False or self.cross_entropy is None:
+            self.cross_entropy = "off"
+        if self.cross_entropy is True:
+            self.cross_entropy = "fused_linear"
+        if self.cross_entropy not in CROSS_ENTROPY_MODES:
+            raise ValueError(f"LigerConfig.cross_entropy must be one of {', '.join(CROSS_ENTROPY_MODES)}, "
+                             f"got {self.cross_entropy!r}")
+        if self.rolling_cache is not None:
+            if not isinstance(self.rolling_cache, Mapping) or set(self.rolling_cache) - {"window", "sinks", "mode"}:
+                raise ValueError("LigerConfig.rolling_cache must be a mapping with keys window, sinks (and optional "
+                                 f"mode), got {self.rolling_cache!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "extra")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "LigerConfig":
+        unknown = sorted(set(data) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown swift_liger config key(s): {', '.join(unknown)}; "
+                             f"known keys: {', '.join(cls.field_names())}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "LigerConfig":
+        import yaml
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"liger_config: no such file {path!r}")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, Mapping):
+            raise ValueError(f"liger_config {path!r} must hold a mapping of keys, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.field_names()}

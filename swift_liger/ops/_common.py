@@ -1,0 +1,171 @@
+"""Shared plumbing for the ops: backend choice, argument checks, launch helpers.
+
+Nothing here imports transformers or ms-swift.
+
+Backends
+--------
+* CUDA tensors always run the Triton kernels (``SWIFT_LIGER_BACKEND=torch`` forces the reference).
+* CPU tensors run the PyTorch reference implementation by default, with one notice per process.
+  ``SWIFT_LIGER_BACKEND=triton`` together with ``TRITON_INTERPRET=1`` (set before the kernels are imported;
+  the tests do this) runs the real Triton kernels on CPU through Triton's interpreter.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Callable, Iterable, Optional
+
+import torch
+
+logger = logging.getLogger("swift_liger")
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _backend_env() -> str:
+    value = os.environ.get("SWIFT_LIGER_BACKEND", "auto").strip().lower()
+    if value not in ("auto", "triton", "torch"):
+        raise ValueError(f"SWIFT_LIGER_BACKEND must be one of auto, triton, torch; got {value!r}")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _notice_cpu_fallback() -> None:
+    logger.warning(
+        "swift_liger: tensors are on CPU, so ops run their PyTorch reference implementations. "
+        "Set SWIFT_LIGER_BACKEND=triton and TRITON_INTERPRET=1 to run the Triton kernels in the interpreter.")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the Triton kernel should run for tensors living where ``t`` lives."""
+    env = _backend_env()
+    if env == "torch":
+        return False
+    if t.is_cuda:
+        return True
+    if env == "triton":
+        if not INTERPRET:
+            raise RuntimeError(
+                "SWIFT_LIGER_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 set before swift_liger.ops "
+                "is imported")
+        return True
+    _notice_cpu_fallback()
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Argument checks: every op validates before any work starts, naming the argument and what was expected.
+# ---------------------------------------------------------------------------------------------------------------
+
+def check_tensor(name: str, t, *, ndim: Optional[int] = None, min_ndim: Optional[int] = None,
+                 dtypes: Optional[Iterable[torch.dtype]] = FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in tuple(dtypes):
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+
+
+def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    if not items:
+        return
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                             f"all tensors must be on one device")
+
+
+def check_same_dtype(**tensors: Optional[torch.Tensor]) -> None:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    if not items:
+        return
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; "
+                            f"mixed dtypes are not supported")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+
+
+def check_positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def num_warps_for(block: int) -> int:
+    """Warps per program for a row-wise kernel whose row block has ``block`` elements."""
+    if block >= 32768:
+        return 32
+    if block >= 8192:
+        return 16
+    if block >= 2048:
+        return 8
+    return 4
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_programs_hint(t: torch.Tensor) -> int:
+    """Number of persistent programs to launch: a few per SM on GPU, a handful under the interpreter."""
+    if t.is_cuda:
+        return sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+def compiled_or_eager(op_name: str, eager: Callable) -> Callable:
+    """Return the registered custom op while torch.compile traces, else the plain Python launcher.
+
+    The custom op lets a compiled region keep the kernel as one opaque node (no graph break); in eager
+    mode calling the launcher directly skips ~10 us of dispatcher overhead per call.
+    """
+    if torch.compiler.is_compiling():
+        namespace, name = op_name.split("::")
+        return getattr(getattr(torch.ops, namespace), name)
+    return eager
+
+
+# Tests set SWIFT_LIGER_POISON=1: every output buffer a kernel is meant to fill starts as NaN (ints as -1), so an
+# element the kernel forgot to write fails the comparison instead of passing on a lucky zero.
+POISON = os.environ.get("SWIFT_LIGER_POISON", "0") == "1"
+
+
+def new_empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
+    """Allocate an output buffer that the kernel writes completely (poisoned under SWIFT_LIGER_POISON=1)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if POISON:
+        t.fill_(float("nan") if t.is_floating_point() else -1)
+    return t
+
+
+def new_empty_like(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    out = torch.empty_like(t, dtype=dtype or t.dtype)
+    if POISON:
+        out.fill_(float("nan") if out.is_floating_point() else -1)
+    return out
