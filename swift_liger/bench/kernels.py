@@ -1,0 +1,188 @@
+"""Benchmark cases for every op at the shapes the issues name (H200, bf16).
+
+Peers, in one process: eager PyTorch (our `*_reference`, written the way Hugging Face eager code computes it),
+`torch.compile` of that same eager code, Liger-Kernel (when importable) and Apple's Cut Cross-Entropy (loss head).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List
+
+import torch
+
+from .harness import Case
+
+BF16 = torch.bfloat16
+E = 2  # bytes per bf16 element
+
+
+def _try_import(path):
+    try:
+        module, _, name = path.rpartition(".")
+        return getattr(__import__(module, fromlist=[name]), name)
+    except Exception:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def _peers(eager, ours, liger=None, extra=None) -> Dict[str, callable]:
+    impls = {"eager": eager, "torch.compile": lambda inp: _compiled(eager)(inp)}
+    if liger is not None:
+        impls["liger"] = liger
+    impls.update(extra or {})
+    impls["swift_liger"] = ours
+    return impls
+
+
+def rms_norm_cases() -> List[Case]:
+    from swift_liger.ops import rms_norm as ops
+    liger_rms = _try_import("liger_kernel.transformers.functional.liger_rms_norm")
+    cases = []
+    for n, h in [(16384, 4096), (16384, 8192), (65536, 128)]:
+        def make(n=n, h=h):
+            x = torch.randn(n, h, device="cuda", dtype=BF16, requires_grad=True)
+            w = (1 + 0.1 * torch.randn(h, device="cuda", dtype=BF16)).requires_grad_()
+            return {"x": x, "w": w}
+        eager = lambda i: ops.rms_norm_reference(i["x"], i["w"], 1e-6)
+        ours = lambda i: ops.rms_norm(i["x"], i["w"], 1e-6)
+        liger = (lambda i: liger_rms(i["x"], i["w"], 1e-6, casting_mode="llama", in_place=False)) if liger_rms else None
+        # fwd: read x, write y; bwd: read dy, x, write dx (+ rstd, w, dw negligible)
+        cases.append(Case("rms_norm", f"{n}x{h}", make, _peers(eager, ours, liger),
+                          min_bytes=5 * n * h * E, grad_bytes=(n * h + h) * E))
+    return cases
+
+
+def swiglu_cases() -> List[Case]:
+    from swift_liger.ops import swiglu as ops
+    liger_swiglu = _try_import("liger_kernel.transformers.functional.liger_swiglu")
+    liger_geglu = _try_import("liger_kernel.transformers.functional.liger_geglu")
+    cases = []
+    for n, i_ in [(16384, 14336), (8192, 11008)]:
+        def make(n=n, i_=i_):
+            return {"a": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True),
+                    "b": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True)}
+        # fwd: read a, b, write c; bwd: read dc, a, b, write da, db
+        nbytes = 8 * n * i_ * E
+        cases.append(Case("swiglu", f"{n}x{i_}", make,
+                          _peers(lambda i: ops.swiglu_reference(i["a"], i["b"]), lambda i: ops.swiglu(i["a"], i["b"]),
+                                 (lambda i: liger_swiglu(i["a"], i["b"])) if liger_swiglu else None),
+                          min_bytes=nbytes, grad_bytes=2 * n * i_ * E))
+    n, i_ = 16384, 14336
+
+    def make_g():
+        return {"a": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True),
+                "b": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True)}
+    cases.append(Case("geglu", f"{n}x{i_}", make_g,
+                      _peers(lambda i: ops.geglu_reference(i["a"], i["b"]), lambda i: ops.geglu(i["a"], i["b"]),
+                             (lambda i: liger_geglu(i["a"], i["b"])) if liger_geglu else None),
+                      min_bytes=8 * n * i_ * E, grad_bytes=2 * n * i_ * E))
+    return cases
+
+
+def _rope_inputs(b, t, hq, hkv, d):
+    # q/k arrive as transposed views of the [B, T, H, D] projections, exactly as HF attention passes them.
+    q = torch.randn(b, t, hq, d, device="cuda", dtype=BF16).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, t, hkv, d, device="cuda", dtype=BF16).transpose(1, 2).requires_grad_()
+    inv = 1.0 / (500000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
+    freqs = torch.arange(t, device="cuda", dtype=torch.float32)[:, None] * inv[None]
+    emb = torch.cat([freqs, freqs], -1)[None].expand(b, t, d)
+    return q, k, emb.cos().to(BF16), emb.sin().to(BF16)
+
+
+def rope_cases() -> List[Case]:
+    from swift_liger.ops import rope as ops
+    liger_rope = _try_import("liger_kernel.transformers.functional.liger_rope")
+    cases = []
+    for b, t in [(1, 16384), (4, 4096)]:
+        hq, hkv, d = 32, 8, 128
+
+        def make(b=b, t=t):
+            q, k, cos, sin = _rope_inputs(b, t, hq, hkv, d)
+            return {"q": q, "k": k, "cos": cos, "sin": sin}
+        nbytes = 4 * b * t * (hq + hkv) * d * E + 2 * b * t * d * E
+        cases.append(Case("rope", f"B{b} T{t} q{hq}/kv{hkv} D{d}", make,
+                          _peers(lambda i: ops.apply_rope_reference(i["q"], i["k"], i["cos"], i["sin"]),
+                                 lambda i: ops.apply_rope(i["q"], i["k"], i["cos"], i["sin"]),
+                                 (lambda i: liger_rope(i["q"], i["k"], i["cos"], i["sin"])) if liger_rope else None),
+                          min_bytes=nbytes, grad_bytes=b * t * (hq + hkv) * d * E))
+    return cases
+
+
+def qk_norm_rope_cases() -> List[Case]:
+    from swift_liger.ops import qk_norm_rope as ops
+    liger_rope = _try_import("liger_kernel.transformers.functional.liger_rope")
+    liger_rms = _try_import("liger_kernel.transformers.functional.liger_rms_norm")
+    b, t, hq, hkv, d = 1, 16384, 32, 8, 128
+
+    def make():
+        q, k, cos, sin = _rope_inputs(b, t, hq, hkv, d)
+        return {"q": q, "k": k, "cos": cos, "sin": sin,
+                "wq": (1 + 0.1 * torch.randn(d, device="cuda", dtype=BF16)).requires_grad_(),
+                "wk": (1 + 0.1 * torch.randn(d, device="cuda", dtype=BF16)).requires_grad_()}
+
+    def liger(i):
+        qn = liger_rms(i["q"], i["wq"], 1e-6, casting_mode="llama", in_place=False)
+        kn = liger_rms(i["k"], i["wk"], 1e-6, casting_mode="llama", in_place=False)
+        return liger_rope(qn, kn, i["cos"], i["sin"])
+    nbytes = 4 * b * t * (hq + hkv) * d * E + 2 * b * t * d * E
+    return [Case("qk_norm_rope", f"B{b} T{t} q{hq}/kv{hkv} D{d}", make,
+                 _peers(lambda i: ops.qk_norm_rope_reference(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),
+                        lambda i: ops.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),
+                        liger if (liger_rope and liger_rms) else None),
+                 min_bytes=nbytes, grad_bytes=b * t * (hq + hkv) * d * E)]
+
+
+def cross_entropy_cases() -> List[Case]:
+    from swift_liger.ops import cross_entropy as ops
+    liger_ce = _try_import("liger_kernel.transformers.functional.liger_cross_entropy")
+    n, v = 8192, 128256
+
+    def make():
+        logits = torch.randn(n, v, device="cuda", dtype=BF16).mul_(2).requires_grad_()
+        labels = torch.randint(0, v, (n,), device="cuda")
+        labels[::7] = -100
+        return {"logits": logits, "labels": labels}
+    return [Case("cross_entropy", f"{n}x{v}", make,
+                 _peers(lambda i: ops.cross_entropy_reference(i["logits"], i["labels"]),
+                        lambda i: ops.cross_entropy(i["logits"], i["labels"]),
+                        (lambda i: liger_ce(i["logits"], i["labels"])) if liger_ce else None),
+                 min_bytes=3 * n * v * E, grad_bytes=n * v * E)]
+
+
+def flce_cases() -> List[Case]:
+    from swift_liger.ops import fused_linear_cross_entropy as ops
+    liger_flce = _try_import("liger_kernel.transformers.functional.liger_fused_linear_cross_entropy")
+    cce = _try_import("cut_cross_entropy.linear_cross_entropy")
+    cases = []
+    for n, train_w in [(8192, True), (8192, False), (32768, True)]:
+        h, v = 4096, 128256
+
+        def make(n=n, train_w=train_w):
+            hid = (torch.randn(n, h, device="cuda", dtype=BF16) * 0.5).requires_grad_()
+            w = (torch.randn(v, h, device="cuda", dtype=BF16) * 0.02).requires_grad_(train_w)
+            labels = torch.randint(0, v, (n,), device="cuda")
+            labels[::9] = -100
+            return {"h": hid, "w": w, "labels": labels}
+        extra = {}
+        if cce is not None:
+            extra["cce"] = lambda i: cce(i["h"], i["w"], i["labels"])
+        gemms = 3 if train_w else 2
+        grad_bytes = (n * h + (v * h if train_w else 0)) * E
+        cases.append(Case("fused_linear_ce", f"N{n} H{h} V{v} W {'trainable' if train_w else 'frozen'}", make,
+                          _peers(lambda i: ops.fused_linear_cross_entropy_reference(i["h"], i["w"], i["labels"]),
+                                 lambda i: ops.fused_linear_cross_entropy(i["h"], i["w"], i["labels"]),
+                                 (lambda i: liger_flce(i["h"], i["w"], i["labels"])) if liger_flce else None,
+                                 extra),
+                          min_flops=gemms * 2 * n * h * v, grad_bytes=grad_bytes))
+    return cases
+
+
+SUITES = {
+    "kernels": [rms_norm_cases, swiglu_cases, rope_cases, cross_entropy_cases],
+    "loss_head": [flce_cases],
+    "attention": [qk_norm_rope_cases],
+}
