@@ -128,7 +128,8 @@ def qk_norm_rope_cases() -> List[Case]:
         qn = liger_rms(i["q"], i["wq"], 1e-6, casting_mode="llama", in_place=False)
         kn = liger_rms(i["k"], i["wk"], 1e-6, casting_mode="llama", in_place=False)
         return liger_rope(qn, kn, i["cos"], i["sin"])
-    nbytes = 4 * b * t * (hq + hkv) * d * E + 2 * b * t * d * E
+    # fwd reads q,k and writes them; bwd must read the input again (norm) and the grad, and write dx: 5 passes
+    nbytes = 5 * b * t * (hq + hkv) * d * E + 2 * b * t * d * E
     return [Case("qk_norm_rope", f"B{b} T{t} q{hq}/kv{hkv} D{d}", make,
                  _peers(lambda i: ops.qk_norm_rope_reference(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),
                         lambda i: ops.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),

@@ -1,0 +1,363 @@
+"""Rotary position embedding, rotate-half layout (Hugging Face ``apply_rotary_pos_emb``), q and k in one launch.
+
+    q_embed = q * cos + rotate_half(q) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
+
+Only the first ``Dr = cos.shape[-1]`` dims rotate (partial rotary); the rest pass through. One program handles
+one token: it loads that token's cos/sin once and rotates every q head and every k head of the token, so q and
+k share a single launch. The backward pass is the transposed rotation (sin -> -sin when the two halves of cos/sin
+are equal, as in every HF rotary embedding) run by the same kernel; nothing but cos/sin is saved.
+
+Pure kernel module: no transformers / ms-swift imports.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+
+# Launch knobs (edit, or override from a benchmark with ``rope.TUNING.update(...)``):
+#   tile_elems:      max heads * (Dr/2) elements in one register tile of q (or of k). When all q heads and all k
+#                    heads of a token fit (default: 32 x 64 for D=128), a program issues every load of the token
+#                    before its first store; otherwise it loops over head blocks.
+#   num_warps:       warps per program; None = 4, or 8 when a token's tiles hold more than 8192 elements.
+#   programs_per_sm: None = one program per token (plain grid); an int = persistent grid of that many programs
+#                    per SM, each striding over tokens.
+TUNING = {"tile_elems": 4096, "num_warps": None, "programs_per_sm": None}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels. Tiles are [BLOCK_H heads, BLOCK_HALF] for each rotary half plus [BLOCK_H, BLOCK_PASS] for the
+# pass-through tail (dims Dr..D). The helpers are shared with qk_norm_rope.
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def load_heads(ptr, s_h, h0, H: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+               BLOCK_HALF: tl.constexpr, D: tl.constexpr, BLOCK_PASS: tl.constexpr):
+    """Heads h0 .. h0+BLOCK_H of one token (ptr = head 0, dim 0; heads s_h apart) as fp32 tiles
+    (x1 [BH, BLOCK_HALF], x2 [BH, BLOCK_HALF], x3 [BH, BLOCK_PASS]); masked elements are 0."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    hmask = h[:, None] < H
+    mask = hmask & (d[None, :] < HALF)
+    offs = h[:, None] * s_h + d[None, :]
+    x1 = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if D > 2 * HALF:
+        p = tl.arange(0, BLOCK_PASS)
+        pmask = hmask & (p[None, :] < D - 2 * HALF)
+        x3 = tl.load(ptr + h[:, None] * s_h + 2 * HALF + p[None, :], mask=pmask, other=0.0).to(tl.float32)
+    else:
+        x3 = tl.zeros([BLOCK_H, BLOCK_PASS], dtype=tl.float32)
+    return x1, x2, x3
+
+
+@triton.jit
+def store_heads(ptr, s_h, h0, o1, o2, o3, H: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, D: tl.constexpr, BLOCK_PASS: tl.constexpr):
+    """Store the tiles of ``load_heads`` layout into ptr's dtype."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    hmask = h[:, None] < H
+    mask = hmask & (d[None, :] < HALF)
+    offs = h[:, None] * s_h + d[None, :]
+    tl.store(ptr + offs, o1.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + offs + HALF, o2.to(ptr.dtype.element_ty), mask=mask)
+    if D > 2 * HALF:
+        p = tl.arange(0, BLOCK_PASS)
+        pmask = hmask & (p[None, :] < D - 2 * HALF)
+        tl.store(ptr + h[:, None] * s_h + 2 * HALF + p[None, :], o3.to(ptr.dtype.element_ty), mask=pmask)
+
+
+@triton.jit
+def load_cos_sin(cos_ptr, sin_ptr, b, t, sc_b, sc_t, ss_b, ss_t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """cos/sin of token (b, t), each half as an fp32 [1, BLOCK_HALF] row: (c1, c2, s1, s2)."""
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    c_off = b * sc_b + t * sc_t
+    s_off = b * ss_b + t * ss_t
+    c1 = tl.load(cos_ptr + c_off + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + c_off + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + s_off + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + s_off + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def rotate(x1, x2, c1, c2, s1, s2, BACKWARD: tl.constexpr):
+    """Rotate-half: (x1 c1 - x2 s1, x2 c2 + x1 s2); BACKWARD applies the transposed matrix."""
+    if BACKWARD:
+        o1 = x1 * c1 + x2 * s2
+        o2 = x2 * c2 - x1 * s1
+    else:
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+    return o1, o2
+
+
+@triton.jit
+def token_coords(tok, T):
+    """(b, t) of a flattened token index, as int64 (offsets of long sequences exceed 2^31 elements)."""
+    tok64 = tl.cast(tok, tl.int64)
+    b = tok64 // T
+    return b, tok64 - b * T
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
+                 n_tok, T,
+                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
+                 sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,
+                 sc_b, sc_t, ss_b, ss_t,
+                 HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
+                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 BLOCK_PASS: tl.constexpr, BACKWARD: tl.constexpr):
+    """Grid: (programs,). Program p handles tokens p, p + programs, ...; token = b * T + t."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for tok in range(pid, n_tok, nprog):
+        b, t = token_coords(tok, T)
+        c1, c2, s1, s2 = load_cos_sin(cos_ptr, sin_ptr, b, t, sc_b, sc_t, ss_b, ss_t, HALF, BLOCK_HALF)
+        q_in = q_ptr + b * sq_b + t * sq_t
+        k_in = k_ptr + b * sk_b + t * sk_t
+        q_out = qo_ptr + b * sqo_b + t * sqo_t
+        k_out = ko_ptr + b * sko_b + t * sko_t
+        if BLOCK_HQ >= HQ and BLOCK_HK >= HK:
+            # Every load of the token before the first store: stores may alias later loads for the compiler.
+            q1, q2, q3 = load_heads(q_in, sq_h, 0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
+            k1, k2, k3 = load_heads(k_in, sk_h, 0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+            o1, o2 = rotate(q1, q2, c1, c2, s1, s2, BACKWARD)
+            store_heads(q_out, sqo_h, 0, o1, o2, q3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
+            o1, o2 = rotate(k1, k2, c1, c2, s1, s2, BACKWARD)
+            store_heads(k_out, sko_h, 0, o1, o2, k3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+        else:
+            for h0 in range(0, HQ, BLOCK_HQ):
+                x1, x2, x3 = load_heads(q_in, sq_h, h0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
+                o1, o2 = rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
+                store_heads(q_out, sqo_h, h0, o1, o2, x3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
+            for h0 in range(0, HK, BLOCK_HK):
+                x1, x2, x3 = load_heads(k_in, sk_h, h0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+                o1, o2 = rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
+                store_heads(k_out, sko_h, h0, o1, o2, x3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launch
+# ---------------------------------------------------------------------------------------------------------------
+
+def head_block(n_heads: int, half: int, tile_elems: int) -> int:
+    """Heads per tile: all heads if they fit in ``tile_elems`` half-row elements, else the largest power of 2
+    that does (at least 1)."""
+    fit = max(1, tile_elems // _common.next_pow2(half))
+    return min(_common.next_pow2(n_heads), 1 << (fit.bit_length() - 1))
+
+
+def token_grid(x: torch.Tensor, n_tok: int, programs_per_sm: Optional[int]) -> int:
+    if programs_per_sm is None:
+        return n_tok
+    return max(1, min(n_tok, _common.num_programs_hint(x) * programs_per_sm))
+
+
+def auto_warps(block_hq: int, block_hk: int, block_half: int, block_pass: int, num_warps: Optional[int]) -> int:
+    if num_warps is not None:
+        return num_warps
+    return 8 if (block_hq + block_hk) * (2 * block_half + block_pass) > 8192 else 4
+
+
+def launch_blocks(HQ: int, HK: int, D: int, half: int, tile_elems: int):
+    """(BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_PASS) for a launch."""
+    pas = D - 2 * half
+    return (head_block(HQ, half, tile_elems), head_block(HK, half, tile_elems), _common.next_pow2(half),
+            _common.next_pow2(pas) if pas > 0 else 1)
+
+
+def cos_sin_strides(cos: torch.Tensor, sin: torch.Tensor):
+    """(batch, token) strides of [Bc, T, Dr] cos/sin; batch stride 0 broadcasts a single row set."""
+    return (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
+            sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1))
+
+
+def _rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 backward: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, T, D], k [B, Hk, T, D] (any strides, last dim contiguous), cos/sin [Bc, T, Dr] (Bc in {1, B},
+    last dim contiguous). Returns new tensors shaped and strided like q and k (``empty_like``)."""
+    B, HQ, T, D = q.shape
+    HK = k.shape[1]
+    half = cos.shape[-1] // 2
+    qo = _common.new_empty_like(q)
+    ko = _common.new_empty_like(k)
+    n_tok = B * T
+    if n_tok == 0 or (HQ == 0 and HK == 0) or D == 0:
+        return qo, ko
+    cfg = TUNING
+    bhq, bhk, bhalf, bpass = launch_blocks(HQ, HK, D, half, cfg["tile_elems"])
+    grid = (token_grid(q, n_tok, cfg["programs_per_sm"]),)
+    _rope_kernel[grid](
+        q, k, cos, sin, qo, ko, n_tok, T,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
+        *cos_sin_strides(cos, sin),
+        HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HALF=bhalf, BLOCK_PASS=bpass,
+        BACKWARD=backward, num_warps=auto_warps(bhq, bhk, bhalf, bpass, cfg["num_warps"]))
+    return qo, ko
+
+
+@torch.library.custom_op("swift_liger::rope_fwd", mutates_args=())
+def _rope_fwd_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _rope_launch(q, k, cos, sin, False)
+
+
+@torch.library.custom_op("swift_liger::rope_bwd", mutates_args=())
+def _rope_bwd_op(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _rope_launch(dq, dk, cos, sin, True)
+
+
+@_rope_fwd_op.register_fake
+def _(q, k, cos, sin):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@_rope_bwd_op.register_fake
+def _(dq, dk, cos, sin):
+    return torch.empty_like(dq), torch.empty_like(dk)
+
+
+def _rope_fwd(q, k, cos, sin):
+    return _rope_launch(q, k, cos, sin, False)
+
+
+def _rope_bwd(dq, dk, cos, sin):
+    return _rope_launch(dq, dk, cos, sin, True)
+
+
+def last_dim_contiguous(g: torch.Tensor) -> torch.Tensor:
+    """A gradient the kernels can read (expanded grads have stride 0). Done outside the custom ops so that real
+    and fake output allocations agree."""
+    if g.shape[-1] > 1 and g.stride(-1) != 1:
+        return g.contiguous()
+    return g
+
+
+class RoPEFunction(torch.autograd.Function):
+    """Autograd wrapper. q [B, Hq, T, D], k [B, Hk, T, D], cos/sin [Bc, T, Dr] (validated by ``apply_rope``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        qo, ko = _common.compiled_or_eager("swift_liger::rope_fwd", _rope_fwd)(q, k, cos, sin)
+        ctx.save_for_backward(cos, sin)
+        return qo, ko
+
+    @staticmethod
+    def backward(ctx, dqo, dko):
+        # Unused outputs arrive as zeros (materialize_grads); expanded grads need a contiguous last dim.
+        cos, sin = ctx.saved_tensors
+        dq, dk = _common.compiled_or_eager("swift_liger::rope_bwd", _rope_bwd)(
+            last_dim_contiguous(dqo), last_dim_contiguous(dko), cos, sin)
+        return dq, dk, None, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation, reference, public function
+# ---------------------------------------------------------------------------------------------------------------
+
+def check_rope_args(q, k, cos, sin, unsqueeze_dim, *, op: str = "apply_rope"):
+    """Validate HF-style rotary arguments. Returns (q4, k4, cos3, sin3, transposed): q4/k4 as [B, H, T, D] views,
+    cos3/sin3 as [Bc, T, Dr] with Bc in {1, B} and a contiguous last dim."""
+    _common.check_tensor("q", q, ndim=4)
+    _common.check_tensor("k", k, ndim=4)
+    _common.check_same_dtype(q=q, k=k)
+    _common.check_tensor("cos", cos)
+    _common.check_tensor("sin", sin)
+    _common.check_same_device(q=q, k=k, cos=cos, sin=sin)
+    _common.check_same_dtype(cos=cos, sin=sin)
+    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2, -3, -2):
+        raise ValueError(f"{op}: unsqueeze_dim must be 1 (q, k as [B, H, T, D]) or 2 (q, k as [B, T, H, D]), "
+                         f"got {unsqueeze_dim!r}")
+    transposed = unsqueeze_dim in (2, -2)
+    _common.check_last_dim_contiguous("q", q)
+    _common.check_last_dim_contiguous("k", k)
+    q4 = q.transpose(1, 2) if transposed else q
+    k4 = k.transpose(1, 2) if transposed else k
+    B, _, T, D = q4.shape
+    if k4.shape[0] != B or k4.shape[2] != T or k4.shape[3] != D:
+        layout = "[B, T, H, D]" if transposed else "[B, H, T, D]"
+        raise ValueError(f"{op}: k must match q in batch, sequence length and head_dim (layout {layout}); "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"{op}: cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dim() not in (2, 3):
+        raise ValueError(f"{op}: cos must be [B, T, Dr] or [T, Dr], got shape {tuple(cos.shape)}")
+    cos3 = cos if cos.dim() == 3 else cos.unsqueeze(0)
+    sin3 = sin if sin.dim() == 3 else sin.unsqueeze(0)
+    if cos3.shape[0] not in (1, B):
+        raise ValueError(f"{op}: cos batch dim must be 1 or {B} (q's batch), got shape {tuple(cos.shape)}")
+    if cos3.shape[1] != T:
+        raise ValueError(f"{op}: cos sequence length must equal q's ({T}), got shape {tuple(cos.shape)}")
+    dr = cos3.shape[2]
+    if dr == 0 or dr % 2 or dr > D:
+        raise ValueError(f"{op}: cos last dim (rotary dim) must be even, > 0 and <= head_dim {D}, "
+                         f"got shape {tuple(cos.shape)}")
+    # cos/sin are tiny (no head dim): copying an odd layout is cheaper than a strided kernel path.
+    if cos3.stride(-1) != 1:
+        cos3 = cos3.contiguous()
+    if sin3.stride(-1) != 1:
+        sin3 = sin3.contiguous()
+    return q4, k4, cos3, sin3, transposed
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                         unsqueeze_dim: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face eager rotary (``apply_rotary_pos_emb``), plus partial rotary and [T, Dr] cos/sin.
+
+    Same shapes as ``apply_rope``. Outputs are cast back to q's dtype (HF would promote with fp32 cos/sin).
+    """
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    dr = cos.shape[-1]
+
+    def rot(x):
+        x_rot, x_pass = x[..., :dr], x[..., dr:]
+        out = (x_rot * cos) + (_rotate_half(x_rot) * sin)
+        if x_pass.shape[-1]:
+            out = torch.cat((out.to(x.dtype), x_pass), dim=-1)
+        return out.to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+               unsqueeze_dim: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by cos/sin (HF rotate-half convention) in one kernel launch.
+
+    Args:
+        q: [B, Hq, T, D] (unsqueeze_dim=1) or [B, T, Hq, D] (unsqueeze_dim=2); any strides, last dim contiguous
+           (e.g. the transposed view of a [B, T, Hq, D] projection is read in place, no copy).
+        k: [B, Hk, T, D] / [B, T, Hk, D]; same dtype as q; Hk need not divide Hq.
+        cos, sin: [B, T, Dr], [1, T, Dr] or [T, Dr] (broadcast over batch); any float dtype (math in fp32).
+           Dr <= D, even: only the first Dr dims rotate, the rest pass through.
+        unsqueeze_dim: 1 or 2, as in HF ``apply_rotary_pos_emb``.
+    Returns:
+        (q_embed, k_embed): new tensors with q's / k's shape, dtype and memory layout (``empty_like``: a transposed
+        [B, T, H, D] input gives a transposed [B, T, H, D]-contiguous output, which is what SDPA/flash prefer).
+    cos/sin get no gradient (HF builds them under no_grad); if they require grad the reference path runs.
+    """
+    q4, k4, cos3, sin3, transposed = check_rope_args(q, k, cos, sin, unsqueeze_dim)
+    if not _common.use_triton(q) or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
+        return apply_rope_reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    qo, ko = RoPEFunction.apply(q4, k4, cos3, sin3)
+    if transposed:
+        qo, ko = qo.transpose(1, 2), ko.transpose(1, 2)
+    return qo, ko
