@@ -6,6 +6,7 @@ Peers, in one process: eager PyTorch (our `*_reference`, written the way Hugging
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Dict, List
 
 import torch
@@ -39,7 +40,7 @@ def _peers(eager, ours, liger=None, extra=None) -> Dict[str, callable]:
 
 
 def rms_norm_cases() -> List[Case]:
-    from swift_liger.ops import rms_norm as ops
+    ops = importlib.import_module("swift_liger.ops.rms_norm")
     liger_rms = _try_import("liger_kernel.transformers.functional.liger_rms_norm")
     cases = []
     for n, h in [(16384, 4096), (16384, 8192), (65536, 128)]:
@@ -57,7 +58,7 @@ def rms_norm_cases() -> List[Case]:
 
 
 def swiglu_cases() -> List[Case]:
-    from swift_liger.ops import swiglu as ops
+    ops = importlib.import_module("swift_liger.ops.swiglu")
     liger_swiglu = _try_import("liger_kernel.transformers.functional.liger_swiglu")
     liger_geglu = _try_import("liger_kernel.transformers.functional.liger_geglu")
     cases = []
@@ -94,7 +95,7 @@ def _rope_inputs(b, t, hq, hkv, d):
 
 
 def rope_cases() -> List[Case]:
-    from swift_liger.ops import rope as ops
+    ops = importlib.import_module("swift_liger.ops.rope")
     liger_rope = _try_import("liger_kernel.transformers.functional.liger_rope")
     cases = []
     for b, t in [(1, 16384), (4, 4096)]:
@@ -113,7 +114,7 @@ def rope_cases() -> List[Case]:
 
 
 def qk_norm_rope_cases() -> List[Case]:
-    from swift_liger.ops import qk_norm_rope as ops
+    ops = importlib.import_module("swift_liger.ops.qk_norm_rope")
     liger_rope = _try_import("liger_kernel.transformers.functional.liger_rope")
     liger_rms = _try_import("liger_kernel.transformers.functional.liger_rms_norm")
     b, t, hq, hkv, d = 1, 16384, 32, 8, 128
@@ -138,7 +139,7 @@ def qk_norm_rope_cases() -> List[Case]:
 
 
 def cross_entropy_cases() -> List[Case]:
-    from swift_liger.ops import cross_entropy as ops
+    ops = importlib.import_module("swift_liger.ops.cross_entropy")
     liger_ce = _try_import("liger_kernel.transformers.functional.liger_cross_entropy")
     n, v = 8192, 128256
 
@@ -155,7 +156,7 @@ def cross_entropy_cases() -> List[Case]:
 
 
 def flce_cases() -> List[Case]:
-    from swift_liger.ops import fused_linear_cross_entropy as ops
+    ops = importlib.import_module("swift_liger.ops.fused_linear_cross_entropy")
     liger_flce = _try_import("liger_kernel.transformers.functional.liger_fused_linear_cross_entropy")
     cce = _try_import("cut_cross_entropy.linear_cross_entropy")
     cases = []

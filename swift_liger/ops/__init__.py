@@ -1,26 +1,27 @@
 """Triton kernels behind autograd Functions. Pure kernels: nothing here imports transformers or ms-swift.
 
-Imports are lazy so that `import swift_liger` (run at every interpreter start by the ms-swift hook) stays cheap.
+The public names are functions; the modules of the same name (``swift_liger.ops.rms_norm`` as a module) are reached
+with ``importlib.import_module("swift_liger.ops.rms_norm")``. `import swift_liger` alone does not import this
+package, so the ms-swift start-up hook stays cheap.
 """
-import importlib
+from .cross_entropy import CrossEntropyFunction, cross_entropy, cross_entropy_reference
+from .qk_norm_rope import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_reference
+from .rms_norm import RMSNormFunction, rms_norm, rms_norm_reference
+from .rope import RoPEFunction, apply_rope, apply_rope_reference
+from .swiglu import GeGLUFunction, SwiGLUFunction, geglu, geglu_reference, swiglu, swiglu_reference
 
-_EXPORTS = {
-    "rms_norm": "rms_norm",
-    "RMSNormFunction": "rms_norm",
-    "apply_rope": "rope",
-    "RoPEFunction": "rope",
-    "swiglu": "swiglu",
-    "geglu": "swiglu",
-    "cross_entropy": "cross_entropy",
-    "fused_linear_cross_entropy": "fused_linear_cross_entropy",
-    "qk_norm_rope": "qk_norm_rope",
-}
+__all__ = [
+    "rms_norm", "rms_norm_reference", "RMSNormFunction",
+    "apply_rope", "apply_rope_reference", "RoPEFunction",
+    "qk_norm_rope", "qk_norm_rope_reference", "QKNormRoPEFunction",
+    "swiglu", "geglu", "swiglu_reference", "geglu_reference", "SwiGLUFunction", "GeGLUFunction",
+    "cross_entropy", "cross_entropy_reference", "CrossEntropyFunction",
+]
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+try:  # written in parallel; present once the fused linear CE lands
+    from .fused_linear_cross_entropy import (FusedLinearCrossEntropyFunction, fused_linear_cross_entropy,
+                                             fused_linear_cross_entropy_reference)
+    __all__ += ["fused_linear_cross_entropy", "fused_linear_cross_entropy_reference",
+                "FusedLinearCrossEntropyFunction"]
+except ImportError:  # pragma: no cover
+    pass
