@@ -78,13 +78,14 @@ def run_case(case: Case, *, warmup_ms: int = 100, rep_ms: int = 500) -> List[Res
     from triton.testing import do_bench
 
     results = []
-    inputs = case.make_inputs()
-    leaves = _leaves(inputs)
-    ref_out = ref_grads = None
+    ref_out = None
     grads_cache: dict = {}
     for name, fn in case.impls.items():
-        for leaf in leaves:
-            leaf.grad = None
+        # Fresh, identical inputs for every implementation: Liger's kernels write into their inputs (RoPE forward,
+        # SwiGLU and cross-entropy backward), which would corrupt the next peer's inputs.
+        torch.manual_seed(0)
+        inputs = case.make_inputs()
+        leaves = _leaves(inputs)
         try:
             outs = _fwd_bwd(fn, inputs, grads_cache)          # warm-up / compile, and correctness sample
             torch.cuda.synchronize()
@@ -115,11 +116,10 @@ def run_case(case: Case, *, warmup_ms: int = 100, rep_ms: int = 500) -> List[Res
             msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             results.append(Result(case.op, case.shape, name, None, None, None, None, None, None, msg))
             torch.cuda.empty_cache()
-        for leaf in leaves:
-            leaf.grad = None
+        del inputs, leaves
         gc.collect()
         torch.cuda.empty_cache()
-    del inputs, leaves, ref_out
+    del ref_out
     gc.collect()
     torch.cuda.empty_cache()
     return results
