@@ -15,13 +15,19 @@ BF16 = torch.bfloat16
 
 
 def bench(fn, leaves, nbytes):
+    """(forward+backward ms, GB/s over nbytes, forward-only ms), with fixed random output grads."""
+    outs = fn()
+    outs = [outs] if isinstance(outs, torch.Tensor) else list(outs)
+    grads = [torch.randn_like(o) for o in outs]
+
     def step():
-        outs = fn()
-        outs = [outs] if isinstance(outs, torch.Tensor) else list(outs)
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        o = fn()
+        torch.autograd.backward([o] if isinstance(o, torch.Tensor) else list(o), grads)
     step()
-    ms = do_bench(step, warmup=50, rep=200, grad_to_none=leaves, return_mode="median")
-    return ms, nbytes / ms / 1e6
+    ms = do_bench(step, warmup=50, rep=300, grad_to_none=leaves, return_mode="median")
+    with torch.no_grad():
+        fwd = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return ms, nbytes / ms / 1e6, fwd
 
 
 def sweep(name, module, grid, fn, leaves, nbytes, patch_warps=False):
@@ -42,9 +48,9 @@ def sweep(name, module, grid, fn, leaves, nbytes, patch_warps=False):
         if hasattr(module, "_OCCUPANCY"):
             module._OCCUPANCY.clear()
         try:
-            ms, gbps = bench(fn, leaves, nbytes)
+            ms, gbps, fwd = bench(fn, leaves, nbytes)
             rows.append((ms, gbps, setting))
-            print(f"{name:14s} {setting}  {ms:.4f} ms  {gbps:.0f} GB/s", flush=True)
+            print(f"{name:14s} {setting}  {ms:.4f} ms (fwd {fwd:.4f})  {gbps:.0f} GB/s", flush=True)
         except Exception as exc:
             print(f"{name:14s} {setting}  failed: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
     _common.num_warps_for = orig_warps
@@ -71,7 +77,7 @@ def main(ops):
         n, i = 16384, 14336
         a = torch.randn(n, i, device="cuda", dtype=BF16, requires_grad=True)
         b = torch.randn(n, i, device="cuda", dtype=BF16, requires_grad=True)
-        sweep("swiglu", m, {"FLAT_BLOCK": [1024, 2048, 4096, 8192], "FLAT_NUM_WARPS": [4, 8, 16]},
+        sweep("swiglu", m, {"FLAT_BLOCK": [1024, 2048, 4096], "FLAT_NUM_WARPS": [4, 8]},
               lambda: m.swiglu(a, b), [a, b], 8 * n * i * 2)
         del a, b
     if "cross_entropy" in ops:
@@ -79,29 +85,43 @@ def main(ops):
         n, v = 8192, 128256
         x = torch.randn(n, v, device="cuda", dtype=BF16, requires_grad=True)
         y = torch.randint(0, v, (n,), device="cuda")
-        sweep("cross_entropy", m, {"MAX_BLOCK_V": [2048, 4096, 8192, 16384], "warps": [4, 8, 16, 32]},
+        sweep("cross_entropy", m, {"MAX_BLOCK_V": [4096, 8192, 16384], "warps": [4, 8, 16]},
               lambda: m.cross_entropy(x, y, validate_labels=False), [x], 3 * n * v * 2)
         del x
     if "rope" in ops:
         m = importlib.import_module("swift_liger.ops.rope")
         q, k, cos, sin = rope_inputs()
-        sweep("rope", m, {"num_warps": [2, 4, 8], "programs_per_sm": [None, 16], "tile_elems": [2048, 4096]},
+        sweep("rope", m, {"num_warps": [4, 8, 16], "programs_per_sm": [None, 8, 32], "tile_elems": [1024, 2048, 4096]},
               lambda: m.apply_rope(q, k, cos, sin), [q, k], 4 * q.numel() * 2 + 4 * k.numel() * 2)
     if "qk_norm_rope" in ops:
         m = importlib.import_module("swift_liger.ops.qk_norm_rope")
         q, k, cos, sin = rope_inputs()
         wq = torch.randn(128, device="cuda", dtype=BF16, requires_grad=True)
         wk = torch.randn(128, device="cuda", dtype=BF16, requires_grad=True)
-        sweep("qk_norm_rope", m, {"fwd_num_warps": [4, 8], "bwd_num_warps": [4, 8],
-                                  "bwd_programs_per_sm": [2, 4, 8], "bwd_tile_elems": [1024, 4096]},
+        sweep("qk_norm_rope", m, {"fwd_num_warps": [4, 8], "bwd_num_warps": [4, 8, 16],
+                                  "bwd_programs_per_sm": [1, 2, 4, 8], "bwd_tile_elems": [1024, 2048, 4096]},
               lambda: m.qk_norm_rope(q, k, wq, wk, cos, sin), [q, k, wq, wk], 5 * (q.numel() + k.numel()) * 2)
+    if "flce" in ops:
+        m = importlib.import_module("swift_liger.ops.fused_linear_cross_entropy")
+        n, h, v = 8192, 4096, 128256
+        hid = (torch.randn(n, h, device="cuda", dtype=BF16) * 0.5).requires_grad_()
+        w = (torch.randn(v, h, device="cuda", dtype=BF16) * 0.02).requires_grad_()
+        y = torch.randint(0, v, (n,), device="cuda")
+        for strategy in ("recompute", "accumulate"):
+            sweep(f"flce {strategy}", m, {"WORKSPACE_BYTES": [128 << 20, 256 << 20, 512 << 20],
+                                          "ROW_BLOCK_V": [4096, 8192]},
+                  lambda: m.fused_linear_cross_entropy(hid, w, y, dw_strategy=strategy), [hid, w], 0)
+        w.requires_grad_(False)
+        sweep("flce frozen", m, {"WORKSPACE_BYTES": [128 << 20, 256 << 20, 512 << 20]},
+              lambda: m.fused_linear_cross_entropy(hid, w, y), [hid], 0)
+        del hid, w
     if "rms_norm" in ops:
         m = importlib.import_module("swift_liger.ops.rms_norm")
         n, h = 16384, 4096
         x = torch.randn(n, h, device="cuda", dtype=BF16, requires_grad=True)
         w = torch.randn(h, device="cuda", dtype=BF16, requires_grad=True)
-        grid = {"FWD_NUM_WARPS": [8, 16], "FWD_PROGRAMS_PER_SM": [None, 8],
-                "BWD_NUM_WARPS": [8, 16], "BWD_PROGRAMS_PER_SM": [None, 2, 4]}
+        grid = {"FWD_NUM_WARPS": [4, 8, 16], "FWD_PROGRAMS_PER_SM": [None, 4, 16],
+                "BWD_NUM_WARPS": [8, 16], "BWD_PROGRAMS_PER_SM": [None, 1, 2, 4]}
         if True:
             sweep("rms_norm", m, grid, lambda: m.rms_norm(x, w, 1e-6), [x, w], 5 * n * h * 2)
 

@@ -40,7 +40,8 @@ def main(argv=None):
                 rs = harness.run_case(case, rep_ms=args.rep_ms)
                 for r in rs:
                     print(f"{r.op:16s} {r.shape:34s} {r.impl:14s} "
-                          + (f"{r.ms:8.3f} ms  peak {r.peak_extra_gib:6.3f} GiB  err {r.max_rel_err:.1e}"
+                          + (f"{r.ms:8.3f} ms  peak {r.peak_extra_gib:6.3f} GiB  errs "
+                             + " ".join(f"{e:.1e}" for e in r.rel_errs if e is not None)
                              if r.ms is not None else f"failed: {r.error}"), flush=True)
                 results += rs
         stem = suite if not args.only else f"{suite}_{args.only}"

@@ -45,6 +45,7 @@ class Result:
     grad_gib: Optional[float]
     max_rel_err: Optional[float]
     error: Optional[str] = None
+    rel_errs: Optional[list] = None   # per output, then per input gradient
 
 
 def _outputs(out):
@@ -93,9 +94,10 @@ def run_case(case: Case, *, warmup_ms: int = 100, rep_ms: int = 500) -> List[Res
                                                                if l.grad is not None]
             if ref_out is None:
                 ref_out = got
-                err = 0.0
+                errs = [0.0] * len(got)
             else:
-                err = max((_rel_err(a, b) for a, b in zip(got, ref_out) if a.shape == b.shape), default=None)
+                errs = [_rel_err(a, b) if a.shape == b.shape else None for a, b in zip(got, ref_out)]
+            err = max((e for e in errs if e is not None), default=None)
             del outs, got
             for leaf in leaves:
                 leaf.grad = None
@@ -111,7 +113,8 @@ def run_case(case: Case, *, warmup_ms: int = 100, rep_ms: int = 500) -> List[Res
             results.append(Result(case.op, case.shape, name, ms,
                                   case.min_bytes / (ms * 1e-3) / 1e9 if case.min_bytes else None,
                                   case.min_flops / (ms * 1e-3) / 1e12 if case.min_flops else None,
-                                  peak, case.grad_bytes / GiB if case.grad_bytes else None, err))
+                                  peak, case.grad_bytes / GiB if case.grad_bytes else None, err,
+                                  rel_errs=errs))
         except Exception as exc:  # a peer that fails (OOM, missing feature) is reported, not fatal
             msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             results.append(Result(case.op, case.shape, name, None, None, None, None, None, None, msg))

@@ -170,6 +170,9 @@ def flce_cases() -> List[Case]:
             labels[::9] = -100
             return {"h": hid, "w": w, "labels": labels}
         extra = {}
+        if train_w:
+            extra["swift_liger accumulate"] = lambda i: ops.fused_linear_cross_entropy(
+                i["h"], i["w"], i["labels"], dw_strategy="accumulate")
         if cce is not None:
             extra["cce"] = lambda i: cce(i["h"], i["w"], i["labels"])
         gemms = 3 if train_w else 2

@@ -414,14 +414,15 @@ def _ours(fn: Any, func: Callable) -> bool:
 
 
 def _causal_lm_forward(self, *args, **kwargs):
-    original = type(self).forward.__get__(self, type(self))
+    # Call the class's function with self explicitly: dynamo in torch 2.11 cannot trace `function.__get__`.
+    original = type(self).forward
     st = getattr(self, STATE_ATTR, None)
     if st is None or not _emit_hidden(self, st, args, kwargs):
-        return original(*args, **kwargs)
+        return original(self, *args, **kwargs)
     head = st.lm_head
     head.__dict__[EMIT_HIDDEN_ATTR] = True
     try:
-        out = original(*args, **kwargs)
+        out = original(self, *args, **kwargs)
     finally:
         head.__dict__[EMIT_HIDDEN_ATTR] = False
     return _drop_logits(out)

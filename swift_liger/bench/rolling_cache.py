@@ -1,0 +1,458 @@
+"""RollingKVCache decode benchmark: per-token latency and KV memory against DynamicCache and transformers'
+sliding-window caches, on a Llama-3-8B-shaped random model (bf16, fewer layers).
+
+    python -m swift_liger.bench.rolling_cache --out docs/benchmarks            # H200: ~3-4 min
+    python -m swift_liger.bench.rolling_cache --tiny --device cpu --out /tmp/x  # logic check on CPU, seconds
+
+Sections
+  1. matched context: for batch 1 and 8, each cache is filled to the same context lengths (chunked prefill) and
+     timed over decode steps there. Caches: rolling_absolute / rolling_streaming (window + sinks), dynamic
+     (DynamicCache, grows), hf_dynamic_sliding (DynamicCache(config with sliding_window) ->
+     DynamicSlidingWindowLayer, cat per step), hf_static_sliding (StaticCache -> StaticSlidingWindowLayer, roll
+     per step; not compiled here). Reported: ms/token, KV bytes held by the cache, allocated memory over the
+     weights after decoding.
+  2. long run: rolling_streaming decodes --tokens tokens at batch 1 (--tokens-b8 at batch 8) from a short
+     prompt; per bucket of tokens: ms/token, allocated memory, cache bytes, whether every logit was finite.
+  3. agreement: with sinks=0, absolute mode is exactly Mistral's sliding window, so a MistralForCausalLM of the
+     same shape is fed the same tokens (prompt longer than the window, then teacher-forced decode) with
+     RollingKVCache(sinks=0) and with DynamicCache(config) (DynamicSlidingWindowLayer): max |logit diff|,
+     cosine similarity and top-1 agreement after the ring has wrapped.
+Writes rolling_cache.json and rolling_cache.md under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+KINDS = ("rolling_absolute", "rolling_streaming", "dynamic", "hf_dynamic_sliding", "hf_static_sliding")
+GiB = 1024 ** 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model and caches
+# ---------------------------------------------------------------------------------------------------------------
+
+def model_config(args, family="llama"):
+    from transformers import LlamaConfig, MistralConfig
+    if args.tiny:
+        dims = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)
+    else:   # Llama-3-8B
+        dims = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128)
+    common = dict(num_hidden_layers=args.layers, rope_theta=500000.0, max_position_embeddings=1 << 20,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    if family == "mistral":
+        return MistralConfig(**dims, **common, sliding_window=args.window)
+    return LlamaConfig(**dims, **common)
+
+
+def build_model(config, device, dtype):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.to(device).eval()
+
+
+def make_cache(kind, model, args, sinks=None):
+    from transformers import DynamicCache, StaticCache
+
+    from swift_liger.cache import RollingKVCache
+    sinks = args.sinks if sinks is None else sinks
+    if kind.startswith("rolling_"):
+        return RollingKVCache(model, window=args.window, sinks=sinks, mode=kind[len("rolling_"):])
+    if kind == "dynamic":
+        return DynamicCache()
+    cfg = copy.deepcopy(model.config)
+    cfg.sliding_window = args.window          # every layer becomes a sliding_attention cache layer
+    if kind == "hf_dynamic_sliding":
+        return DynamicCache(config=cfg)
+    if kind == "hf_static_sliding":
+        return StaticCache(config=cfg, max_cache_len=args.window)
+    raise ValueError(kind)
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of the storages the cache's layers hold (views count their whole storage, once)."""
+    seen, total = set(), 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values", "sink_keys"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and t.numel():
+                st = t.untyped_storage()
+                if st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    total += st.nbytes()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Timing helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def allocated(device) -> int:
+    return torch.cuda.memory_allocated() if device.type == "cuda" else 0
+
+
+@torch.no_grad()
+def prefill(model, cache, batch, n_tokens, chunk, vocab, device, gen):
+    """Feed n_tokens random tokens in chunks; returns the next token (argmax of the last logits)."""
+    tok = None
+    done = 0
+    while done < n_tokens:
+        T = min(chunk, n_tokens - done)
+        ids = torch.randint(2, vocab, (batch, T), device=device, generator=gen)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tok = out.logits[:, -1:].argmax(-1)
+        done += T
+    return tok
+
+
+@torch.no_grad()
+def decode(model, cache, tok, steps, finite=None):
+    """Greedy decode `steps` tokens; `finite` (bool tensor) accumulates whether every logit stayed finite."""
+    for _ in range(steps):
+        logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+        if finite is not None:
+            finite &= torch.isfinite(logits).all()
+        tok = logits.argmax(-1, keepdim=True)
+    return tok
+
+
+def timed_decode(model, cache, tok, steps, device):
+    sync(device)
+    t0 = time.perf_counter()
+    tok = decode(model, cache, tok, steps)
+    sync(device)
+    return tok, (time.perf_counter() - t0) * 1e3 / steps
+
+
+def cleanup(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------------------------
+
+def matched_context(model, args, device, log):
+    rows = []
+    vocab = model.config.vocab_size
+    base = allocated(device)
+    for batch in args.batches:
+        for kind in args.kinds:
+            cleanup(device)
+            gen = torch.Generator(device=device).manual_seed(1)
+            cache = make_cache(kind, model, args)
+            ctx, tok = 0, None
+            try:
+                for L in args.contexts:
+                    need = L - args.warmup - ctx
+                    if need > 0:
+                        tok = prefill(model, cache, batch, need, args.prefill_chunk, vocab, device, gen)
+                        ctx += need
+                    tok = decode(model, cache, tok, args.warmup)
+                    ctx += args.warmup
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    tok, ms = timed_decode(model, cache, tok, args.steps, device)
+                    ctx += args.steps
+                    row = dict(batch=batch, cache=kind, context=L, ms_per_token=ms,
+                               tokens_per_s=batch * 1e3 / ms, kv_bytes=cache_bytes(cache),
+                               alloc_over_weights=allocated(device) - base,
+                               peak_over_weights=(torch.cuda.max_memory_allocated() - base
+                                                  if device.type == "cuda" else 0))
+                    rows.append(row)
+                    log(f"  b={batch} {kind:20s} ctx={L:6d}  {ms:7.3f} ms/tok  KV {row['kv_bytes'] / GiB:7.3f} GiB")
+            except Exception as exc:   # e.g. OOM for the growing cache: reported, not fatal
+                msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                rows.append(dict(batch=batch, cache=kind, context=None, error=msg))
+                log(f"  b={batch} {kind}: {msg}")
+            del cache, tok
+    cleanup(device)
+    return rows
+
+
+def long_run(model, args, device, batch, tokens, log):
+    cleanup(device)
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device=device).manual_seed(2)
+    base = allocated(device)
+    cache = make_cache("rolling_streaming", model, args)
+    tok = prefill(model, cache, batch, args.prompt, args.prefill_chunk, vocab, device, gen)
+    tok = decode(model, cache, tok, args.warmup)      # kernel compilation stays out of the first bucket
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    buckets, done = [], 0
+    capacity = args.window + args.sinks
+    while done < tokens:
+        n = min(args.bucket, tokens - done)
+        sync(device)
+        t0 = time.perf_counter()
+        tok = decode(model, cache, tok, n, finite)
+        sync(device)
+        ms = (time.perf_counter() - t0) * 1e3 / n
+        done += n
+        buckets.append(dict(tokens=args.prompt + args.warmup + done, ms_per_token=ms, alloc_over_weights=allocated(device) - base,
+                            kv_bytes=cache_bytes(cache), finite=bool(finite.item())))
+    after = [b for b in buckets if b["tokens"] > capacity + args.bucket]
+    allocs = [b["alloc_over_weights"] for b in after]
+    result = dict(batch=batch, tokens=tokens, prompt=args.prompt, buckets=buckets,
+                  all_finite=all(b["finite"] for b in buckets),
+                  kv_bytes_constant=len({b["kv_bytes"] for b in buckets}) == 1,
+                  alloc_spread_after_fill=(max(allocs) - min(allocs)) if allocs else None,
+                  ms_per_token_after_fill=(sum(b["ms_per_token"] for b in after) / len(after)) if after else None)
+    log(f"  long run b={batch}: {tokens} tokens, finite={result['all_finite']}, KV constant="
+        f"{result['kv_bytes_constant']}, alloc spread after fill={result['alloc_spread_after_fill']} B, "
+        f"{result['ms_per_token_after_fill']} ms/tok")
+    del cache
+    cleanup(device)
+    return result
+
+
+@torch.no_grad()
+def agreement(args, device, dtype, log):
+    """RollingKVCache(absolute, sinks=0) vs DynamicSlidingWindowLayer on a Mistral of the same shape."""
+    from transformers import DynamicCache
+
+    from swift_liger.cache import RollingKVCache
+    cfg = model_config(args, "mistral")
+    cfg.num_hidden_layers = args.check_layers
+    model = build_model(cfg, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(3)
+    B = 2
+    total = args.window + args.check_prompt_extra + args.check_steps
+    ids = torch.randint(2, cfg.vocab_size, (B, total), device=device, generator=gen)
+    prompt = args.window + args.check_prompt_extra
+    results = {}
+    for name, cache in (("rolling", RollingKVCache(model, window=args.window, sinks=0, mode="absolute")),
+                        ("hf", DynamicCache(config=model.config))):
+        logits = []
+        for c0 in range(0, prompt, args.prefill_chunk):
+            c1 = min(prompt, c0 + args.prefill_chunk)
+            model(input_ids=ids[:, c0:c1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for t in range(prompt, total):
+            logits.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float())
+        results[name] = torch.stack(logits, 1)
+    a, b = results["rolling"], results["hf"]
+    diff = (a - b).abs()
+    cos = torch.nn.functional.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1)
+    out = dict(model=f"MistralForCausalLM, {args.check_layers} layers, same dims", window=args.window, sinks=0,
+               dtype=str(dtype).replace("torch.", ""),
+               prompt=prompt, steps=args.check_steps, finite=bool(torch.isfinite(a).all()),
+               max_abs_diff=diff.max().item(), mean_abs_diff=diff.mean().item(),
+               logit_scale=b.abs().mean().item(), min_cosine=cos.min().item(),
+               top1_agreement=(a.argmax(-1) == b.argmax(-1)).float().mean().item())
+    log(f"  agreement: max|d|={out['max_abs_diff']:.4g} (mean |logit| {out['logit_scale']:.3g}), "
+        f"min cos={out['min_cosine']:.6f}, top-1 agree={out['top1_agreement']:.3f}, finite={out['finite']}")
+    del model
+    cleanup(device)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------------
+
+def environment(device) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": " ".join([os.path.basename(sys.executable), "-m", "swift_liger.bench.rolling_cache"]
+                                + sys.argv[1:]),
+            "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "device": str(device)}
+    for pkg in ("triton", "transformers"):
+        try:
+            info[pkg] = version(pkg)
+        except PackageNotFoundError:
+            info[pkg] = None
+    return info
+
+
+def summarize(rows, args):
+    """Speed ratios per (batch, context): others' ms / rolling's ms (> 1 = rolling faster)."""
+    by = {(r["batch"], r["cache"], r["context"]): r for r in rows if r.get("ms_per_token")}
+    out = []
+    for batch in args.batches:
+        for L in args.contexts:
+            for mode in ("rolling_absolute", "rolling_streaming"):
+                me = by.get((batch, mode, L))
+                if not me:
+                    continue
+                entry = dict(batch=batch, context=L, cache=mode)
+                for other in ("dynamic", "hf_dynamic_sliding", "hf_static_sliding"):
+                    o = by.get((batch, other, L))
+                    entry[f"speedup_vs_{other}"] = o["ms_per_token"] / me["ms_per_token"] if o else None
+                out.append(entry)
+    return out
+
+
+def _f(v, spec):
+    return "—" if v is None else format(v, spec)
+
+
+def markdown(report) -> str:
+    env, args = report["environment"], report["settings"]
+    lines = ["# RollingKVCache decode benchmark", "",
+             f"- date: {env['date']}", f"- command: `{env['command']}`",
+             f"- device: {env['gpu'] or env['device']}; torch {env['torch']} (CUDA {env['cuda']}), "
+             f"triton {env['triton']}, transformers {env['transformers']}",
+             f"- model: {report['model']}",
+             f"- window {args['window']} + {args['sinks']} sinks; decode timed over {args['steps']} greedy steps "
+             f"after {args['warmup']} warm-up steps at each context (chunked prefill of {args['prefill_chunk']}); "
+             "eager PyTorch, no CUDA graphs, sdpa attention", ""]
+    lines += ["## Decode latency and KV memory at matched context", "",
+              "| batch | cache | context | ms/token | tokens/s | KV held (GiB) | allocated over weights (GiB) |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in report["matched_context"]:
+        if r.get("error"):
+            lines.append(f"| {r['batch']} | {r['cache']} | — | error: {r['error']} | | | |")
+            continue
+        lines.append(f"| {r['batch']} | {r['cache']} | {r['context']} | {r['ms_per_token']:.3f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['kv_bytes'] / GiB:.3f} | {r['alloc_over_weights'] / GiB:.3f} |")
+    lines += ["", "Speed-up of the rolling cache (other's ms/token / rolling's; > 1 = rolling faster):", "",
+              "| batch | context | rolling mode | vs DynamicCache | vs HF dynamic sliding | vs HF static sliding |",
+              "|---:|---:|---|---:|---:|---:|"]
+    for s in report["speedups"]:
+        ratios = [_f(s[f"speedup_vs_{k}"], ".2f") for k in ("dynamic", "hf_dynamic_sliding", "hf_static_sliding")]
+        lines.append(f"| {s['batch']} | {s['context']} | {s['cache'][8:]} | {' | '.join(ratios)} |")
+    lines += ["", "## Long generation (streaming mode)", ""]
+    for lr in report["long_runs"]:
+        lines += [f"Batch {lr['batch']}: {lr['tokens']} tokens after a {lr['prompt']}-token prompt. All logits finite: "
+                  f"**{lr['all_finite']}**; cache bytes constant: **{lr['kv_bytes_constant']}**; allocated-memory "
+                  f"spread after the window filled: **{_f(lr['alloc_spread_after_fill'], 'd')} B**; mean "
+                  f"{_f(lr['ms_per_token_after_fill'], '.3f')} ms/token after the fill.", "",
+                  "| tokens seen | ms/token | allocated over weights (MiB) | cache (MiB) | finite |",
+                  "|---:|---:|---:|---:|---|"]
+        step = max(1, len(lr["buckets"]) // 16)
+        for b in lr["buckets"][::step] + ([lr["buckets"][-1]] if (len(lr["buckets"]) - 1) % step else []):
+            lines.append(f"| {b['tokens']} | {b['ms_per_token']:.3f} | {b['alloc_over_weights'] / 2**20:.1f} | "
+                         f"{b['kv_bytes'] / 2**20:.1f} | {b['finite']} |")
+        lines.append("")
+    ag = report.get("agreement")
+    if ag:
+        lines += ["## Agreement after the ring wraps", "",
+                  f"{ag['model']}, window {ag['window']}, no sinks (= Mistral sliding window): RollingKVCache vs "
+                  f"DynamicCache(config) (DynamicSlidingWindowLayer), prompt {ag['prompt']} tokens then "
+                  f"{ag['steps']} teacher-forced decode steps, {ag['dtype']}.", "",
+                  f"- finite: {ag['finite']}; max |logit diff| {ag['max_abs_diff']:.4g}, mean "
+                  f"{ag['mean_abs_diff']:.3g} (mean |logit| {ag['logit_scale']:.3g}); min cosine "
+                  f"{ag['min_cosine']:.6f}; top-1 agreement "
+                  f"{ag['top1_agreement']:.3f}", ""]
+    t = report["targets"]
+    lines += ["## Targets", "",
+              f"- memory flat after the window fills: **{t['memory_flat']}**",
+              f"- decode >= 1.1x faster than HF sliding-window cache (min over batch/context >= window): "
+              f"**{_f(t['min_speedup_vs_hf_sliding'], '.2f')}x**",
+              f"- no slower than DynamicCache at the same context (min over context >= window): "
+              f"**{_f(t['min_speedup_vs_dynamic'], '.2f')}x**",
+              f"- no NaN / garbage after the wrap: **{t['finite_and_agrees']}**", ""]
+    return "\n".join(lines)
+
+
+def targets(report, args):
+    long_ok = all(lr["kv_bytes_constant"] and (lr["alloc_spread_after_fill"] or 0) < 2 ** 20
+                  for lr in report["long_runs"])
+    sp = [s for s in report["speedups"] if s["context"] >= args.window]
+    hf = [s["speedup_vs_hf_dynamic_sliding"] for s in sp if s["speedup_vs_hf_dynamic_sliding"]]
+    dy = [s["speedup_vs_dynamic"] for s in sp if s["speedup_vs_dynamic"]]
+    ag = report.get("agreement") or {}
+    finite = all(lr["all_finite"] for lr in report["long_runs"]) and ag.get("finite", True)
+    agrees = ag.get("min_cosine", 1.0) > 0.99 if ag else True
+    return dict(memory_flat=long_ok, min_speedup_vs_hf_sliding=min(hf) if hf else None,
+                min_speedup_vs_dynamic=min(dy) if dy else None, finite_and_agrees=finite and agrees)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m swift_liger.bench.rolling_cache", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny model and short runs (logic check, e.g. on CPU)")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers of the 8B-shaped model (Llama-3-8B: 32)")
+    ap.add_argument("--window", type=int, default=4096)
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--contexts", default="4096,8192,16384,32768", help="context lengths for the matched timing")
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps per context")
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--prefill-chunk", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=32768, help="long run length at batch 1 (0 = skip)")
+    ap.add_argument("--tokens-b8", type=int, default=8192, help="long run length at batch 8 (0 = skip)")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt length of the long runs")
+    ap.add_argument("--bucket", type=int, default=1024, help="tokens per reported bucket in the long runs")
+    ap.add_argument("--check-layers", type=int, default=2, help="layers of the Mistral used for the agreement check")
+    ap.add_argument("--check-prompt-extra", type=int, default=512, help="agreement prompt = window + this")
+    ap.add_argument("--check-steps", type=int, default=128)
+    ap.add_argument("--no-agreement", action="store_true")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.layers, args.window, args.sinks = 2, 64, 4
+        args.contexts, args.steps, args.warmup, args.prefill_chunk = "64,128,256", 8, 2, 64
+        args.tokens, args.tokens_b8, args.prompt, args.bucket = 400, 150, 16, 50
+        args.check_prompt_extra, args.check_steps = 40, 24
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    args.contexts = sorted(int(x) for x in args.contexts.split(",") if x)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("CUDA is not available: pass --device cpu (with --tiny) for a logic check")
+    if device.type == "cpu":
+        os.environ.setdefault("SWIFT_LIGER_BACKEND", "torch")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def log(msg):
+        print(msg, flush=True)
+
+    t_start = time.perf_counter()
+    config = model_config(args)
+    model = build_model(config, device, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    shape = "tiny Llama" if args.tiny else "Llama-3-8B-shaped"
+    model_desc = (f"{shape} LlamaForCausalLM, random init, {str(dtype).replace('torch.', '')}, {args.layers} of 32 "
+                  f"layers ({n_params / 1e9:.2f} B params), hidden {config.hidden_size}, {config.num_attention_heads} "
+                  f"heads / {config.num_key_value_heads} kv heads x {config.head_dim}, vocab {config.vocab_size}")
+    log(f"{model_desc}; setup {time.perf_counter() - t_start:.1f} s")
+    report = {"environment": environment(device), "model": model_desc,
+              "settings": {k: v for k, v in vars(args).items()}}
+    log("1. matched context")
+    report["matched_context"] = matched_context(model, args, device, log)
+    report["speedups"] = summarize(report["matched_context"], args)
+    log("2. long runs")
+    report["long_runs"] = []
+    for batch, tokens in ((1, args.tokens), (8, args.tokens_b8)):
+        if tokens > 0:
+            report["long_runs"].append(long_run(model, args, device, batch, tokens, log))
+    del model
+    cleanup(device)
+    if not args.no_agreement:
+        log("3. agreement")
+        report["agreement"] = agreement(args, device, dtype, log)
+    report["targets"] = targets(report, args)
+    report["wall_s"] = time.perf_counter() - t_start
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "rolling_cache.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(os.path.join(args.out, "rolling_cache.md"), "w") as f:
+        f.write(markdown(report))
+    log(f"targets: {report['targets']}; total {report['wall_s']:.0f} s; wrote {args.out}/rolling_cache.{{json,md}}")
+
+
+if __name__ == "__main__":
+    main()
