@@ -1,0 +1,15 @@
+"""Generation caches. ``RollingKVCache``: attention sinks + a ring of the last ``window`` tokens, constant memory.
+
+``install_rolling_cache(model, window, sinks, mode)`` makes every ``model.generate`` call of that instance use a
+fresh one (the hook the patcher calls for ``rolling_cache: {window, sinks, mode}``).
+"""
+from .rolling import (
+    SUPPORTED_ATTENTION,
+    SUPPORTED_MODEL_TYPES,
+    RollingKVCache,
+    install_rolling_cache,
+    uninstall_rolling_cache,
+)
+
+__all__ = ["RollingKVCache", "install_rolling_cache", "uninstall_rolling_cache", "SUPPORTED_MODEL_TYPES",
+           "SUPPORTED_ATTENTION"]

@@ -1,0 +1,570 @@
+"""RollingKVCache: a fixed-size KV cache (attention sinks + a ring of the last ``window`` tokens).
+
+Generation runs in constant memory: each layer preallocates ``[B, Hkv, sinks + window, D]`` keys and values once
+(static address) and new tokens are written straight into their ring slots by a Triton kernel
+(``swift_liger.ops.kv_ring_write``), O(new tokens) bytes per step, never a cat/roll of the window.
+
+Semantics (per batch row; a row's *stream* is its non-padding tokens, numbered 0, 1, 2, ...)
+--------------------------------------------------------------------------------------------
+The query of stream token ``q`` attends to the keys ``j <= q`` with ``j < sinks`` (the sinks) or
+``j > q - window`` (the last ``window`` tokens, itself included). Before ``sinks + window`` tokens have been seen
+that is every earlier token, so outputs equal ``DynamicCache``'s.
+
+* ``mode="absolute"`` (Mistral-style sliding window plus sinks): every key keeps its true RoPE position; the model
+  rotates q and k as usual before ``cache.update``, so nothing is re-rotated.
+* ``mode="streaming"`` (StreamingLLM): positions are assigned within the cache. The visible keys, in order
+  (sinks, then the window chronologically), get positions ``0 .. L-1`` and the query ``L-1``. RoPE scores depend
+  only on ``q_pos - k_pos``, so this equals: window keys at their true positions (exactly what the model already
+  did) and sink ``s`` at position ``s + delta`` with ``delta = max(0, q - window + 1 - sinks)``, i.e. placed just
+  before the oldest window key. The cache therefore keeps the sink keys as the model produced them (rotated at
+  their true position ``s``) in a separate pristine buffer, and before each attention writes
+  ``R(delta) @ sink`` into the sink slots (fused into the decode step's write launch; fp32 math, always from the
+  pristine copy, so bf16 rounding never accumulates). Only ``sinks`` keys per layer are touched per step; the
+  query keeps the true position the model gave it (so RoPE angles grow with the stream exactly as with
+  DynamicCache). Needs a RoPE whose frequencies do not depend on the sequence length (default, linear, llama3,
+  yarn); dynamic-NTK / longrope are refused.
+* A chunk of T > 1 tokens (prefill, chat continuation) is one step: its queries are masked token by token as
+  above, and in streaming mode all of them see the sinks at the position they have at the chunk's start
+  (``delta`` from the chunk's first token). Token-by-token decoding is exactly StreamingLLM.
+
+Left padding: pads (0 in the 2D attention mask) are never stored, so each row's sinks are its first real tokens
+and rows with different prompt lengths fill their rings independently. ``position_ids`` must advance by one per
+real token (``generate`` does this: cumsum of the mask); when they are not given the cache supplies them.
+
+How the model is told about the layout
+--------------------------------------
+Storage order is ring order, not chronological, so Hugging Face's mask builders (which assume key ``i`` is
+column ``kv_offset + i``) cannot describe it in general. The cache registers a forward pre-hook on the model's
+decoder (``LlamaModel`` etc.; a no-op unless ``past_key_values`` is a RollingKVCache) that plans each forward
+once for all layers: per-row stream indices of the new tokens, their slots, the sink rotation, and the mask. Two
+cases:
+
+* fast path (no padding ever seen, and either the cache has not wrapped yet or this is a single decode token):
+  the keys handed to attention are the storage itself (a prefix view before the ring wraps, the whole buffer
+  after); every stored key is visible, so the hook passes ``attention_mask=None`` and transformers builds the
+  usual causal mask from ``get_mask_sizes`` / ``get_query_offset`` (SDPA then takes the maskless GQA path, as
+  with ``DynamicCache``).
+* general path (padding, or a multi-token chunk that wraps the ring): the hook passes its own 4D mask
+  (``[B, 1, T, K]``, bool for sdpa, additive float for eager), which every mask builder of transformers 5.17-5.19
+  returns unchanged (``_preprocess_mask_arguments`` early exit for 4D masks). Keys are the storage (T == 1) or
+  ``cat(storage, chunk)`` for multi-token chunks (the chunk's early queries need tokens the write evicts).
+
+Transformers hooks relied on (5.17-5.19): ``Cache(layers=...)``, ``Cache.update(k, v, layer_idx)`` called by
+the attention after RoPE, ``get_seq_length`` (generate slices continued prompts with it: it counts columns,
+padding included), ``get_mask_sizes`` / ``get_query_offset`` (fast path), the 4D-mask early exit, and the
+decoder being called with keyword arguments (``past_key_values=``, ``attention_mask=``, ``position_ids=``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..ops.kv_ring_write import kv_ring_write_unchecked, kv_sink_rotate
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+MODES = ("absolute", "streaming")
+# RoPE variants whose inverse frequencies are fixed, so scores depend only on position differences.
+STREAMING_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+_HOOK_ATTR = "_swift_liger_rolling_hook"
+_INSTALL_ATTR = "_swift_liger_rolling_install"
+
+
+def _find_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that embeds, builds masks and runs the layers (``LlamaModel`` for ``LlamaForCausalLM``)."""
+    m = model
+    for _ in range(4):
+        if hasattr(m, "layers") and hasattr(m, "config"):
+            return m
+        if hasattr(m, "get_decoder"):
+            d = m.get_decoder()
+            if d is not m:
+                m = d
+                continue
+        if hasattr(m, "model"):
+            m = m.model
+            continue
+        break
+    raise ValueError(f"RollingKVCache: cannot find the decoder (a module with .layers) in {type(model).__name__}")
+
+
+def _check_family(model: torch.nn.Module) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"RollingKVCache supports model types {', '.join(SUPPORTED_MODEL_TYPES)} (RoPE attention that "
+                         f"calls cache.update after rotating q and k); got {model_type!r}")
+
+
+def _validate_model(decoder: torch.nn.Module, mode: str) -> None:
+    config = decoder.config
+    _check_family(decoder)
+    _check_attention(config)
+    if mode == "streaming":
+        rotary = getattr(decoder, "rotary_emb", None)
+        inv_freq = getattr(rotary, "inv_freq", None)
+        if inv_freq is None:
+            raise ValueError("RollingKVCache(mode='streaming') needs the model's rotary embedding (decoder.rotary_emb)")
+        rope_type = getattr(rotary, "rope_type", "default")
+        if rope_type not in STREAMING_ROPE_TYPES:
+            raise ValueError(f"RollingKVCache(mode='streaming') needs a RoPE with fixed frequencies "
+                             f"({', '.join(STREAMING_ROPE_TYPES)}); rope_type {rope_type!r} rescales them with the "
+                             f"sequence length. Use mode='absolute'.")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if 2 * inv_freq.numel() != head_dim:
+            raise ValueError(f"RollingKVCache(mode='streaming') needs RoPE over the full head_dim ({head_dim}), the "
+                             f"rotary embedding covers {2 * inv_freq.numel()} dims")
+
+
+def _check_attention(config) -> None:
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(f"RollingKVCache needs attn_implementation in {SUPPORTED_ATTENTION} (they take the "
+                         f"arbitrary 4D mask the ring layout needs); the model uses {impl!r}. Load it with "
+                         f"attn_implementation='sdpa' or call model.set_attn_implementation('sdpa').")
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"RollingKVCache: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What every layer does in one forward (computed once by the pre-hook)."""
+    T: int
+    layout: str                      # "prefix" | "full" | "slots" | "concat"
+    pos: object                      # [B, T] stream index of each new token (-1 = padding), or an int p when
+                                     # every row's tokens are p .. p+T-1 (end/start implied)
+    end: Optional[torch.Tensor]      # [B] stream length after this forward (None with an int pos)
+    start: Optional[torch.Tensor] = None  # [B] stream length before this forward (streaming, pos tensor)
+    prefix_len: int = 0              # "prefix": keys are storage[:, :, :prefix_len]
+    storage_in_keys: bool = True     # "concat": False when the cache was empty (keys = the chunk only)
+    cos: Optional[torch.Tensor] = None   # streaming: [B, D/2] fp32 sink rotation for this forward
+    sin: Optional[torch.Tensor] = None
+    kv_length: int = 0               # get_mask_sizes / get_query_offset answers (fast path)
+    q_offset: int = 0
+    done: set = dataclasses.field(default_factory=set)   # layers already updated (a plan serves one forward)
+
+
+class RollingLayer(CacheLayerMixin):
+    """One layer's storage: keys/values ``[B, H, sinks + window, D]`` and, in streaming mode, pristine sink keys."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, owner: "RollingKVCache"):
+        super().__init__()
+        self._owner = owner
+        self.sink_keys: Optional[torch.Tensor] = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        o = self._owner
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        if value_states.shape[:2] != key_states.shape[:2] or value_states.shape[-1] != key_states.shape[-1]:
+            raise ValueError("RollingKVCache needs keys and values of the same [B, H, *, D] shape")
+        shape = (self.batch_size, self.num_heads, o.capacity, key_states.shape[-1])
+        # Zero, not empty: masked slots are still read by attention (0 * NaN would poison the output).
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if o.mode == "streaming" and o.sinks > 0:
+            self.sink_keys = torch.zeros((*shape[:2], o.sinks, shape[3]), dtype=self.dtype, device=self.device)
+        if not torch.compiler.is_compiling():
+            for t in (self.keys, self.values, self.sink_keys):
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, plan: Optional[_Plan] = None, *args, **kwargs):
+        if plan is None:
+            raise RuntimeError("RollingKVCache layers are updated through RollingKVCache.update")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if (key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads
+                or key_states.shape[2] != plan.T or key_states.shape[3] != self.keys.shape[3]):
+            raise ValueError(f"RollingKVCache: got keys {tuple(key_states.shape)}, expected "
+                             f"[{self.batch_size}, {self.num_heads}, {plan.T}, {self.keys.shape[3]}]")
+        if key_states.dtype != self.dtype or value_states.dtype != self.dtype:
+            raise TypeError(f"RollingKVCache holds {self.dtype}, got keys {key_states.dtype} / values "
+                            f"{value_states.dtype}")
+        o = self._owner
+        if plan.layout == "concat":
+            if plan.storage_in_keys:
+                if self.sink_keys is not None:   # sinks at this chunk's positions before they are read
+                    kv_sink_rotate(self.keys[:, :, :o.sinks], self.sink_keys, plan.cos, plan.sin)
+                keys = torch.cat((self.keys, key_states), dim=2)
+                values = torch.cat((self.values, value_states), dim=2)
+            else:
+                keys, values = key_states, value_states
+            kv_ring_write_unchecked(self.keys, self.values, key_states, value_states, plan.pos, plan.end, o.sinks,
+                                    o.window, self.sink_keys)
+            return keys, values
+        # One launch: write the new tokens and (streaming) re-rotate the sinks stored earlier.
+        rotate = self.sink_keys is not None and plan.cos is not None
+        kv_ring_write_unchecked(self.keys, self.values, key_states, value_states, plan.pos, plan.end, o.sinks,
+                                o.window, self.sink_keys, plan.cos if rotate else None,
+                                plan.sin if rotate else None, plan.start if rotate else None)
+        if plan.layout == "prefix":
+            return self.keys[:, :, :plan.prefix_len], self.values[:, :, :plan.prefix_len]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple:
+        plan = self._owner._plan
+        if plan is None:
+            return query_length, 0
+        return plan.kv_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._owner._columns
+
+    def get_max_length(self) -> int:
+        return self._owner.capacity
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+            if self.sink_keys is not None:
+                self.sink_keys.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            idx = beam_idx.to(self.device)
+            for t in (self.keys, self.values, self.sink_keys):
+                if t is not None:
+                    t.copy_(t.index_select(0, idx))
+
+    def offload(self):
+        raise NotImplementedError("RollingKVCache does not support offloading (its storage is already fixed-size)")
+
+    def prefetch(self):
+        raise NotImplementedError("RollingKVCache does not support offloading")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("RollingKVCache cannot be cropped: evicted tokens are gone (no assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("RollingKVCache has a fixed batch size; create it before expanding the batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("RollingKVCache has a fixed batch size")
+
+
+class RollingKVCache(Cache):
+    """Sinks + ring-buffer KV cache with constant memory. See the module docstring for the exact semantics.
+
+    Args:
+        model: the Hugging Face model it will run with (llama, mistral, qwen2, qwen3; attn_implementation sdpa or
+            eager). The cache installs a forward pre-hook on its decoder (once per model, a no-op for other caches).
+        window: tokens of recent context each query sees (itself included), > 0.
+        sinks: first tokens kept forever, 0 <= sinks < window (StreamingLLM uses 4).
+        mode: "absolute" (true RoPE positions, Mistral-style) or "streaming" (positions within the cache).
+
+    Use as ``model.generate(..., past_key_values=RollingKVCache(model, window=4096, sinks=4))``, or call
+    ``install_rolling_cache(model, ...)`` once so that every ``generate`` call gets a fresh one. Storage is
+    allocated at the first forward (batch size, heads, dtype and device come from it) and never reallocated;
+    ``reset()`` clears it for reuse with the same batch size.
+    """
+
+    def __init__(self, model: torch.nn.Module, window: int, sinks: int = 4, mode: str = "absolute"):
+        window = _check_int("window", window, 1)
+        sinks = _check_int("sinks", sinks, 0)
+        if sinks >= window:
+            raise ValueError(f"RollingKVCache: sinks must be < window, got sinks={sinks}, window={window}")
+        if mode not in MODES:
+            raise ValueError(f"RollingKVCache: mode must be one of {MODES}, got {mode!r}")
+        _check_family(model)
+        decoder = _find_decoder(model)
+        _validate_model(decoder, mode)
+        config = decoder.config
+        self.window, self.sinks, self.mode = window, sinks, mode
+        self.capacity = sinks + window
+        self._decoder = decoder
+        self._config = config
+        # The model's own sliding window, if narrower than ours, would cut the all-visible fast path.
+        model_window = getattr(config, "sliding_window", None)
+        self._fast_ok = model_window is None or model_window >= self.capacity
+        super().__init__(layers=[RollingLayer(self) for _ in range(config.num_hidden_layers)])
+        self._reset_state()
+        _ensure_hook(decoder)
+
+    def _reset_state(self) -> None:
+        self._columns = 0                       # columns processed, padding included (generate's past length)
+        self._uniform: Optional[int] = 0        # stream length when all rows are equal and unpadded, else None
+        self._counts: Optional[torch.Tensor] = None   # [B] per-row stream lengths once rows differ
+        self._batch: Optional[int] = None
+        self._plan: Optional[_Plan] = None
+
+    # ----- transformers Cache API -----
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        plan = self._plan
+        if plan is None or layer_idx in plan.done:
+            raise RuntimeError("RollingKVCache.update ran without its pre-forward hook: build the cache with the model "
+                               "that uses it (RollingKVCache(model, ...)) and call that model (or its decoder) with "
+                               "past_key_values=cache as a keyword argument")
+        plan.done.add(layer_idx)
+        return self.layers[layer_idx].update(key_states, value_states, plan)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._plan.q_offset if self._plan is not None else self._columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple:
+        if self._plan is None:
+            return query_length, 0
+        return self._plan.kv_length, 0
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        super().reset()
+        self._reset_state()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self._counts is not None:
+            self._counts = self._counts.index_select(0, beam_idx.to(self._counts.device))
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache's tensors (constant once allocated)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers
+                   for t in (layer.keys, layer.values, layer.sink_keys) if t is not None)
+
+    def __repr__(self) -> str:
+        return (f"RollingKVCache(window={self.window}, sinks={self.sinks}, mode={self.mode!r}, "
+                f"layers={len(self.layers)}, seen={self._columns})")
+
+    # ----- planning (called by the decoder's pre-forward hook) -----
+
+    def _begin_forward(self, batch: int, T: int, device: torch.device, attention_mask: Optional[torch.Tensor],
+                       position_ids: Optional[torch.Tensor], dtype: torch.dtype):
+        """Plan one forward of T new columns; returns the (attention_mask, position_ids) to hand to the decoder."""
+        if T <= 0:
+            raise ValueError("RollingKVCache: empty input")
+        if self._batch is None:
+            self._batch = batch
+            for layer in self.layers:   # first forward after reset() with another batch size: reallocate
+                if layer.is_initialized and layer.batch_size != batch:
+                    layer.is_initialized = False
+        elif batch != self._batch:
+            raise ValueError(f"RollingKVCache holds a batch of {self._batch}, got {batch}; call reset() first")
+        C = self.capacity
+        if attention_mask is not None and attention_mask.shape[-1] < T:
+            raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns, fewer than the {T} new tokens")
+        n = self._uniform
+        fast = self._fast_ok and attention_mask is None and n is not None and (n + T <= C or T == 1)
+        if fast:
+            # Uniform rows: the kernel takes the start index as a scalar, no per-step index tensors.
+            if n + T <= C:
+                plan = _Plan(T, "prefix", n, None, prefix_len=n + T, kv_length=n + T, q_offset=n)
+            else:
+                plan = _Plan(T, "full", n, None, kv_length=C, q_offset=C - 1)
+                if self.mode == "streaming":    # before the ring wraps, sinks sit at their true positions
+                    plan.cos, plan.sin = self._sink_rotation(n, batch, device)
+            mask = None
+            if position_ids is None:
+                position_ids = (torch.arange(T, device=device) + n).unsqueeze(0)
+        else:
+            plan, mask, position_ids = self._general_plan(batch, T, device, attention_mask, position_ids, dtype)
+        self._plan = plan
+        self._columns += T
+        if attention_mask is not None:
+            self._uniform = None
+        elif self._uniform is not None:
+            self._uniform += T
+        if self._uniform is None:
+            self._counts = plan.end
+        return mask, position_ids
+
+    def _sink_rotation(self, n0, batch: int, device):
+        """cos/sin [B, D/2] (fp32) rotating the sinks by delta = max(0, n0 - window + 1 - sinks) positions, for
+        row lengths n0 ([B] tensor, or an int shared by all rows). HF's angle arithmetic: fp32 position * inv_freq."""
+        # The model's live buffer, as its rotary embedding uses it (fp32 math whatever the buffer's dtype).
+        inv_freq = self._decoder.rotary_emb.inv_freq.to(device=device, dtype=torch.float32)
+        shift = self.window - 1 + self.sinks
+        if isinstance(n0, int):
+            angle = (inv_freq * float(max(0, n0 - shift)))[None, :]
+            return angle.cos().expand(batch, -1), angle.sin().expand(batch, -1)
+        angle = (n0 - shift).clamp_min(0).to(torch.float32)[:, None] * inv_freq[None, :]
+        return angle.cos(), angle.sin()
+
+    def _slot_streams(self, n: torch.Tensor):
+        """Stream index held by each storage slot ([B, C]) and whether it holds one, for row lengths n [B]."""
+        S, W = self.sinks, self.window
+        c = torch.arange(S, device=n.device)
+        sink_idx = c.expand(n.shape[0], S)
+        r = torch.arange(W, device=n.device)
+        newest = torch.remainder(n - 1 - S, W)                      # ring offset of the newest token
+        ring_idx = n[:, None] - 1 - torch.remainder(newest[:, None] - r[None, :], W)
+        idx = torch.cat((sink_idx, ring_idx), dim=1)
+        held = torch.cat((sink_idx < n[:, None], ring_idx >= S), dim=1)
+        return idx, held
+
+    def _general_plan(self, batch, T, device, attention_mask, position_ids, dtype):
+        S, W, C = self.sinks, self.window, self.capacity
+        if self._uniform is not None:
+            n0 = torch.full((batch,), self._uniform, dtype=torch.long, device=device)
+        else:
+            n0 = self._counts.to(device)
+        if attention_mask is not None:
+            valid = attention_mask[:, -T:].to(device=device, dtype=torch.bool)
+            rank = valid.long().cumsum(-1) - 1
+            pos = torch.where(valid, n0[:, None] + rank, -1)
+            end = n0 + valid.long().sum(-1)
+        else:
+            valid = torch.ones((batch, T), dtype=torch.bool, device=device)
+            pos = n0[:, None] + torch.arange(T, device=device)
+            end = n0 + T
+        q = pos                                                      # [B, T]
+        if T == 1:
+            # Write first, then attend over the whole storage (the evicted token is out of the query's window).
+            kidx, kheld = self._slot_streams(end)
+            plan = _Plan(T, "slots", pos, end, kv_length=C, q_offset=C - 1)
+            own_col = torch.zeros((1, 1), dtype=torch.long, device=device)  # a finite slot for padding queries
+        else:
+            storage = self._columns > 0
+            plan = _Plan(T, "concat", pos, end, storage_in_keys=storage)
+            chunk_cols = torch.arange(T, device=device)
+            if storage:
+                sidx, sheld = self._slot_streams(n0)
+                kidx = torch.cat((sidx, pos), dim=1)
+                kheld = torch.cat((sheld, valid), dim=1)
+                own_col = (chunk_cols + C)[None, :]
+            else:
+                kidx, kheld = pos, valid
+                own_col = chunk_cols[None, :]
+            plan.kv_length = kidx.shape[1]
+            plan.q_offset = plan.kv_length - T
+        kj = kidx[:, None, :]
+        qi = q[:, :, None]
+        vis = kheld[:, None, :] & (kj <= qi) & ((kj < S) | (kj > qi - W))
+        # Padding queries attend to one finite key (their own column) so no row is fully masked.
+        cols = torch.arange(kidx.shape[1], device=device)
+        pad_vis = cols[None, None, :] == own_col[:, :, None]
+        vis = torch.where(valid[:, :, None], vis, pad_vis)
+        if self.mode == "streaming":
+            plan.start = n0
+            plan.cos, plan.sin = self._sink_rotation(n0, batch, device)
+        mask = vis[:, None]
+        if self._config._attn_implementation == "eager":
+            mask = torch.where(mask, 0.0, torch.finfo(dtype).min).to(dtype)
+        if position_ids is None:
+            position_ids = torch.where(valid, pos, 0)
+        return plan, mask, position_ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decoder pre-forward hook
+# ---------------------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _forward_params(cls) -> tuple:
+    return tuple(inspect.signature(cls.forward).parameters)[1:]
+
+
+def _rolling_pre_hook(module, args, kwargs):
+    cache = kwargs.get("past_key_values")
+    if cache is None and args:
+        names = _forward_params(type(module))
+        if "past_key_values" in names[:len(args)]:
+            kwargs = {**dict(zip(names, args)), **kwargs}
+            args = ()
+            cache = kwargs.get("past_key_values")
+    if not isinstance(cache, RollingKVCache):
+        return None
+    if args:
+        kwargs = {**dict(zip(_forward_params(type(module)), args)), **kwargs}
+        args = ()
+    if cache._decoder is not module:
+        raise ValueError("this RollingKVCache was built for a different model")
+    _check_attention(module.config)
+    x = kwargs.get("input_ids")
+    if x is None:
+        x = kwargs.get("inputs_embeds")
+    if x is None:
+        raise ValueError("RollingKVCache: the decoder got neither input_ids nor inputs_embeds")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        raise ValueError("RollingKVCache builds the attention mask itself: pass a 2D padding mask [B, columns] "
+                         "or none (not a 4D mask or a mask dict)")
+    dtype = kwargs["inputs_embeds"].dtype if kwargs.get("inputs_embeds") is not None else module.dtype
+    new_mask, position_ids = cache._begin_forward(x.shape[0], x.shape[1], x.device, mask,
+                                                  kwargs.get("position_ids"), dtype)
+    kwargs["attention_mask"] = new_mask
+    kwargs["position_ids"] = position_ids
+    return args, kwargs
+
+
+def _ensure_hook(decoder: torch.nn.Module) -> None:
+    if getattr(decoder, _HOOK_ATTR, None) is None:
+        handle = decoder.register_forward_pre_hook(_rolling_pre_hook, with_kwargs=True)
+        object.__setattr__(decoder, _HOOK_ATTR, handle)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Installation on a model (used by the patcher / plugin for `liger_rolling_cache`)
+# ---------------------------------------------------------------------------------------------------------------
+
+def install_rolling_cache(model: torch.nn.Module, window: int, sinks: int = 4, mode: str = "absolute"):
+    """Make every ``model.generate(...)`` call that brings no cache of its own use a fresh RollingKVCache.
+
+    Validates the configuration now (bad window/sinks/mode, unsupported family or attention are errors here, not at
+    the first generate). Wraps ``generate`` on this instance only; ``uninstall_rolling_cache`` undoes it. Calls that
+    pass ``past_key_values``, ``cache_implementation`` or ``use_cache=False`` are left alone. Returns the model.
+    """
+    RollingKVCache(model, window=window, sinks=sinks, mode=mode)   # validation (and hook install)
+    settings = {"window": window, "sinks": sinks, "mode": mode}
+    state = getattr(model, _INSTALL_ATTR, None)
+    if state is not None:
+        state["settings"] = settings
+        return model
+    original = model.generate
+    state = {"settings": settings, "original": original}
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        wants_cache = (kwargs.get("past_key_values") is None and kwargs.get("use_cache", True) is not False
+                       and kwargs.get("cache_implementation") is None
+                       and getattr(gen_config, "cache_implementation", None) is None
+                       and getattr(gen_config, "use_cache", True) is not False)
+        if wants_cache:
+            kwargs["past_key_values"] = RollingKVCache(model, **state["settings"])
+        return original(*args, **kwargs)
+
+    object.__setattr__(model, "generate", generate)
+    object.__setattr__(model, _INSTALL_ATTR, state)
+    return model
+
+
+def uninstall_rolling_cache(model: torch.nn.Module) -> None:
+    """Undo ``install_rolling_cache`` (and remove the decoder hook)."""
+    state = getattr(model, _INSTALL_ATTR, None)
+    if state is not None:
+        object.__delattr__(model, "generate")
+        object.__delattr__(model, _INSTALL_ATTR)
+    try:
+        decoder = _find_decoder(model)
+    except ValueError:
+        return
+    handle = getattr(decoder, _HOOK_ATTR, None)
+    if handle is not None:
+        handle.remove()
+        object.__delattr__(decoder, _HOOK_ATTR)
