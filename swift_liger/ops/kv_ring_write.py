@@ -119,6 +119,16 @@ def _kv_ring_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, pos_ptr, end_ptr
                           SINK_LIMIT, HALF, SINK_ROWS, BLOCK_HALF)
 
 
+@triton.jit(do_not_specialize=["start0"])
+def _kv_sink_refresh_kernel(src_ptr, dst_ptr, cos_ptr, sin_ptr, start_ptr, start0, n_rows, S, H,
+                            ss_b, ss_h, ss_s, sd_b, sd_h, sd_s, sc_b, sn_b,
+                            LIMIT: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Grid (cdiv(B*H*S, ROWS),): re-rotate the sinks stored by earlier calls (LIMIT 1: s < start[b]; 2: s < start0).
+    A launch of its own: fused into the write kernel, Triton 3.6's layout pass crashed on H200 (seen 2026-11-29)."""
+    _rotate_sink_rows(src_ptr, dst_ptr, cos_ptr, sin_ptr, start_ptr, start0, tl.program_id(0) * ROWS, n_rows, H, S,
+                      ss_b, ss_h, ss_s, sd_b, sd_h, sd_s, sc_b, sn_b, LIMIT, HALF, ROWS, BLOCK_HALF)
+
+
 @triton.jit
 def _kv_sink_rotate_kernel(src_ptr, dst_ptr, cos_ptr, sin_ptr, n_rows, S, H,
                            ss_b, ss_h, ss_s, sd_b, sd_h, sd_s, sc_b, sn_b,
@@ -161,11 +171,19 @@ def _kv_ring_write_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch
     block_d = _common.next_pow2(D)
     rows = _rows_for(n_rows, block_d)
     grid = _common.cdiv(n_rows, rows)
-    n_sink_rows = B * H * sinks if rotate else 0
+    n_sink_rows = 0
     sink_rows = 2
-    if rotate:   # spread the sink rows over the same programs
-        sink_rows = max(2, _common.next_pow2(_common.cdiv(n_sink_rows, grid)))
-        grid = max(grid, _common.cdiv(n_sink_rows, sink_rows))
+    if rotate:
+        # Sinks stored by earlier calls (slots < start) never overlap the slots this call writes: order-free.
+        n_sink = B * H * sinks
+        block_half = max(2, _common.next_pow2(D // 2))
+        srows = _rows_for(n_sink, 2 * block_half)
+        _kv_sink_refresh_kernel[(_common.cdiv(n_sink, srows),)](
+            ks, k_cache, cos, sin, start_t, pos0, n_sink, sinks, H,
+            ks.stride(0), ks.stride(1), ks.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            cos.stride(0), sin.stride(0),
+            LIMIT=2 if uniform else 1, HALF=D // 2, ROWS=srows, BLOCK_HALF=block_half, num_warps=2)
+        rotate = False
     _kv_ring_write_kernel[(grid,)](
         k, v, k_cache, v_cache, ks, pos_t, end_t, start_t, cos, sin,
         pos0, n_rows, n_sink_rows, T, H, sinks, window,
