@@ -96,7 +96,8 @@ def _kv_ring_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, pos_ptr, end_ptr
     is_sink = rmask & (pos >= 0) & (pos < SINKS)
     in_ring = rmask & (pos >= SINKS) & (pos >= end - WINDOW)
     # Slots of skipped rows are clamped in range, so no address is ever out of bounds, masked or not.
-    sink_slot = tl.where(is_sink, pos, 0)
+    # A clamp, not tl.where(is_sink, ...): Triton 3.6 on H200 failed a layout pass on that select (2026-11-29).
+    sink_slot = tl.maximum(tl.minimum(pos, SINKS - 1), 0)
     slot = tl.where(is_sink, sink_slot, SINKS + tl.where(in_ring, pos - SINKS, 0) % WINDOW)
     d = tl.arange(0, BLOCK_D)
     dmask = d[None, :] < D
