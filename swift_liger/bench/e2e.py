@@ -113,6 +113,7 @@ def main(argv=None):
             results.append({"variant": v, "error": " | ".join(err)})
             print(f"{v:22s} failed: {err}", flush=True)
     env = environment()
+    env["command"] = "python -m swift_liger.bench.e2e " + " ".join(sys.argv[1:])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "e2e_llama3_8b_lora.json"), "w") as f:
         json.dump({"environment": env, "results": results}, f, indent=1)
