@@ -1,0 +1,70 @@
+"""`swift-liger` console script.
+
+    swift-liger plot RUN_DIR [RUN_DIR2 ...] -o out.png   loss, tokens/s and memory per step (runs overlaid)
+    swift-liger tiny OUTDIR [--arch qwen3|llama]          offline tiny random model + toy datasets
+    swift-liger info                                      is the ms-swift hook active, versions, backend
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _plot(args) -> int:
+    from .plot import plot_runs, read_steps, run_label
+    for path in args.runs:
+        rows = read_steps(path)
+        print(f"{run_label(path)}: {len(rows)} logged steps")
+    print(plot_runs(args.runs, args.output, title=args.title))
+    return 0
+
+
+def _tiny(args) -> int:
+    from .testing import tiny
+    return tiny.main([args.outdir, "--arch", args.arch])
+
+
+def _info(args) -> int:
+    import importlib.metadata as md
+    import os
+
+    from . import __version__
+    from .integration import hook
+    print(f"swift_liger {__version__}")
+    try:
+        print(f"ms-swift {md.version('ms-swift')}")
+    except md.PackageNotFoundError:
+        print("ms-swift not installed")
+    state = "disabled by SWIFT_LIGER_DISABLE_HOOK" if hook.disabled() else (
+        "active" if hook.installed() else "NOT active (was swift_liger_hook.pth processed? python -S, --target "
+                                          "and PYTHONPATH installs skip .pth files)")
+    print(f"ms-swift hook: {state}")
+    print(f"SWIFT_LIGER_BACKEND={os.environ.get('SWIFT_LIGER_BACKEND', 'auto')} "
+          f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="swift-liger", description="swift_liger utilities")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("plot", help="plot logging.jsonl of one or more ms-swift runs to a PNG")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output_dir, v*-* run dir or logging.jsonl")
+    p.add_argument("-o", "--output", default="swift_liger_plot.png")
+    p.add_argument("--title", default=None)
+    p.set_defaults(func=_plot)
+
+    p = sub.add_parser("tiny", help="build the offline tiny model + datasets used by the demo and tests")
+    p.add_argument("outdir")
+    p.add_argument("--arch", default="qwen3", choices=("qwen3", "llama"))
+    p.set_defaults(func=_tiny)
+
+    p = sub.add_parser("info", help="show whether the ms-swift hook is active")
+    p.set_defaults(func=_info)
+
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""The `--use_liger` / `--liger_*` arguments of `swift sft`, `swift pt` and `swift rlhf`.
+
+They become real dataclass fields of ms-swift's `SftArguments` (so `HfArgumentParser`, YAML configs, `--help` via
+`swift pt --help` and `args.json` all see them) and are validated when the arguments are built, before any model is
+loaded. No torch / swift import here: this runs inside ms-swift's own import of `sft_args`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+import os
+import sys
+import weakref
+from typing import Optional
+
+from ..config import LigerConfig
+
+_BOOL_FLAG = {"nargs": "?", "const": True}  # `--liger_rope` alone means true; default None means "from the preset"
+
+# name, type, default, help. Every name must be new to ms-swift and no prefix of an ms-swift flag, except use_liger,
+# which is a prefix of use_liger_kernel on purpose: argparse prefers the exact match, so `--use_liger` is ours.
+FIELDS = (
+    ("use_liger", bool, False, "Patch the model with swift_liger's Triton kernels after it is loaded and before the "
+                               "tuner wraps it (default preset: every fusion on)."),
+    ("liger_config", Optional[str], None, "Preset name (default, minimal, off, keep_logits) or path to a YAML of "
+                                          "LigerConfig keys; liger_* flags override it."),
+    ("liger_rms_norm", Optional[bool], None, "Triton RMSNorm (default from the preset)."),
+    ("liger_rope", Optional[bool], None, "One-launch q+k rotary embedding (default from the preset)."),
+    ("liger_swiglu", Optional[bool], None, "Fused SwiGLU/GeGLU MLP activation (default from the preset)."),
+    ("liger_cross_entropy", Optional[str], None, "fused_linear (loss from hidden states, no logits), fused (Triton "
+                                                 "CE on logits) or off (default from the preset)."),
+    ("liger_qk_norm_rope", Optional[bool], None, "Qwen3-style q_norm/k_norm fused with the rotation."),
+    ("liger_strict", Optional[bool], None, "Unsupported model type is an error instead of a warning."),
+    ("liger_rolling_cache", Optional[str], None, 'RollingKVCache for generation: "window,sinks" or '
+                                                 '{"window": W, "sinks": S}.'),
+    ("liger_metrics", bool, True, "Log step_time(s), tokens/s, peak memory and MFU every logging step (with or "
+                                  "without --use_liger, so runs compare fairly)."),
+)
+FIELD_NAMES = tuple(f[0] for f in FIELDS)
+# flag -> LigerConfig key
+FLAG_TO_KEY = {
+    "liger_rms_norm": "rms_norm",
+    "liger_rope": "rope",
+    "liger_swiglu": "swiglu",
+    "liger_cross_entropy": "cross_entropy",
+    "liger_qk_norm_rope": "qk_norm_rope",
+    "liger_strict": "strict",
+    "liger_rolling_cache": "rolling_cache",
+}
+PRESET_DIR_ENV = "SWIFT_LIGER_PRESET_DIR"
+
+# id(args) -> resolved state; kept off the args object so args.json and `args:` log lines stay unchanged.
+_RESOLVED: dict = {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Field injection
+# ---------------------------------------------------------------------------------------------------------------
+
+def inject_fields(cls) -> None:
+    """Add FIELDS to the dataclass `cls` in place (idempotent).
+
+    Subclasses defined afterwards (PretrainArguments, RLHFArguments) pick the fields up from
+    `__dataclass_fields__` when `@dataclass` builds their `__init__`; `cls`'s own, already generated `__init__` is
+    wrapped to accept them. Re-running `@dataclass` on `cls` would not regenerate `__init__`, and a same-named
+    subclass would break `isinstance` checks, hence this.
+    """
+    dc_fields = getattr(cls, "__dataclass_fields__", None)
+    if dc_fields is None:
+        raise TypeError(f"swift_liger: {cls!r} is not a dataclass")
+    if "use_liger" in dc_fields:
+        return
+    clash = sorted(set(FIELD_NAMES) & set(dc_fields))
+    if clash:
+        raise RuntimeError(f"swift_liger: ms-swift already defines {clash}; this ms-swift version is not supported")
+    annotations = cls.__dict__.get("__annotations__")
+    if annotations is None:
+        annotations = {}
+        cls.__annotations__ = annotations
+    for name, typ, default, help_text in FIELDS:
+        metadata = {"help": help_text}
+        if typ == Optional[bool]:  # == not is: typing caches Union objects in a bounded LRU
+            metadata.update(_BOOL_FLAG)
+        f = dataclasses.field(default=default, metadata=metadata)
+        f.name, f.type = name, typ
+        f._field_type = dataclasses._FIELD  # what dataclasses.fields() filters on
+        f.kw_only = False  # inherited fields must have it resolved (MISSING counts as true)
+        dc_fields[name] = f
+        annotations[name] = typ
+        setattr(cls, name, default)
+
+    defaults = {name: default for name, _, default, _ in FIELDS}
+    orig_init = cls.__init__
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        # Set before the original __init__, whose last act is __post_init__ (where they are validated).
+        for name, default in defaults.items():
+            setattr(self, name, kwargs.pop(name, default))
+        orig_init(self, *args, **kwargs)
+
+    try:
+        sig = inspect.signature(orig_init)
+        extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d) for n, d in defaults.items()]
+        params = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD] + extra
+        __init__.__signature__ = sig.replace(parameters=params)
+    except (TypeError, ValueError):  # signature is cosmetic here
+        pass
+    cls.__init__ = __init__
+
+    orig_post_init = cls.__post_init__
+
+    @functools.wraps(orig_post_init)
+    def __post_init__(self, *args, **kwargs):
+        validate(self)  # before ms-swift's own checks and long before the model loads
+        orig_post_init(self, *args, **kwargs)
+        finalize(self)
+
+    cls.__post_init__ = __post_init__
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation and resolution
+# ---------------------------------------------------------------------------------------------------------------
+
+def preset_dirs() -> list:
+    """Where bare preset names are looked up: $SWIFT_LIGER_PRESET_DIR, a source checkout, the installed share dir."""
+    dirs = []
+    if os.environ.get(PRESET_DIR_ENV):
+        dirs.append(os.environ[PRESET_DIR_ENV])
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    dirs.append(os.path.join(pkg_root, "configs", "liger"))  # editable install / source checkout
+    import site
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix, site.getuserbase())):  # venv, system, --user
+        dirs.append(os.path.join(prefix, "share", "swift-liger", "configs", "liger"))  # wheel shared-data
+    return dirs
+
+
+def find_preset(name_or_path: str) -> str:
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    looks_like_path = os.sep in name_or_path or name_or_path.endswith((".yaml", ".yml"))
+    if not looks_like_path:
+        for d in preset_dirs():
+            path = os.path.join(d, f"{name_or_path}.yaml")
+            if os.path.isfile(path):
+                return path
+    names = sorted({os.path.splitext(f)[0] for d in preset_dirs() if os.path.isdir(d)
+                    for f in os.listdir(d) if f.endswith(".yaml")})
+    raise ValueError(f"liger_config: {name_or_path!r} is neither a file nor a known preset "
+                     f"(presets: {', '.join(names) or 'none found'})")
+
+
+def parse_rolling_cache(value):
+    """`"4096,4"`, `'{"window": 4096, "sinks": 4}'`, a mapping, or none/off -> dict or None."""
+    if value is None or isinstance(value, dict):
+        return value
+    text = str(value).strip()
+    if text.lower() in ("", "none", "null", "off", "false", "no"):
+        return None
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"liger_rolling_cache: invalid JSON {text!r}: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"liger_rolling_cache must be a mapping, got {text!r}")
+        return data
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f'liger_rolling_cache must be "window,sinks" (two integers) or a mapping, got {text!r}')
+    return {"window": int(parts[0]), "sinks": int(parts[1])}
+
+
+def parse_cross_entropy(value):
+    if value is None:
+        return None
+    text = str(value).strip().lower()
+    # YAML 1.1 reads an unquoted `off` as false, which ms-swift then passes on as the string "False".
+    if text in ("false", "no", "none", "0", "off"):
+        return "off"
+    if text in ("true", "yes", "1"):
+        return "fused_linear"
+    return text
+
+
+def liger_flags_given(args) -> dict:
+    return {flag: getattr(args, flag) for flag in FLAG_TO_KEY if getattr(args, flag, None) is not None}
+
+
+def resolve_config(args) -> LigerConfig:
+    """Preset (or LigerConfig defaults) overridden by the liger_* flags. Errors name the offending key or file."""
+    data = LigerConfig().to_dict()
+    if args.liger_config:
+        path = find_preset(args.liger_config)
+        try:
+            data.update(LigerConfig.from_yaml(path).to_dict())
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"liger_config {path}: {e}") from None
+    for flag, value in liger_flags_given(args).items():
+        key = FLAG_TO_KEY[flag]
+        if key == "cross_entropy":
+            value = parse_cross_entropy(value)
+        elif key == "rolling_cache":
+            value = parse_rolling_cache(value)
+        data[key] = value
+    try:
+        return LigerConfig.from_dict(data)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"swift_liger flags: {e}") from None
+
+
+def validate(args) -> None:
+    """Runs first thing in SftArguments.__post_init__: every liger error surfaces here, before any model loads."""
+    _RESOLVED.pop(id(args), None)
+    if not getattr(args, "use_liger", False):
+        given = list(liger_flags_given(args)) + (["liger_config"] if getattr(args, "liger_config", None) else [])
+        if given:
+            raise ValueError(f"swift_liger: {', '.join('--' + g for g in given)} given without --use_liger; "
+                             "add --use_liger (use_liger: true in YAML) or drop them")
+        return
+    if getattr(args, "use_liger_kernel", False):
+        raise ValueError("--use_liger (swift_liger's Triton kernels) and --use_liger_kernel (the liger-kernel "
+                         "package) patch the same layers; pass only one of them")
+    _RESOLVED[id(args)] = {"config": resolve_config(args), "notes": []}
+    try:  # forget it with the args object (ids are reused); args dataclasses are unhashable, so no WeakKeyDict
+        weakref.finalize(args, _RESOLVED.pop, id(args), None)
+    except TypeError:
+        pass
+
+
+def cross_entropy_fallback_reasons(args) -> list:
+    """Why labels would not reach the model, making fused_linear pointless (ms-swift pops labels and computes the
+    loss from outputs.logits itself in these cases; see Seq2SeqTrainer.compute_loss)."""
+    reasons = []
+    rlhf_type = getattr(args, "rlhf_type", None)
+    if rlhf_type:
+        reasons.append(f"rlhf_type={rlhf_type} computes its loss from logits (labels never reach the model)")
+    task_type = getattr(args, "task_type", "causal_lm")
+    if task_type not in (None, "causal_lm"):
+        reasons.append(f"task_type={task_type} has no language-model loss")
+    if getattr(args, "loss_type", None) and not rlhf_type:
+        reasons.append(f"loss_type={args.loss_type} (custom loss on logits)")
+    if (getattr(args, "label_smoothing_factor", 0) or 0) > 0:
+        reasons.append(f"label_smoothing_factor={args.label_smoothing_factor}")
+    if getattr(args, "enable_dft_loss", False):
+        reasons.append("enable_dft_loss")
+    if getattr(args, "enable_channel_loss", False):
+        reasons.append("enable_channel_loss")
+    if (getattr(args, "sequence_parallel_size", 1) or 1) > 1:
+        reasons.append(f"sequence_parallel_size={args.sequence_parallel_size}")
+    loss_scale = getattr(args, "loss_scale", None)
+    if loss_scale and not rlhf_type:
+        try:
+            from swift.loss_scale import get_loss_scale
+            if not get_loss_scale(loss_scale).is_binary_loss_scale:
+                reasons.append(f"loss_scale={loss_scale} is not binary (per-token weights on logits)")
+        except Exception as e:  # an unknown loss_scale is ms-swift's error to raise, later
+            reasons.append(f"loss_scale={loss_scale} could not be checked ({type(e).__name__})")
+    return reasons
+
+
+def finalize(args) -> None:
+    """After ms-swift's __post_init__: apply the fused_linear -> fused fallback now that all args are final."""
+    state = _RESOLVED.get(id(args))
+    if state is None:
+        return
+    cfg = state["config"]
+    if cfg.cross_entropy == "fused_linear":
+        reasons = cross_entropy_fallback_reasons(args)
+        if reasons:
+            state["config"] = dataclasses.replace(cfg, cross_entropy="fused")
+            state["notes"].append("cross_entropy fused_linear -> fused: " + "; ".join(reasons))
+
+
+def resolved(args):
+    """(LigerConfig, notes) for args built with --use_liger, else None."""
+    state = _RESOLVED.get(id(args))
+    if state is None:
+        return None
+    return state["config"], list(state["notes"])

@@ -1,0 +1,216 @@
+"""What the import hook does to each ms-swift module, right after its body has run.
+
+* swift.arguments.sft_args   -> SftArguments gains the --use_liger / --liger_* fields (arguments.py).
+* swift.pipelines.train.tuner -> TunerMixin.prepare_model patches the freshly loaded model before the tuner wraps
+                                 it (sft, pt, rlhf policy, PPO value model), on every rank.
+* swift.pipelines.train.rlhf -> side models (ref, reward, teacher) are patched before their adapters load, with
+                                 the loss fusion off (their loss is never used).
+* swift.pipelines.train.sft  -> SwiftSft.train attaches the per-step metrics to the trainer.
+
+A missing ms-swift attribute is an ImportError naming it: silently skipping would hand `--use_liger` back to
+ms-swift's `--use_liger_kernel` prefix match. SWIFT_LIGER_DISABLE_HOOK=1 turns all of this off.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import warnings
+import weakref
+
+SUPPORTED_SWIFT = "4.6."
+SIDE_ROLES = ("ref", "reward", "teacher")
+PATCH_FILE = "liger_patch.json"
+
+_patched = weakref.WeakSet()  # models already patched here (PPO value model, repeated prepare calls)
+_records = {}  # output_dir -> liger_patch.json content
+_side_role = [None, False]  # [role of the model _prepare_single_model is building, patched yet]
+
+
+def _require(obj, attr, where):
+    if not hasattr(obj, attr):
+        raise ImportError(
+            f"swift_liger: ms-swift {_swift_version()} has no {where}.{attr}; swift_liger supports ms-swift "
+            f"{SUPPORTED_SWIFT}x. Install a supported ms-swift, or set SWIFT_LIGER_DISABLE_HOOK=1 to run without "
+            "the plugin.")
+    return getattr(obj, attr)
+
+
+def _swift_version():
+    try:
+        from swift.version import __version__
+        return __version__
+    except Exception:
+        return "?"
+
+
+def _check_version():
+    version = _swift_version()
+    if not version.startswith(SUPPORTED_SWIFT):
+        warnings.warn(f"swift_liger is tested with ms-swift {SUPPORTED_SWIFT}x, found {version}", stacklevel=3)
+
+
+def _logger():
+    from swift.utils import get_logger
+    return get_logger()
+
+
+def _is_master():
+    from swift.utils import is_master
+    return is_master()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# swift.arguments.sft_args
+# ---------------------------------------------------------------------------------------------------------------
+
+def patch_sft_args(module) -> None:
+    _check_version()
+    from .arguments import inject_fields
+    inject_fields(_require(module, "SftArguments", "swift.arguments.sft_args"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Patching one model
+# ---------------------------------------------------------------------------------------------------------------
+
+def _config_for(args, role):
+    from .arguments import finalize, resolved, validate
+    res = resolved(args)
+    if res is None:  # args built without __post_init__ (e.g. copied); resolve now, same rules
+        validate(args)
+        finalize(args)
+        res = resolved(args)
+    cfg, notes = res
+    if role in SIDE_ROLES and cfg.cross_entropy != "off":
+        cfg = dataclasses.replace(cfg, cross_entropy="off")
+        notes = [n for n in notes if not n.startswith("cross_entropy")]  # the policy's fallback is not theirs
+        notes.append(f"{role} model: cross_entropy off (its loss is never computed)")
+    return cfg, notes
+
+
+def _report_dict(report):
+    to_dict = getattr(report, "to_dict", None)
+    return to_dict() if callable(to_dict) else {"report": str(report)}
+
+
+def patch_model(args, model, role: str):
+    """Apply swift_liger to one loaded model; record and log what changed. Returns the PatchReport (or None)."""
+    if model is None or model in _patched:
+        return None
+    import swift_liger
+    cfg, notes = _config_for(args, role)
+    report = swift_liger.apply(model, cfg)
+    _patched.add(model)
+    master = _is_master()
+    if master:
+        logger = _logger()
+        for note in notes:
+            logger.info(f"swift_liger: {note}")
+        logger.info(f"swift_liger: patched the {role} model:\n{report}")
+        if role == "policy" and cfg.cross_entropy == "fused_linear":
+            logger.info("swift_liger: cross_entropy=fused_linear computes the loss from hidden states, so the model "
+                        "returns no logits in training and ms-swift logs no token_acc (use --liger_cross_entropy "
+                        "fused or --liger_config keep_logits to keep it)")
+        _save_record(args, role, cfg, notes, report)
+    return report
+
+
+def _save_record(args, role, cfg, notes, report):
+    output_dir = getattr(args, "output_dir", None)
+    if not output_dir:
+        return
+    record = _records.get(output_dir)
+    if record is None:
+        from swift_liger import __version__
+        record = _records[output_dir] = {
+            "swift_liger": __version__,
+            "ms_swift": _swift_version(),
+            "backend": {k: os.environ.get(k) for k in ("SWIFT_LIGER_BACKEND", "TRITON_INTERPRET")},
+            "models": {},
+        }
+    record["models"][role] = {"config": cfg.to_dict(), "notes": notes, "report": _report_dict(report)}
+    if role == "policy":
+        record["config"], record["notes"] = cfg.to_dict(), notes
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, PATCH_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2, default=str)
+    os.replace(path + ".tmp", path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# swift.pipelines.train.tuner
+# ---------------------------------------------------------------------------------------------------------------
+
+def patch_tuner(module) -> None:
+    mixin = _require(module, "TunerMixin", "swift.pipelines.train.tuner")
+    raw = mixin.__dict__.get("prepare_model")
+    if not isinstance(raw, classmethod):
+        raise ImportError("swift_liger: swift.pipelines.train.tuner.TunerMixin.prepare_model is not a classmethod; "
+                          f"unsupported ms-swift {_swift_version()} (set SWIFT_LIGER_DISABLE_HOOK=1 to bypass)")
+    orig = raw.__func__
+
+    @functools.wraps(orig)
+    def prepare_model(cls, args, model, *a, **kw):
+        if getattr(args, "use_liger", False):
+            task_type = kw.get("task_type")
+            role = "value" if getattr(args, "rlhf_type", None) and task_type == "seq_cls" else "policy"
+            patch_model(args, model, role)  # before LoRA & co. wrap the model
+        return orig(cls, args, model, *a, **kw)
+
+    mixin.prepare_model = classmethod(prepare_model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# swift.pipelines.train.rlhf
+# ---------------------------------------------------------------------------------------------------------------
+
+def patch_rlhf_pipeline(module) -> None:
+    rlhf_cls = _require(module, "SwiftRLHF", "swift.pipelines.train.rlhf")
+    orig_single = _require(rlhf_cls, "_prepare_single_model", "swift.pipelines.train.rlhf.SwiftRLHF")
+    orig_adapter = _require(module, "prepare_adapter", "swift.pipelines.train.rlhf")
+
+    @functools.wraps(orig_single)
+    def _prepare_single_model(self, key, origin_key, *a, **kw):
+        role = origin_key or key
+        _side_role[:] = [role, False]
+        try:
+            result = orig_single(self, key, origin_key, *a, **kw)
+            done = _side_role[1]
+        finally:
+            _side_role[:] = [None, False]
+        if result is not None and not done and role in SIDE_ROLES and getattr(self.args, "use_liger", False):
+            patch_model(self.args, result[0], role)  # only if prepare_adapter below was not reached
+        return result
+
+    @functools.wraps(orig_adapter)
+    def prepare_adapter(args, model, *a, **kw):
+        role = _side_role[0]
+        if role in SIDE_ROLES and getattr(args, "use_liger", False):
+            patch_model(args, model, role)  # before the side model's adapters wrap it
+            _side_role[1] = True
+        return orig_adapter(args, model, *a, **kw)
+
+    rlhf_cls._prepare_single_model = _prepare_single_model
+    module.prepare_adapter = prepare_adapter  # the name rlhf.py's _prepare_single_model looks up
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# swift.pipelines.train.sft
+# ---------------------------------------------------------------------------------------------------------------
+
+def patch_sft_pipeline(module) -> None:
+    sft_cls = _require(module, "SwiftSft", "swift.pipelines.train.sft")
+    orig_train = _require(sft_cls, "train", "swift.pipelines.train.sft.SwiftSft")
+
+    @functools.wraps(orig_train)
+    def train(self, trainer):
+        args = self.args
+        if getattr(args, "use_liger", False) or getattr(args, "liger_metrics", False):
+            from .metrics import attach
+            attach(trainer)
+        return orig_train(self, trainer)
+
+    sft_cls.train = train

@@ -1,0 +1,2 @@
+"""Offline helpers for tests, the demo and examples (tiny random models, toy datasets). Not imported by the
+patcher or the plugin."""

@@ -1,0 +1,102 @@
+"""Runner for the real `swift` CLI in subprocesses, used by the integration tests (see conftest.py)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+# Settings shared by every CLI run: fp32 on CPU, one thread (deterministic, kind to shared CI cores).
+CPU_FLAGS = ["--torch_dtype", "float32", "--fp16", "false", "--bf16", "false", "--check_model", "false",
+             "--gradient_accumulation_steps", "1", "--dataloader_num_workers", "0", "--dataset_num_proc", "1",
+             "--logging_steps", "1", "--seed", "42"]
+
+
+def hook_installed() -> bool:
+    try:
+        import importlib.metadata as md
+        files = md.distribution("swift-liger").files or []
+        return any(str(f).endswith("swift_liger_hook.pth") for f in files)
+    except Exception:
+        return False
+
+
+def swift_env(**extra) -> dict:
+    env = dict(os.environ)
+    # in-process ms-swift (test_swift_args) setdefaults these in os.environ; a child must pick its own
+    for key in ("SWIFT_LIGER_DISABLE_HOOK", "TENSORBOARD_LOGGING_DIR", "SWIFT_CONFIG_FILE"):
+        env.pop(key, None)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@dataclass
+class SwiftRun:
+    cmd: list
+    log_path: str
+    output_dir: str
+    returncode: int = None
+    seconds: float = None
+    _proc: object = None
+    _t0: float = None
+
+    @property
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait(self, timeout=600):
+        if self._proc is not None:
+            try:
+                self.returncode = self._proc.wait(timeout=timeout)
+            finally:
+                if self._proc.poll() is None:
+                    self._proc.kill()
+            self.seconds = time.time() - self._t0
+            self._proc = None
+        return self
+
+    def check(self):
+        assert self.returncode == 0, f"{' '.join(self.cmd[2:])} failed ({self.returncode}):\n{self.log[-6000:]}"
+        return self
+
+    @property
+    def run_dir(self) -> str:
+        """The versioned v*-* dir (args.json, logging.jsonl, liger_patch.json)."""
+        dirs = sorted(glob.glob(os.path.join(self.output_dir, "v*-*")))
+        assert dirs, f"no v*-* run dir in {self.output_dir}:\n{self.log[-3000:]}"
+        return dirs[-1]
+
+    def steps(self):
+        from swift_liger.plot import read_steps
+        return read_steps(self.run_dir)
+
+    def patch_record(self) -> dict:
+        path = os.path.join(self.run_dir, "liger_patch.json")
+        assert os.path.exists(path), f"no liger_patch.json in {self.run_dir}"
+        with open(path) as f:
+            return json.load(f)
+
+
+def start_swift(subcommand: str, argv: list, output_dir: str, env: dict = None) -> SwiftRun:
+    """Start `swift <subcommand> ...` (the real CLI entry point) in the background."""
+    os.makedirs(output_dir, exist_ok=True)
+    cmd = [sys.executable, "-m", "swift.cli.main", subcommand, *argv, "--output_dir", output_dir]
+    if argv and argv[0].endswith((".yaml", ".yml")):  # ms-swift wants the YAML first, flags after
+        cmd = [sys.executable, "-m", "swift.cli.main", subcommand, argv[0], *argv[1:], "--output_dir", output_dir]
+    run = SwiftRun(cmd=cmd, log_path=output_dir.rstrip("/") + ".log", output_dir=output_dir)
+    log = open(run.log_path, "w")
+    run._proc = subprocess.Popen(cmd, env=env or swift_env(), stdout=log, stderr=subprocess.STDOUT,
+                                 cwd=os.path.dirname(output_dir))
+    log.close()
+    run._t0 = time.time()
+    return run
+
+
+def run_swift(subcommand, argv, output_dir, env=None, timeout=600) -> SwiftRun:
+    return start_swift(subcommand, argv, output_dir, env).wait(timeout)

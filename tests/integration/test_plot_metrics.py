@@ -1,0 +1,116 @@
+"""Step metrics and the plot, without ms-swift (fast)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import types
+
+import pytest
+import torch
+
+from swift_liger import plot
+from swift_liger.integration import metrics
+
+
+class FakeTrainer:
+    """The slice of transformers.Trainer that metrics.attach touches."""
+
+    def __init__(self):
+        self.args = types.SimpleNamespace(device=torch.device("cpu"))
+        self.state = types.SimpleNamespace()
+        self.model = torch.nn.Linear(4, 4)
+        self.callbacks, self.logged, self.seen = [], [], []
+
+    def add_callback(self, cb):
+        self.callbacks.append(cb)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen.append(inputs)
+        return torch.tensor(1.0)
+
+    def log(self, logs, start_time=None):
+        self.logged.append(dict(logs))
+
+
+def test_attach_counts_non_padding_tokens_and_logs_once_per_interval():
+    trainer = FakeTrainer()
+    m = metrics.attach(trainer)
+    assert metrics.attach(trainer) is m and len(trainer.callbacks) == 1  # idempotent
+    (cb,) = trainer.callbacks
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    for _ in range(2):  # two optimizer steps, two micro-batches each
+        cb.on_step_begin(None, None, None)
+        trainer.training_step(trainer.model, {"input_ids": torch.zeros(2, 4), "attention_mask": mask})
+        trainer.training_step(trainer.model, {"input_ids": torch.zeros(1, 7)})  # padding-free: all tokens
+        time.sleep(0.01)  # step_time is rounded to microseconds
+        cb.on_step_end(None, None, None)
+    assert len(trainer.seen) == 4  # the wrapped training_step still calls the real one
+    trainer.log({"eval_loss": 1.0})
+    trainer.log({"loss": 2.0})
+    trainer.log({"loss": 2.0})  # nothing new since the last log: no metrics
+    eval_logs, logs, empty = trainer.logged
+    assert "tokens/s" not in eval_logs and "tokens/s" not in empty
+    tokens = 2 * (5 + 7)
+    assert logs["tokens/s"] == pytest.approx(tokens / (2 * logs["step_time(s)"]), rel=1e-3)
+    assert logs["rss(GiB)"] > 0 and "peak_alloc(GiB)" not in logs and "MFU" not in logs
+
+
+def test_metrics_never_break_training():
+    trainer = FakeTrainer()
+    m = metrics.attach(trainer)
+    (cb,) = trainer.callbacks
+    cb.on_step_begin(None, None, None)
+    class Broken:
+        def dim(self):
+            return 2
+
+        def sum(self):
+            raise RuntimeError("boom")
+
+    trainer.training_step(trainer.model, {"attention_mask": Broken()})  # counting fails
+    cb.on_step_end(None, None, None)
+    trainer.log({"loss": 1.0})
+    assert m.enabled is False and trainer.logged == [{"loss": 1.0}]
+
+
+def test_peak_flops_table(monkeypatch):
+    monkeypatch.delenv("SWIFT_LIGER_PEAK_TFLOPS", raising=False)
+    assert metrics.peak_flops("NVIDIA H200") == 989e12
+    assert metrics.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert metrics.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert metrics.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert metrics.peak_flops("Some Future GPU") is None
+    monkeypatch.setenv("SWIFT_LIGER_PEAK_TFLOPS", "100")
+    assert metrics.peak_flops("Some Future GPU") == 100e12
+
+
+def test_flops_per_token_counts_frozen_and_trainable_linears():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Embedding(10, 8), torch.nn.Linear(16, 4))
+    model[0].requires_grad_(False)
+    n0, n2 = 8 * 16, 16 * 4  # weights only; biases and embeddings are not matmul FLOPs
+    assert metrics.linear_flops_per_token(model) == 4 * (n0 + n2) + 2 * n2
+
+
+def write_log(run_dir, rows):
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "logging.jsonl"), "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def test_read_steps_and_plot(tmp_path):
+    out = tmp_path / "out"
+    write_log(out / "v0-old", [{"loss": 9.0, "global_step/max_steps": "1/1"}])
+    rows = [{"loss": 2.0 - i / 10, "global_step/max_steps": f"{i}/3", "tokens/s": 100.0 + i, "rss(GiB)": 0.5}
+            for i in (2, 1, 3)]
+    write_log(out / "v1-new", rows + [{"train_runtime": 1.0}, {"model_parameter_info": "x"}])
+    os.utime(out / "v0-old" / "logging.jsonl", (1, 1))  # older
+    steps = plot.read_steps(str(out))
+    assert [r["step"] for r in steps] == [1, 2, 3] and steps[0]["loss"] == pytest.approx(1.9)
+    assert plot.memory_key(steps) == "rss(GiB)"
+    assert plot.memory_key([{"rss(GiB)": 1, "peak_alloc(GiB)": 2}]) == "peak_alloc(GiB)"
+    png = plot.plot_runs([str(out), str(out / "v1-new" / "logging.jsonl")], str(tmp_path / "p.png"))
+    assert os.path.getsize(png) > 10_000
+    with pytest.raises(FileNotFoundError, match="no logging.jsonl"):
+        plot.find_log(str(tmp_path / "nothing"))

@@ -1,0 +1,184 @@
+"""The flags inside real ms-swift (in-process, no training): field injection, names, presets vs flags, toggles, errors.
+
+Importing ms-swift costs ~10 s once; everything else here is milliseconds per case.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import sys
+
+import pytest
+import yaml
+
+from swift_liger.config import LigerConfig
+from swift_liger.integration import arguments as liger_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FUSIONS = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "cross_entropy")
+
+
+@pytest.fixture(scope="module")
+def swift_mod():
+    from swift.arguments import PretrainArguments, RLHFArguments, SftArguments
+    from swift.cli.main import parse_yaml_args
+    from swift.pipelines.train.tuner import TunerMixin
+    from swift.utils import parse_args
+    return dict(sft=SftArguments, pt=PretrainArguments, rlhf=RLHFArguments, parse=parse_args,
+                yaml_argv=parse_yaml_args, tuner=TunerMixin)
+
+
+@pytest.fixture
+def base_argv(tiny_qwen3, tmp_path):
+    return [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], "--check_model", "false",
+            "--tuner_type", "lora", "--output_dir", str(tmp_path / "out")]
+
+
+def parse(swift_mod, argv, kind="sft"):
+    args, remaining = swift_mod["parse"](swift_mod[kind], argv)
+    assert remaining == []
+    return args
+
+
+def test_fields_exist_and_collide_with_nothing(swift_mod):
+    for kind in ("sft", "pt", "rlhf"):
+        names = [f.name for f in dataclasses.fields(swift_mod[kind])]
+        for ours in liger_args.FIELD_NAMES:
+            assert names.count(ours) == 1, (kind, ours)
+        theirs = [n for n in names if n not in liger_args.FIELD_NAMES]
+        for ours in liger_args.FIELD_NAMES:
+            prefixed = [n for n in theirs if n.startswith(ours)]
+            # use_liger is a prefix of ms-swift's use_liger_kernel on purpose: argparse takes the exact match
+            assert prefixed == (["use_liger_kernel"] if ours == "use_liger" else []), (kind, ours, prefixed)
+            assert not any(ours.startswith(n) and n != ours for n in theirs), (kind, ours)
+
+
+def test_use_liger_is_ours_not_a_prefix_of_use_liger_kernel(swift_mod, base_argv):
+    args = parse(swift_mod, base_argv + ["--use_liger"])
+    assert args.use_liger is True and args.use_liger_kernel is False
+    cfg, notes = liger_args.resolved(args)
+    assert cfg == LigerConfig() and notes == []
+    assert args.liger_metrics is True
+    plain = parse(swift_mod, base_argv)
+    assert plain.use_liger is False and liger_args.resolved(plain) is None
+    assert parse(swift_mod, base_argv + ["--no_liger_metrics"]).liger_metrics is False
+
+
+def test_bad_flags_fail_while_parsing(swift_mod, base_argv, tmp_path):
+    with pytest.raises(ValueError, match="pass only one"):
+        parse(swift_mod, base_argv + ["--use_liger", "--use_liger_kernel", "true"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rms_norm: true\nfused_everything: true\n")
+    with pytest.raises(ValueError, match="unknown swift_liger config key.*fused_everything"):
+        parse(swift_mod, base_argv + ["--use_liger", "--liger_config", str(bad)])
+    with pytest.raises(ValueError, match="neither a file nor a known preset"):
+        parse(swift_mod, base_argv + ["--use_liger", "--liger_config", "no_such_preset"])
+    with pytest.raises(ValueError, match="cross_entropy must be one of"):
+        parse(swift_mod, base_argv + ["--use_liger", "--liger_cross_entropy", "fast"])
+    with pytest.raises(ValueError, match="without --use_liger"):
+        parse(swift_mod, base_argv + ["--liger_config", "minimal"])
+
+
+def test_yaml_preset_and_cli_flags_agree(swift_mod, base_argv, tmp_path):
+    cfg_file = tmp_path / "run.yaml"
+    # unquoted `off` is YAML false: ms-swift turns it into the string "False", which must still mean "off"
+    cfg_file.write_text("use_liger: true\nliger_config: minimal\nliger_swiglu: true\nliger_cross_entropy: off\n"
+                        "liger_rolling_cache: {window: 64, sinks: 4}\n")
+    argv = [str(cfg_file)]
+    swift_mod["yaml_argv"](argv)  # exactly what `swift sft run.yaml ...` does
+    from_yaml = liger_args.resolved(parse(swift_mod, argv + base_argv))[0]
+    from_cli = liger_args.resolved(parse(swift_mod, base_argv + [
+        "--use_liger", "--liger_config", os.path.join(REPO, "configs", "liger", "minimal.yaml"),
+        "--liger_swiglu", "--liger_cross_entropy", "off", "--liger_rolling_cache", "64,4"]))[0]
+    from_flags = liger_args.resolved(parse(swift_mod, base_argv + [
+        "--use_liger", "--liger_swiglu", "true", "--liger_qk_norm_rope", "false", "--liger_cross_entropy", "off",
+        "--liger_rolling_cache", '{"window": 64, "sinks": 4}']))[0]
+    expected = LigerConfig(rms_norm=True, rope=True, swiglu=True, cross_entropy="off", qk_norm_rope=False,
+                           rolling_cache={"window": 64, "sinks": 4})
+    assert from_yaml == from_cli == from_flags == expected
+
+
+@pytest.mark.parametrize("name", ["default", "minimal", "off", "keep_logits"])
+def test_presets_load(name):
+    path = liger_args.find_preset(name)
+    assert path == os.path.join(REPO, "configs", "liger", f"{name}.yaml")
+    LigerConfig.from_yaml(path)
+    # wheels ship the presets as shared data (<prefix>/share/swift-liger/configs/liger), found without the repo
+    installed = os.path.join(sys.prefix, "share", "swift-liger", "configs", "liger")
+    assert installed in liger_args.preset_dirs()
+    assert os.path.isfile(os.path.join(installed, f"{name}.yaml")), "reinstall: pip install -e ."
+
+
+def test_shipped_run_configs_only_use_known_keys(swift_mod):
+    known = {f.name for f in dataclasses.fields(swift_mod["rlhf"])}
+    files = sorted(glob.glob(os.path.join(REPO, "configs", "sft", "*.yaml")) +
+                   glob.glob(os.path.join(REPO, "configs", "rlhf", "*.yaml")))
+    assert len(files) >= 6
+    for path in files:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+        unknown = set(data) - known - {"ENV"}
+        assert not unknown, (path, unknown)
+        assert data["use_liger"] is True, path
+        ns = argparse_namespace(data)
+        liger_args.validate(ns)  # presets and per-fusion keys resolve
+        assert liger_args.resolved(ns) is not None
+
+
+def argparse_namespace(data):
+    import types
+    values = {name: default for name, _, default, _ in liger_args.FIELDS}
+    values.update({k: v for k, v in data.items() if k in values})
+    values["use_liger_kernel"] = False
+    return types.SimpleNamespace(**values)
+
+
+@pytest.fixture(scope="module")
+def prepared(swift_mod, tiny_qwen3, tmp_path_factory):
+    """Run ms-swift's real TunerMixin.prepare_model (our seam + LoRA) per flag set; returns liger_patch.json."""
+    root = tmp_path_factory.mktemp("prepare")
+
+    def run(*flags):
+        out = root / f"run{len(list(root.iterdir()))}"
+        argv = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], "--check_model", "false",
+                "--tuner_type", "lora", "--output_dir", str(out), "--use_liger", *flags]
+        args = parse(swift_mod, argv)
+        model, _ = args.get_model_processor()  # ms-swift's loader (sets model_meta etc.), as in `swift sft`
+        wrapped = swift_mod["tuner"].prepare_model(args, model)
+        assert type(wrapped).__name__.startswith("PeftModel"), "LoRA must wrap the patched model"
+        with open(os.path.join(args.output_dir, "liger_patch.json")) as f:
+            return json.load(f)
+    return run
+
+
+def test_each_toggle_switches_exactly_its_fusion(prepared):
+    base = prepared()["models"]["policy"]["report"]["patched"]
+    assert all(base[f] > 0 for f in FUSIONS), base
+    # rope off takes qk_norm_rope with it (the fused q/k norm is part of the rotation)
+    cases = {"rms_norm": {"rms_norm"}, "rope": {"rope", "qk_norm_rope"}, "swiglu": {"swiglu"},
+             "qk_norm_rope": {"qk_norm_rope"}, "cross_entropy": {"cross_entropy"}}
+    for fusion, off in cases.items():
+        value = "off" if fusion == "cross_entropy" else "false"
+        record = prepared(f"--liger_{fusion}", value)
+        patched = record["models"]["policy"]["report"]["patched"]
+        assert record["config"][fusion] in (False, "off")
+        assert {f for f in FUSIONS if patched[f] == 0} == off, (fusion, patched)
+        expected = dict(base)
+        if "qk_norm_rope" in off:  # q_norm/k_norm then run as plain RMSNorm kernels (one each per attention)
+            expected["rms_norm"] += 2 * base["qk_norm_rope"]
+        assert all(patched[f] == expected[f] for f in FUSIONS if f not in off), (fusion, patched)
+    fused = prepared("--liger_cross_entropy", "fused")["models"]["policy"]["report"]
+    assert fused["cross_entropy_mode"] == "fused" and fused["patched"]["cross_entropy"] == 1
+
+
+def test_labels_popped_falls_back_to_fused(prepared):
+    # ms-swift pops labels for these and computes the loss from logits itself (Seq2SeqTrainer.compute_loss)
+    record = prepared("--loss_scale", "react", "--label_smoothing_factor", "0.1")
+    assert record["config"]["cross_entropy"] == "fused"
+    assert record["models"]["policy"]["report"]["cross_entropy_mode"] == "fused"
+    (note,) = record["notes"]
+    assert note.startswith("cross_entropy fused_linear -> fused")
+    assert "label_smoothing_factor=0.1" in note and "loss_scale=react" in note and "is not binary" in note
+    assert prepared("--loss_scale", "ignore_empty_think")["config"]["cross_entropy"] == "fused_linear"

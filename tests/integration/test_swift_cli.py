@@ -1,0 +1,164 @@
+"""End-to-end: the real `swift sft` / `swift rlhf` CLI on the tiny offline models, patched runs executing the real
+Triton kernels in Triton's interpreter. Six CLI runs in all, two at a time, shared by the tests below.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from swift_liger.config import LigerConfig
+
+from swift_runner import CPU_FLAGS, run_swift
+
+pytestmark = pytest.mark.slow
+
+FUSIONS = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "cross_entropy")
+METRIC_KEYS = ("step_time(s)", "tokens/s", "rss(GiB)")
+STEPS = 10
+# batch 1 x <=64 tokens keeps the interpreter (~1 ms per Triton program) at a few seconds per step
+SMALL = ["--per_device_train_batch_size", "1", "--max_length", "64"]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("swift_runs")
+    sft = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], "--tuner_type", "lora", *CPU_FLAGS, *SMALL,
+           "--learning_rate", "2e-3"]
+    bad_preset = root / "bad_preset.yaml"
+    bad_preset.write_text("rms_norm: true\nfused_everything: true\n")
+    yaml_cfg = root / "minimal_plus_swiglu.yaml"
+    yaml_cfg.write_text("use_liger: true\nliger_config: minimal\nliger_swiglu: true\n")
+    specs = {  # longest first: the two patched multi-step runs
+        "liger": ("sft", sft + ["--max_steps", str(STEPS), "--use_liger", "--report_to", "tensorboard",
+                                "--save_strategy", "steps", "--save_steps", str(STEPS), "--save_only_model", "true"]),
+        "dpo": ("rlhf", ["--rlhf_type", "dpo", *tiny_llama["swift_flags"], "--dataset", tiny_llama["pref"],
+                         "--tuner_type", "full", *CPU_FLAGS, *SMALL, "--max_steps", "2", "--use_liger",
+                         "--report_to", "none", "--save_strategy", "no"]),
+        "base": ("sft", sft + ["--max_steps", str(STEPS), "--report_to", "none", "--save_strategy", "no"]),
+        "yaml": ("sft", [str(yaml_cfg), *sft, "--max_steps", "2", "--report_to", "none", "--save_strategy", "no"]),
+        "kernel_clash": ("sft", sft + ["--max_steps", "1", "--use_liger", "--use_liger_kernel", "true"]),
+        "bad_preset": ("sft", sft + ["--max_steps", "1", "--use_liger", "--liger_config", str(bad_preset)]),
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run_swift, cmd, argv, str(root / name)) for name, (cmd, argv) in specs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def test_patched_losses_match_unpatched(runs):
+    base, liger = runs["base"].check().steps(), runs["liger"].check().steps()
+    assert [r["step"] for r in base] == [r["step"] for r in liger] == list(range(1, STEPS + 1))
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(base, liger)]
+    assert max(diffs) <= 1e-5, diffs
+    assert base[0]["loss"] != base[-1]["loss"]  # it trained
+
+
+def test_patch_record_log_and_metrics(runs):
+    liger = runs["liger"].check()
+    record = liger.patch_record()
+    assert record["config"] == LigerConfig().to_dict() and record["notes"] == []
+    assert record["backend"] == {"SWIFT_LIGER_BACKEND": "triton", "TRITON_INTERPRET": "1"}
+    report = record["models"]["policy"]["report"]
+    assert all(report["patched"][f] > 0 for f in FUSIONS), report
+    assert report["cross_entropy_mode"] == "fused_linear" and set(record["models"]) == {"policy"}
+    assert liger.log.count("swift_liger: patched the policy model") == 1
+    with open(os.path.join(liger.run_dir, "args.json")) as f:
+        args = json.load(f)
+    assert args["use_liger"] is True and args["use_liger_kernel"] is False
+
+    for name in ("base", "liger"):  # metrics with and without --use_liger: fair comparison
+        for row in runs[name].steps():
+            assert all(isinstance(row.get(k), float) and row[k] > 0 for k in METRIC_KEYS), (name, row)
+            assert "peak_alloc(GiB)" not in row and "MFU" not in row  # CPU: no CUDA numbers, never made up
+            # non-padding tokens of one micro-batch (batch 1, max_length 64)
+            assert 0 < row["tokens/s"] * row["step_time(s)"] <= 64 * 1.01, row
+    # fused_linear returns no logits in training, so ms-swift skips token_acc; the stock run has it
+    assert all("token_acc" in r for r in runs["base"].steps())
+    assert not any("token_acc" in r for r in runs["liger"].steps())
+
+
+def test_metrics_reach_tensorboard(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = glob.glob(os.path.join(runs["liger"].run_dir, "runs", "**", "events.out.tfevents.*"), recursive=True)
+    assert events, "no TensorBoard event file"
+    tags = set()
+    for path in events:
+        acc = EventAccumulator(path)
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert {"train/tokens/s", "train/step_time(s)", "train/loss"} <= tags, tags
+
+
+def test_adapter_from_patched_run_loads_into_unpatched_model(runs, tiny_qwen3):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import swift_liger
+
+    (ckpt,) = glob.glob(os.path.join(runs["liger"].check().run_dir, f"checkpoint-{STEPS}"))
+    keys = load_file(os.path.join(ckpt, "adapter_model.safetensors")).keys()
+    assert keys and all("lora_" in k and "liger" not in k for k in keys)
+
+    ids = torch.tensor([[5, 17, 200, 33, 1024, 7, 99, 400, 12, 3, 800, 61]])
+    logits = []
+    for patch in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_qwen3["model"], dtype=torch.float32)
+        if patch:
+            swift_liger.apply(model)  # the patched training-time model, for reference
+        model = PeftModel.from_pretrained(model, ckpt).eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    unpatched, patched = logits
+    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_qwen3["model"]), ckpt)
+    assert any(float(p.abs().max()) > 0 for n, p in trained.named_parameters() if "lora_B" in n)  # not a no-op
+    torch.testing.assert_close(unpatched, patched, atol=1e-5, rtol=1e-5)
+
+
+def test_yaml_config_switches_exactly_the_configured_fusions(runs):
+    yaml_run = runs["yaml"].check()
+    record = yaml_run.patch_record()
+    expected = LigerConfig(rms_norm=True, rope=True, swiglu=True, qk_norm_rope=False, cross_entropy="off")
+    assert record["config"] == expected.to_dict()
+    patched = record["models"]["policy"]["report"]["patched"]
+    assert {f for f in FUSIONS if patched[f] > 0} == {"rms_norm", "rope", "swiglu"}, patched
+    assert all("token_acc" in r for r in yaml_run.steps())  # cross_entropy off: logits stay
+
+
+@pytest.mark.parametrize("name, message", [
+    ("kernel_clash", "--use_liger (swift_liger's Triton kernels) and --use_liger_kernel"),
+    ("bad_preset", "unknown swift_liger config key(s): fused_everything"),
+])
+def test_bad_flags_fail_before_the_model_loads(runs, name, message):
+    run = runs[name]
+    assert run.returncode != 0
+    assert message in run.log
+    assert "model_info" not in run.log and "Loading weights" not in run.log  # failed while parsing arguments
+    assert run.seconds < 120
+
+
+def test_dpo_patches_policy_and_reference_model(runs):
+    dpo = runs["dpo"].check()
+    record = dpo.patch_record()
+    assert set(record["models"]) == {"policy", "ref"}
+    policy, ref = record["models"]["policy"], record["models"]["ref"]
+    assert policy["config"]["cross_entropy"] == "fused" and "rlhf_type=dpo" in policy["notes"][0]
+    assert ref["config"]["cross_entropy"] == "off"
+    assert ref["notes"] == ["ref model: cross_entropy off (its loss is never computed)"]
+    for entry in (policy, ref):
+        assert entry["report"]["model_type"] == "llama"
+        assert all(entry["report"]["patched"][f] > 0 for f in ("rms_norm", "rope", "swiglu")), entry
+    rows = dpo.steps()
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["tokens/s"] > 0 for r in rows)
+
+
+def test_plot_overlays_two_runs(runs, tmp_path):
+    from swift_liger.cli import main
+    out = tmp_path / "cmp.png"
+    assert main(["plot", runs["base"].output_dir, runs["liger"].output_dir, "-o", str(out)]) == 0
+    assert out.stat().st_size > 10_000
