@@ -56,11 +56,16 @@ def _outputs(out):
     return [t for t in out if isinstance(t, torch.Tensor)]
 
 
-def _fwd_bwd(fn, inputs, grads_cache):
+def _fwd_bwd(fn, inputs, grads_cache, pristine=None):
     outs = _outputs(fn(inputs))
     key = tuple((tuple(o.shape), o.dtype) for o in outs)
     if key not in grads_cache:
-        grads_cache[key] = [torch.randn_like(o) if o.dim() > 0 else torch.ones_like(o) for o in outs]
+        if pristine is not None and key in pristine:
+            grads_cache[key] = [g.clone() for g in pristine[key]]
+        else:
+            grads_cache[key] = [torch.randn_like(o) if o.dim() > 0 else torch.ones_like(o) for o in outs]
+            if pristine is not None:
+                pristine[key] = [g.clone() for g in grads_cache[key]]
     torch.autograd.backward(outs, grads_cache[key])
     return outs
 
@@ -80,15 +85,16 @@ def run_case(case: Case, *, warmup_ms: int = 100, rep_ms: int = 500) -> List[Res
 
     results = []
     ref_out = None
-    grads_cache: dict = {}
-    for name, fn in case.impls.items():
+    pristine: dict = {}   # output grads shared by all peers; each peer gets its own copy (Liger's RoPE backward
+    for name, fn in case.impls.items():   # rotates its incoming grads in place)
+        grads_cache: dict = {}
         # Fresh, identical inputs for every implementation: Liger's kernels write into their inputs (RoPE forward,
         # SwiGLU and cross-entropy backward), which would corrupt the next peer's inputs.
         torch.manual_seed(0)
         inputs = case.make_inputs()
         leaves = _leaves(inputs)
         try:
-            outs = _fwd_bwd(fn, inputs, grads_cache)          # warm-up / compile, and correctness sample
+            outs = _fwd_bwd(fn, inputs, grads_cache, pristine)   # warm-up / compile, and correctness sample
             torch.cuda.synchronize()
             got = [o.detach().float().clone() for o in outs] + [l.grad.detach().float().clone() for l in leaves
                                                                if l.grad is not None]
