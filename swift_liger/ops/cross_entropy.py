@@ -37,7 +37,7 @@ MAX_BLOCK_V = 8192
 
 @triton.jit
 def _tanh(x):
-    # No libdevice: tanh(x) = 2 sigmoid(2x) - 1 (saturates cleanly to +-1 for large |x|).
+    # tl.* math only (interpreter-safe): tanh(x) = 2 sigmoid(2x) - 1 (saturates cleanly to +-1 for large |x|).
     return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
