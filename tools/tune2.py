@@ -1,6 +1,9 @@
 """Sweep launch settings through the benchmark harness (fresh inputs per setting, same timing as the benchmarks).
 
-    python3 tools/tune2.py rms_norm rope qk_norm_rope
+    python3 tools/tune2.py rms_norm rms_norm_blocked rope qk_norm_rope
+
+Knobs are module constants (or a module's TUNING dict) and stay applied through the backward, which the harness
+runs after the timed function returns.
 """
 import importlib
 import itertools
@@ -11,36 +14,58 @@ import torch
 from swift_liger.bench import harness, kernels
 
 
-def with_settings(module, settings, fn):
+def _get(module, k):
+    tuning = getattr(module, "TUNING", None)
+    return tuning[k] if isinstance(tuning, dict) and k in tuning else getattr(module, k)
+
+
+def _set(module, k, v):
+    tuning = getattr(module, "TUNING", None)
+    if isinstance(tuning, dict) and k in tuning:
+        tuning[k] = v
+    else:
+        setattr(module, k, v)
+
+
+_ACTIVE = {}  # id(module) -> settings applied last
+
+
+def with_settings(module, settings, fn, defaults):
+    """fn run under `settings` (other swept knobs at their defaults). The settings stay applied after fn returns:
+    the harness runs the backward outside fn (torch.autograd.backward on its outputs), and the backward launchers
+    read the knobs then. Each implementation is benchmarked to the end before the next one runs, so the next
+    wrapper's call re-applies its own settings. Occupancy caches are cleared only when the settings change (not in
+    the timed loop)."""
+    full = {**defaults, **settings}
+
     def run(inputs):
-        saved = {}
-        for k, v in settings.items():
-            if isinstance(getattr(module, "TUNING", None), dict) and k in module.TUNING:
-                saved[k] = ("T", module.TUNING[k])
-                module.TUNING[k] = v
-            else:
-                saved[k] = ("A", getattr(module, k))
-                setattr(module, k, v)
-        if hasattr(module, "_OCCUPANCY"):
-            module._OCCUPANCY.clear()
-        try:
-            return fn(inputs)
-        finally:
-            for k, (kind, v) in saved.items():
-                if kind == "T":
-                    module.TUNING[k] = v
-                else:
-                    setattr(module, k, v)
+        if _ACTIVE.get(id(module)) != full:
+            for k, v in full.items():
+                _set(module, k, v)
+            if hasattr(module, "_OCCUPANCY"):
+                module._OCCUPANCY.clear()
+            _ACTIVE[id(module)] = full
+        return fn(inputs)
     return run
 
 
 def sweep(case, module, grid, ours):
-    impls = {"default": case.impls["swift_liger"]}
-    for values in itertools.product(*grid.values()):
-        s = dict(zip(grid, values))
-        impls[" ".join(f"{k}={v}" for k, v in s.items())] = with_settings(module, s, ours)
+    """grid: {knob: [values]} (all combinations) or a list of such dicts (their combinations, one after another)."""
+    grids = grid if isinstance(grid, list) else [grid]
+    keys = {k for g in grids for k in g}
+    defaults = {k: _get(module, k) for k in keys}
+    impls = {"default": with_settings(module, {}, ours, defaults)}
+    for g in grids:
+        for values in itertools.product(*g.values()):
+            s = dict(zip(g, values))
+            impls[" ".join(f"{k}={v}" for k, v in s.items())] = with_settings(module, s, ours, defaults)
     case.impls = impls
-    rows = harness.run_case(case, warmup_ms=50, rep_ms=200)
+    try:
+        rows = harness.run_case(case, warmup_ms=50, rep_ms=200)
+    finally:
+        for k, v in defaults.items():
+            _set(module, k, v)
+        _ACTIVE.pop(id(module), None)
     for r in sorted(rows, key=lambda r: r.ms or 1e9):
         print(f"{case.op:14s} {r.ms if r.ms else float('nan'):8.4f} ms {r.gbps or 0:6.0f} GB/s  {r.impl}"
               + (f"  {r.error}" if r.error else ""), flush=True)
@@ -53,6 +78,23 @@ def main(ops):
         sweep(case, m, {"BWD_TILE_ELEMS": [4096, 8192, 16384], "BWD_NUM_WARPS": [16, 32],
                         "BWD_PROGRAMS_PER_SM": [None, 2]},
               lambda i: m.rms_norm(i["x"], i["w"], 1e-6))
+    if "rms_norm_blocked" in ops:
+        # Backward schedules side by side (fwd unchanged): "default" is the persistent grid; a persistent 2-row-tile
+        # point with the blocked default's registers; then the blocked grid (BWD_SCHEDULE="blocked").
+        m = importlib.import_module("swift_liger.ops.rms_norm")
+        case = kernels.rms_norm_cases()[0]
+        blocked = {"BWD_SCHEDULE": ["blocked"]}
+        sweep(case, m, [
+            {"BWD_TILE_ELEMS": [8192], "BWD_NUM_WARPS": [32]},
+            {**blocked, "BWD_BLOCK_ROWS": [16, 32, 64], "BWD_BLOCKED_ROWS_PER_TILE": [1, 2, 4],
+             "BWD_BLOCKED_NUM_WARPS": [16, 32]},
+            {**blocked, "BWD_BLOCK_ROWS": [32], "BWD_BLOCKED_ROWS_PER_TILE": [2, 4], "BWD_BLOCKED_NUM_WARPS": [16, 32],
+             "BWD_BLOCKED_DW_1D": [True]},
+            {**blocked, "BWD_BLOCK_ROWS": [32], "BWD_BLOCKED_ROWS_PER_TILE": [1, 2], "BWD_BLOCKED_NUM_WARPS": [16],
+             "BWD_BLOCKED_STAGES": [2, 3]},
+            {**blocked, "BWD_BLOCK_ROWS": [32], "BWD_BLOCKED_ROWS_PER_TILE": [1, 2], "BWD_BLOCKED_NUM_WARPS": [32],
+             "BWD_BLOCKED_PREFETCH": [False]},
+        ], lambda i: m.rms_norm(i["x"], i["w"], 1e-6))
     if "rope" in ops:
         m = importlib.import_module("swift_liger.ops.rope")
         case = kernels.rope_cases()[0]
@@ -67,4 +109,4 @@ def main(ops):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["rms_norm", "rope", "qk_norm_rope"])
+    main(sys.argv[1:] or ["rms_norm", "rms_norm_blocked", "rope", "qk_norm_rope"])

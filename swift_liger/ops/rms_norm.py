@@ -4,7 +4,9 @@
 
 Forward: one pass over x (whole row in registers), writes y (and s = x + residual) plus rstd (fp32, one per row).
 Backward: a persistent grid; every program walks rows with a stride, writes dx and keeps its dW partial in fp32
-registers; the partials ([programs, H] fp32) are summed by one small torch reduction. No atomics.
+registers; the partials ([programs, H] fp32) are summed by one small torch reduction. No atomics. An alternative
+schedule (``BWD_SCHEDULE = "blocked"``, for tuning) runs a non-persistent grid of blocks of consecutive rows, with
+the same math and the same partial-sum reduction.
 
 Casting modes (``casting``), matching Hugging Face eager code:
 * ``"llama"`` (LlamaRMSNorm, Qwen, Mistral, ...): ``xhat = (x.float() * rstd).to(x.dtype)``, then
@@ -56,10 +58,25 @@ BWD_FALLBACK_PROGRAMS_PER_SM = 2  # when the register count of the compiled kern
 BWD_PREFETCH = True          # register double-buffering of x / dy / ds across the persistent loop (only used
                              # when a thread holds <= BWD_ELEMS_PER_THREAD elements, else it would spill)
 MAX_ROWS_PER_TILE = 64
+# Backward schedule. "persistent" (default): the grid above. "blocked": a non-persistent grid where every program
+# takes BWD_BLOCK_ROWS consecutive rows in [rows-per-tile, BLOCK_H] tiles (several rows' loads in flight per step,
+# CTAs retire and refill independently) and writes one fp32 dW partial row; partials summed afterwards (no atomics).
+BWD_SCHEDULE = "persistent"
+BWD_SCHEDULES = ("persistent", "blocked")
+BWD_BLOCK_ROWS = 32          # blocked: rows per program (rounded up to whole tiles); dW partials = n_rows / this rows
+BWD_BLOCKED_TILE_ELEMS = 8192  # blocked: rows per tile = clamp(this // BLOCK_H, 1, MAX_ROWS_PER_TILE) (H=4096: 2)
+BWD_BLOCKED_ROWS_PER_TILE: Optional[int] = None  # blocked: override rows per tile (power of 2)
+BWD_BLOCKED_NUM_WARPS: Optional[int] = None      # blocked: override; default as BWD_NUM_WARPS's rule
+BWD_BLOCKED_PREFETCH = True  # blocked: double-buffer the next tile of the block in registers (same register rule)
+BWD_BLOCKED_STAGES: Optional[int] = None  # blocked: tl.range(num_stages=...) for the tile loop (None: Triton's default)
+BWD_BLOCKED_DW_1D = False    # blocked: fold each tile's dW rows into a [BLOCK_H] accumulator right away (fewer
+                             # registers when rows per tile > 1, one cross-row sum per tile) instead of [rows, BLOCK_H]
 # Interpreter (CPU tests): big tiles and few programs, since every program and loop step costs Python time.
 _INTERP_TILE_ELEMS = 16384
 _INTERP_PROGRAMS = 4
 _INTERP_PREFETCH = True
+_INTERP_BLOCK_ROWS = 8           # blocked schedule under the interpreter: several programs even for 21 test rows
+_INTERP_BLOCKED_ROWS_PER_TILE = 4
 
 
 class LaunchConfig(NamedTuple):
@@ -68,6 +85,9 @@ class LaunchConfig(NamedTuple):
     num_warps: int
     programs: Optional[int]      # grid size; None = from occupancy (backward on GPU, resolved by the launcher)
     prefetch: bool
+    block_rows: Optional[int] = None  # blocked backward only: rows per program (a multiple of block_m)
+    num_stages: Optional[int] = None  # blocked backward only: tl.range num_stages of the tile loop
+    dw_1d: bool = False               # blocked backward only: [BLOCK_H] dW accumulator (see BWD_BLOCKED_DW_1D)
 
 
 def launch_config(kind: str, n_rows: int, H: int, device: torch.device) -> LaunchConfig:
@@ -80,6 +100,11 @@ def launch_config(kind: str, n_rows: int, H: int, device: torch.device) -> Launc
     block_h = max(16, _common.next_pow2(H))
     n_rows = max(int(n_rows), 1)
     fwd = kind == "fwd"
+    if not fwd:
+        if BWD_SCHEDULE not in BWD_SCHEDULES:
+            raise ValueError(f"BWD_SCHEDULE must be one of {', '.join(BWD_SCHEDULES)}; got {BWD_SCHEDULE!r}")
+        if BWD_SCHEDULE == "blocked":
+            return _blocked_bwd_config(n_rows, block_h, device)
     if device.type != "cuda":
         block_m = min(MAX_ROWS_PER_TILE, max(1, _INTERP_TILE_ELEMS // block_h), _common.next_pow2(n_rows))
         tiles = _common.cdiv(n_rows, block_m)
@@ -109,6 +134,30 @@ def launch_config(kind: str, n_rows: int, H: int, device: torch.device) -> Launc
     else:
         prefetch = BWD_PREFETCH and block_m * block_h <= 32 * num_warps * BWD_ELEMS_PER_THREAD
     return LaunchConfig(block_m, block_h, num_warps, programs, bool(prefetch))
+
+
+def _blocked_bwd_config(n_rows: int, block_h: int, device: torch.device) -> LaunchConfig:
+    """Backward, BWD_SCHEDULE="blocked": cdiv(n_rows, block_rows) programs of block_rows // block_m tiles each."""
+    if device.type != "cuda":
+        block_m = min(_INTERP_BLOCKED_ROWS_PER_TILE, max(1, _INTERP_TILE_ELEMS // block_h), _common.next_pow2(n_rows))
+        rows, num_warps, prefetch = _INTERP_BLOCK_ROWS, 4, _INTERP_PREFETCH
+    else:
+        if BWD_BLOCKED_ROWS_PER_TILE is not None:
+            block_m = int(BWD_BLOCKED_ROWS_PER_TILE)
+        else:
+            block_m = min(MAX_ROWS_PER_TILE, max(1, BWD_BLOCKED_TILE_ELEMS // block_h), _common.next_pow2(n_rows))
+        if BWD_BLOCKED_NUM_WARPS is not None:
+            num_warps = int(BWD_BLOCKED_NUM_WARPS)
+        else:
+            num_warps = min(32, max(4, _common.next_pow2(block_m * block_h // (32 * BWD_ELEMS_PER_THREAD))))
+        rows = BWD_BLOCK_ROWS
+        prefetch = BWD_BLOCKED_PREFETCH and block_m * block_h <= 32 * num_warps * BWD_ELEMS_PER_THREAD
+    # A whole number of tiles per program, and no program larger than the problem (small batches keep a grid).
+    rows = _common.cdiv(max(int(rows), block_m), block_m) * block_m
+    rows = min(rows, _common.cdiv(n_rows, block_m) * block_m)
+    stages = None if BWD_BLOCKED_STAGES is None else int(BWD_BLOCKED_STAGES)  # (the interpreter ignores it)
+    return LaunchConfig(block_m, block_h, num_warps, _common.cdiv(n_rows, rows), bool(prefetch), rows, stages,
+                        bool(BWD_BLOCKED_DW_1D))
 
 
 _OCCUPANCY: dict = {}
@@ -225,6 +274,70 @@ def _rms_norm_fwd_kernel(
         tl.store(Y + out_offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
+# Backward building blocks, shared by the persistent and the blocked schedule (one source of truth for the math).
+
+@triton.jit
+def _bwd_scale(W, cols, col_mask, offset, HAS_W: tl.constexpr, CASTING: tl.constexpr):
+    """fp32 [BLOCK_H] scale = offset + weight (rounded to weight's dtype for llama, as HF); unused without W."""
+    if HAS_W:
+        scale = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        if CASTING == 0:
+            scale = scale.to(W.dtype.element_ty).to(tl.float32)
+    else:
+        scale = cols.to(tl.float32)  # placeholder, never read
+    return scale
+
+
+@triton.jit
+def _bwd_load(X, DY, DS, RSTD, tile, n_rows, n_inner, sx_outer, sx_inner, sdy_outer, sdy_inner, sds_outer,
+              sds_inner, cols, col_mask, HAS_DS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Raw (x, dy, ds, rstd) of a tile; rows >= n_rows read as zeros. ds is dy (not loaded again) without DS."""
+    x = _load_tile(X, tile, n_rows, n_inner, sx_outer, sx_inner, cols, col_mask, BLOCK_M)
+    dy = _load_tile(DY, tile, n_rows, n_inner, sdy_outer, sdy_inner, cols, col_mask, BLOCK_M)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rstd = tl.load(RSTD + rows, mask=rows < n_rows, other=0.0)
+    if HAS_DS:
+        ds = _load_tile(DS, tile, n_rows, n_inner, sds_outer, sds_inner, cols, col_mask, BLOCK_M)
+    else:
+        ds = dy
+    return x, dy, ds, rstd
+
+
+@triton.jit
+def _bwd_tile(X, DX, x, dy, ds, rstd, scale, acc, tile, n_rows, H, cols, col_mask, inv_h,
+              HAS_W: tl.constexpr, HAS_DS: tl.constexpr, COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
+              CASTING: tl.constexpr, DW_1D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Backward of one tile: stores dx (contiguous rows), returns acc + the tile's dW contribution.
+
+    acc is [BLOCK_M, BLOCK_H] (rows summed once at the end, no per-tile shuffles) or, with DW_1D, [BLOCK_H].
+    """
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    x = x.to(tl.float32)
+    dy = dy.to(tl.float32)
+    xhat = x * rstd[:, None]
+    if COMPUTE_DW:
+        if CASTING == 0:
+            part = dy * xhat.to(X.dtype.element_ty).to(tl.float32)
+        else:
+            part = dy * xhat
+        if DW_1D:
+            acc += tl.sum(part, axis=0)
+        else:
+            acc += part
+    if COMPUTE_DX:
+        if HAS_W:
+            g = dy * scale[None, :]
+        else:
+            g = dy
+        c = tl.sum(g * xhat, axis=1) * inv_h
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        if HAS_DS:
+            dx += ds.to(tl.float32)
+        tl.store(DX + (rows.to(tl.int64) * H)[:, None] + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    return acc
+
+
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DS, DX, DW_PART,
@@ -234,66 +347,79 @@ def _rms_norm_bwd_kernel(
     HAS_W: tl.constexpr, HAS_DS: tl.constexpr, COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
     CASTING: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    """Persistent schedule: program p takes tiles p, p + programs, ...; one dW partial row per program."""
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
-    if HAS_W:
-        scale = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-        if CASTING == 0:
-            scale = scale.to(W.dtype.element_ty).to(tl.float32)
-    # dW partial stays in registers as a 2-D tile; reduced over rows once at the end (no per-tile shuffles).
+    scale = _bwd_scale(W, cols, col_mask, offset, HAS_W, CASTING)
     acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     if PREFETCH:
-        x_next = _load_tile(X, pid, n_rows, n_inner, sx_outer, sx_inner, cols, col_mask, BLOCK_M)
-        dy_next = _load_tile(DY, pid, n_rows, n_inner, sdy_outer, sdy_inner, cols, col_mask, BLOCK_M)
-        rows_next = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        rstd_next = tl.load(RSTD + rows_next, mask=rows_next < n_rows, other=0.0)
-        if HAS_DS:
-            ds_next = _load_tile(DS, pid, n_rows, n_inner, sds_outer, sds_inner, cols, col_mask, BLOCK_M)
+        x_next, dy_next, ds_next, rstd_next = _bwd_load(
+            X, DY, DS, RSTD, pid, n_rows, n_inner, sx_outer, sx_inner, sdy_outer, sdy_inner, sds_outer, sds_inner,
+            cols, col_mask, HAS_DS, BLOCK_M)
     for tile in range(pid, n_tiles, n_prog):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
         if PREFETCH:
-            x = x_next
-            dy = dy_next
-            rstd = rstd_next
-            nxt = tile + n_prog
-            x_next = _load_tile(X, nxt, n_rows, n_inner, sx_outer, sx_inner, cols, col_mask, BLOCK_M)
-            dy_next = _load_tile(DY, nxt, n_rows, n_inner, sdy_outer, sdy_inner, cols, col_mask, BLOCK_M)
-            rows_next = nxt * BLOCK_M + tl.arange(0, BLOCK_M)
-            rstd_next = tl.load(RSTD + rows_next, mask=rows_next < n_rows, other=0.0)
-            if HAS_DS:
-                ds = ds_next
-                ds_next = _load_tile(DS, nxt, n_rows, n_inner, sds_outer, sds_inner, cols, col_mask, BLOCK_M)
+            x, dy, ds, rstd = x_next, dy_next, ds_next, rstd_next
+            x_next, dy_next, ds_next, rstd_next = _bwd_load(
+                X, DY, DS, RSTD, tile + n_prog, n_rows, n_inner, sx_outer, sx_inner, sdy_outer, sdy_inner,
+                sds_outer, sds_inner, cols, col_mask, HAS_DS, BLOCK_M)
         else:
-            x = _load_tile(X, tile, n_rows, n_inner, sx_outer, sx_inner, cols, col_mask, BLOCK_M)
-            dy = _load_tile(DY, tile, n_rows, n_inner, sdy_outer, sdy_inner, cols, col_mask, BLOCK_M)
-            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            if HAS_DS:
-                ds = _load_tile(DS, tile, n_rows, n_inner, sds_outer, sds_inner, cols, col_mask, BLOCK_M)
-        x = x.to(tl.float32)
-        dy = dy.to(tl.float32)
-        xhat = x * rstd[:, None]
-        if COMPUTE_DW:
-            if CASTING == 0:
-                acc += dy * xhat.to(X.dtype.element_ty).to(tl.float32)
-            else:
-                acc += dy * xhat
-        if COMPUTE_DX:
-            if HAS_W:
-                g = dy * scale[None, :]
-            else:
-                g = dy
-            c = tl.sum(g * xhat, axis=1) * inv_h
-            dx = (g - xhat * c[:, None]) * rstd[:, None]
-            if HAS_DS:
-                dx += ds.to(tl.float32)
-            tl.store(DX + (rows.to(tl.int64) * H)[:, None] + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            x, dy, ds, rstd = _bwd_load(
+                X, DY, DS, RSTD, tile, n_rows, n_inner, sx_outer, sx_inner, sdy_outer, sdy_inner, sds_outer,
+                sds_inner, cols, col_mask, HAS_DS, BLOCK_M)
+        acc = _bwd_tile(X, DX, x, dy, ds, rstd, scale, acc, tile, n_rows, H, cols, col_mask, inv_h,
+                        HAS_W, HAS_DS, COMPUTE_DX, COMPUTE_DW, CASTING, False, BLOCK_M)
     if COMPUTE_DW:
         tl.store(DW_PART + pid.to(tl.int64) * H + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _rms_norm_bwd_blocked_kernel(
+    DY, X, W, RSTD, DS, DX, DW_PART,
+    n_rows, n_inner, H,
+    sx_outer, sx_inner, sdy_outer, sdy_inner, sds_outer, sds_inner,
+    offset, inv_h,
+    HAS_W: tl.constexpr, HAS_DS: tl.constexpr, COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    CASTING: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr, NUM_STAGES: tl.constexpr, DW_1D: tl.constexpr,
+):
+    """Blocked schedule: program p takes the TILES_PER_PROGRAM consecutive tiles from p * TILES_PER_PROGRAM (a
+    non-persistent grid) and writes dW partial row p. Prefetch stops at the block's end (masked, no traffic)."""
+    pid = tl.program_id(0)
+    first = pid * TILES_PER_PROGRAM
+    row_end = tl.minimum(n_rows, (first + TILES_PER_PROGRAM) * BLOCK_M)  # this block's rows: [first*BM, row_end)
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    scale = _bwd_scale(W, cols, col_mask, offset, HAS_W, CASTING)
+    if DW_1D:
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    if PREFETCH:
+        x_next, dy_next, ds_next, rstd_next = _bwd_load(
+            X, DY, DS, RSTD, first, row_end, n_inner, sx_outer, sx_inner, sdy_outer, sdy_inner, sds_outer,
+            sds_inner, cols, col_mask, HAS_DS, BLOCK_M)
+    for t in tl.range(0, TILES_PER_PROGRAM, num_stages=NUM_STAGES):
+        tile = first + t
+        if PREFETCH:
+            x, dy, ds, rstd = x_next, dy_next, ds_next, rstd_next
+            x_next, dy_next, ds_next, rstd_next = _bwd_load(
+                X, DY, DS, RSTD, tile + 1, row_end, n_inner, sx_outer, sx_inner, sdy_outer, sdy_inner,
+                sds_outer, sds_inner, cols, col_mask, HAS_DS, BLOCK_M)
+        else:
+            x, dy, ds, rstd = _bwd_load(
+                X, DY, DS, RSTD, tile, row_end, n_inner, sx_outer, sx_inner, sdy_outer, sdy_inner, sds_outer,
+                sds_inner, cols, col_mask, HAS_DS, BLOCK_M)
+        acc = _bwd_tile(X, DX, x, dy, ds, rstd, scale, acc, tile, row_end, H, cols, col_mask, inv_h,
+                        HAS_W, HAS_DS, COMPUTE_DX, COMPUTE_DW, CASTING, DW_1D, BLOCK_M)
+    if COMPUTE_DW:
+        if DW_1D:
+            part = acc
+        else:
+            part = tl.sum(acc, axis=0)
+        tl.store(DW_PART + pid.to(tl.int64) * H + cols, part, mask=col_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -390,13 +516,18 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
             n_rows, n_inner, H, sx_o, sx_i, sdy_o, sdy_i, sds_o, sds_i, float(offset), 1.0 / H)
     kwargs = dict(HAS_W=weight is not None, HAS_DS=ds is not None, COMPUTE_DX=need_dx, COMPUTE_DW=need_dw,
                   CASTING=casting, PREFETCH=cfg.prefetch, BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h)
+    if cfg.block_rows is not None:  # BWD_SCHEDULE == "blocked": non-persistent grid, no occupancy probe
+        kernel = _rms_norm_bwd_blocked_kernel
+        kwargs.update(TILES_PER_PROGRAM=cfg.block_rows // cfg.block_m, NUM_STAGES=cfg.num_stages, DW_1D=cfg.dw_1d)
+    else:
+        kernel = _rms_norm_bwd_kernel
     programs = cfg.programs
     if programs is None:
         tiles = _common.cdiv(n_rows, cfg.block_m)
         probe = args[:6] + (rstd,) + args[7:]  # any fp32 buffer stands in for the dW partials while compiling
         programs = _programs_by_occupancy(_rms_norm_bwd_kernel, probe, kwargs, cfg.num_warps, tiles, x.device)
     dw_part = _common.new_empty((programs, H), dtype=torch.float32, device=x.device) if need_dw else rstd
-    _rms_norm_bwd_kernel[(programs,)](*args[:6], dw_part, *args[7:], num_warps=cfg.num_warps, **kwargs)
+    kernel[(programs,)](*args[:6], dw_part, *args[7:], num_warps=cfg.num_warps, **kwargs)
     dw = dw_part.sum(0).to(weight.dtype) if need_dw else x.new_empty(0)
     return dx, dw
 
