@@ -14,7 +14,7 @@ SWIFT_LIGER_TEST_GPU=1 timeout 120 python3 -m pytest tests/ops tests/models test
 echo "== bench"
 timeout 150 python3 -m swift_liger.bench kernels --out "$OUT/bench" --rep-ms 300 2>&1 | grep -E " ms |failed" | cut -c1-120
 timeout 50 python3 -m swift_liger.bench attention --out "$OUT/bench" --rep-ms 300 2>&1 | grep -E " ms |failed" | cut -c1-120
-echo "== swift sft bf16"
+echo "== swift sft (torch_dtype from the tiny model: fp32; add --torch_dtype bfloat16 for bf16)"
 python3 -m swift_liger.cli tiny /tmp/tiny >/dev/null 2>&1
 F="--model /tmp/tiny/model --model_type qwen3 --template qwen3 --dataset /tmp/tiny/sft.jsonl --tuner_type lora
    --check_model false --gradient_accumulation_steps 1 --dataloader_num_workers 0 --max_steps 10 --logging_steps 1
