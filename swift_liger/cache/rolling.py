@@ -1,7 +1,8 @@
 """RollingKVCache: a fixed-size KV cache (attention sinks + a ring of the last ``window`` tokens).
 
-Generation runs in constant memory: each layer preallocates ``[B, Hkv, sinks + window, D]`` keys and values once
-(static address) and new tokens are written straight into their ring slots by a Triton kernel
+Generation runs in constant memory: keys and values are preallocated once (static address) as one
+``[layers, B, Hkv, sinks + window, D]`` tensor each, every layer's storage a view of it, and new tokens are written
+straight into their ring slots by a Triton kernel
 (``swift_liger.ops.kv_ring_write``), O(new tokens) bytes per step, never a cat/roll of the window.
 
 Semantics (per batch row; a row's *stream* is its non-padding tokens, numbered 0, 1, 2, ...)
@@ -18,8 +19,9 @@ that is every earlier token, so outputs equal ``DynamicCache``'s.
   did) and sink ``s`` at position ``s + delta`` with ``delta = max(0, q - window + 1 - sinks)``, i.e. placed just
   before the oldest window key. The cache therefore keeps the sink keys as the model produced them (rotated at
   their true position ``s``) in a separate pristine buffer, and before each attention writes
-  ``R(delta) @ sink`` into the sink slots (fused into the decode step's write launch; fp32 math, always from the
-  pristine copy, so bf16 rounding never accumulates). Only ``sinks`` keys per layer are touched per step; the
+  ``R(delta) @ sink`` into the sink slots (for an unpadded decode token, one launch for all layers before the
+  first layer runs; otherwise fused into each layer's write launch; fp32 math, always from the pristine copy, so
+  bf16 rounding never accumulates). Only ``sinks`` keys per layer are touched per step; the
   query keeps the true position the model gave it (so RoPE angles grow with the stream exactly as with
   DynamicCache). Needs a RoPE whose frequencies do not depend on the sequence length (default, linear, llama3,
   yarn); dynamic-NTK / longrope are refused.
@@ -43,11 +45,13 @@ cases:
   the keys handed to attention are the storage itself (a prefix view before the ring wraps, the whole buffer
   after); every stored key is visible, so the hook passes ``attention_mask=None`` and transformers builds the
   usual causal mask from ``get_mask_sizes`` / ``get_query_offset`` (SDPA then takes the maskless GQA path, as
-  with ``DynamicCache``).
+  with ``DynamicCache``). A decode token builds no tensor per step: position ids and sink angles are views into
+  tables covering 256 steps, and the write is one launch per layer with the start index as a scalar.
 * general path (padding, or a multi-token chunk that wraps the ring): the hook passes its own 4D mask
   (``[B, 1, T, K]``, bool for sdpa, additive float for eager), which every mask builder of transformers 5.17-5.19
-  returns unchanged (``_preprocess_mask_arguments`` early exit for 4D masks). Keys are the storage (T == 1) or
-  ``cat(storage, chunk)`` for multi-token chunks (the chunk's early queries need tokens the write evicts).
+  returns unchanged (``_preprocess_mask_arguments`` early exit for 4D masks). Keys are the storage (T == 1; a real
+  query then sees exactly the stored slots, ``slot < end``) or ``cat(storage, chunk)`` for multi-token chunks (the
+  chunk's early queries need tokens the write evicts).
 
 Transformers hooks relied on (5.17-5.19): ``Cache(layers=...)``, ``Cache.update(k, v, layer_idx)`` called by
 the attention after RoPE, ``get_seq_length`` (generate slices continued prompts with it: it counts columns,
@@ -64,7 +68,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..ops.kv_ring_write import kv_ring_write_unchecked, kv_sink_rotate
+from ..ops.kv_ring_write import kv_ring_write_unchecked, kv_sink_rotate, kv_sink_rotate_unchecked
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -72,6 +76,7 @@ MODES = ("absolute", "streaming")
 # RoPE variants whose inverse frequencies are fixed, so scores depend only on position differences.
 STREAMING_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
+_TABLE = 256   # decode steps covered by one precomputed position / sink-rotation table
 _HOOK_ATTR = "_swift_liger_rolling_hook"
 _INSTALL_ATTR = "_swift_liger_rolling_install"
 
@@ -135,7 +140,7 @@ def _check_int(name: str, value, minimum: int) -> int:
     return value
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Plan:
     """What every layer does in one forward (computed once by the pre-hook)."""
     T: int
@@ -160,9 +165,11 @@ class RollingLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, owner: "RollingKVCache"):
+    def __init__(self, owner: "RollingKVCache", idx: int):
         super().__init__()
         self._owner = owner
+        self._idx = idx
+        self._joint = False      # storage is a view of the cache's joint all-layer buffers
         self.sink_keys: Optional[torch.Tensor] = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -172,24 +179,21 @@ class RollingLayer(CacheLayerMixin):
         if value_states.shape[:2] != key_states.shape[:2] or value_states.shape[-1] != key_states.shape[-1]:
             raise ValueError("RollingKVCache needs keys and values of the same [B, H, *, D] shape")
         shape = (self.batch_size, self.num_heads, o.capacity, key_states.shape[-1])
-        # Zero, not empty: masked slots are still read by attention (0 * NaN would poison the output).
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if o.mode == "streaming" and o.sinks > 0:
-            self.sink_keys = torch.zeros((*shape[:2], o.sinks, shape[3]), dtype=self.dtype, device=self.device)
+        self.keys, self.values, self.sink_keys, self._joint = o._layer_storage(self._idx, shape, self.dtype,
+                                                                               self.device)
         if not torch.compiler.is_compiling():
             for t in (self.keys, self.values, self.sink_keys):
                 if t is not None:
                     torch._dynamo.mark_static_address(t)
         self.is_initialized = True
+        o._joint_ready = all(layer.is_initialized and layer._joint for layer in o.layers)
 
     def update(self, key_states, value_states, plan: Optional[_Plan] = None, *args, **kwargs):
         if plan is None:
             raise RuntimeError("RollingKVCache layers are updated through RollingKVCache.update")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if (key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads
-                or key_states.shape[2] != plan.T or key_states.shape[3] != self.keys.shape[3]):
+        if key_states.shape != (self.batch_size, self.num_heads, plan.T, self.keys.shape[3]):
             raise ValueError(f"RollingKVCache: got keys {tuple(key_states.shape)}, expected "
                              f"[{self.batch_size}, {self.num_heads}, {plan.T}, {self.keys.shape[3]}]")
         if key_states.dtype != self.dtype or value_states.dtype != self.dtype:
@@ -292,7 +296,9 @@ class RollingKVCache(Cache):
         # The model's own sliding window, if narrower than ours, would cut the all-visible fast path.
         model_window = getattr(config, "sliding_window", None)
         self._fast_ok = model_window is None or model_window >= self.capacity
-        super().__init__(layers=[RollingLayer(self) for _ in range(config.num_hidden_layers)])
+        super().__init__(layers=[RollingLayer(self, i) for i in range(config.num_hidden_layers)])
+        self._joint: Optional[tuple] = None     # (spec, keys [L, ...], values, sink_keys, sink refresh views)
+        self._joint_ready = False               # every layer's storage is a view of self._joint
         self._reset_state()
         _ensure_hook(decoder)
 
@@ -302,6 +308,12 @@ class RollingKVCache(Cache):
         self._counts: Optional[torch.Tensor] = None   # [B] per-row stream lengths once rows differ
         self._batch: Optional[int] = None
         self._plan: Optional[_Plan] = None
+        # Decode fast path tables (see _decode_positions / _decode_sink_rotation).
+        self._pos_table: Optional[torch.Tensor] = None
+        self._pos_start = 0
+        self._rot_table: Optional[tuple] = None
+        self._rot_start = 0
+        self._cols: Optional[torch.Tensor] = None
 
     # ----- transformers Cache API -----
 
@@ -353,45 +365,108 @@ class RollingKVCache(Cache):
 
     # ----- planning (called by the decoder's pre-forward hook) -----
 
+    def _layer_storage(self, idx: int, shape: tuple, dtype: torch.dtype, device: torch.device):
+        """(keys, values, sink_keys, joint) for layer idx. Layers shaped like layer 0 get views of one [L, ...]
+        tensor each, so a streaming decode step re-rotates every layer's sinks in one launch."""
+        spec = (shape, dtype, device)
+        streaming = self.mode == "streaming" and self.sinks > 0
+        B, H, C, D = shape
+        S = self.sinks
+        j = self._joint
+        if idx == 0 or j is None:
+            L = len(self.layers)
+            # Zero, not empty: masked slots are still read by attention (0 * NaN would poison the output).
+            keys = torch.zeros((L, *shape), dtype=dtype, device=device)
+            values = torch.zeros_like(keys)
+            sinks = torch.zeros((L, B, H, S, D), dtype=dtype, device=device) if streaming else None
+            refresh = (keys.view(L * B, H, C, D)[:, :, :S], sinks.view(L * B, H, S, D)) if streaming else None
+            j = self._joint = (spec, keys, values, sinks, refresh)
+        if j[0] == spec:
+            return j[1][idx], j[2][idx], (j[3][idx] if j[3] is not None else None), True
+        keys = torch.zeros(shape, dtype=dtype, device=device)
+        sinks = torch.zeros((B, H, S, D), dtype=dtype, device=device) if streaming else None
+        return keys, torch.zeros_like(keys), sinks, False
+
     def _begin_forward(self, batch: int, T: int, device: torch.device, attention_mask: Optional[torch.Tensor],
-                       position_ids: Optional[torch.Tensor], dtype: torch.dtype):
+                       position_ids: Optional[torch.Tensor], module: torch.nn.Module,
+                       embeds: Optional[torch.Tensor]):
         """Plan one forward of T new columns; returns the (attention_mask, position_ids) to hand to the decoder."""
         if T <= 0:
             raise ValueError("RollingKVCache: empty input")
-        if self._batch is None:
+        if batch != self._batch:
+            if self._batch is not None:
+                raise ValueError(f"RollingKVCache holds a batch of {self._batch}, got {batch}; call reset() first")
             self._batch = batch
             for layer in self.layers:   # first forward after reset() with another batch size: reallocate
                 if layer.is_initialized and layer.batch_size != batch:
                     layer.is_initialized = False
-        elif batch != self._batch:
-            raise ValueError(f"RollingKVCache holds a batch of {self._batch}, got {batch}; call reset() first")
         C = self.capacity
         if attention_mask is not None and attention_mask.shape[-1] < T:
             raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns, fewer than the {T} new tokens")
         n = self._uniform
-        fast = self._fast_ok and attention_mask is None and n is not None and (n + T <= C or T == 1)
-        if fast:
-            # Uniform rows: the kernel takes the start index as a scalar, no per-step index tensors.
-            if n + T <= C:
-                plan = _Plan(T, "prefix", n, None, prefix_len=n + T, kv_length=n + T, q_offset=n)
+        mask = None
+        if attention_mask is None and n is not None and self._fast_ok and T == 1:
+            # Decode fast path: no mask, no index tensors; positions and sink angles come from tables.
+            if position_ids is None:
+                position_ids = self._decode_positions(n, device)
+            if n < C:
+                plan = _Plan(1, "prefix", n, None, prefix_len=n + 1, kv_length=n + 1, q_offset=n)
             else:
-                plan = _Plan(T, "full", n, None, kv_length=C, q_offset=C - 1)
-                if self.mode == "streaming":    # before the ring wraps, sinks sit at their true positions
-                    plan.cos, plan.sin = self._sink_rotation(n, batch, device)
-            mask = None
+                plan = _Plan(1, "full", n, None, kv_length=C, q_offset=C - 1)
+                if self.mode == "streaming" and self.sinks > 0:
+                    cos, sin = self._decode_sink_rotation(n, device)
+                    if self._joint_ready:   # every layer's sinks in one launch, before any layer attends
+                        dst, src = self._joint[4]
+                        kv_sink_rotate_unchecked(dst, src, cos, sin)
+                    else:                   # fused into each layer's write
+                        plan.cos, plan.sin = cos[:batch], sin[:batch]
+        elif attention_mask is None and n is not None and self._fast_ok and n + T <= C:
+            # Uniform rows: the kernel takes the start index as a scalar, no per-step index tensors.
+            plan = _Plan(T, "prefix", n, None, prefix_len=n + T, kv_length=n + T, q_offset=n)
             if position_ids is None:
                 position_ids = (torch.arange(T, device=device) + n).unsqueeze(0)
         else:
+            dtype = embeds.dtype if embeds is not None else module.dtype
             plan, mask, position_ids = self._general_plan(batch, T, device, attention_mask, position_ids, dtype)
         self._plan = plan
         self._columns += T
         if attention_mask is not None:
             self._uniform = None
-        elif self._uniform is not None:
-            self._uniform += T
+        elif n is not None:
+            self._uniform = n + T
         if self._uniform is None:
             self._counts = plan.end
         return mask, position_ids
+
+    def _decode_positions(self, n: int, device) -> torch.Tensor:
+        """position_ids [1, 1] = n, a view into a table of _TABLE consecutive positions (no op per step)."""
+        table = self._pos_table
+        i = n - self._pos_start
+        if table is None or not 0 <= i < _TABLE or table.device != device:
+            table = self._pos_table = (torch.arange(_TABLE, device=device) + n).view(_TABLE, 1, 1)
+            self._pos_start, i = n, 0
+        return table[i]
+
+    def _decode_sink_rotation(self, n: int, device):
+        """cos/sin [L * B, D/2] (stride 0 over rows) of _sink_rotation(n) for a uniform decode token at stream
+        index n, views into a table of _TABLE steps (same fp32 products as _sink_rotation)."""
+        table = self._rot_table
+        i = n - self._rot_start
+        if table is None or not 0 <= i < _TABLE or table[0].device != device:
+            inv_freq = self._decoder.rotary_emb.inv_freq.to(device=device, dtype=torch.float32)
+            shift = self.window - 1 + self.sinks
+            steps = (torch.arange(_TABLE, device=device) + (n - shift)).clamp_min(0).to(torch.float32)
+            angle = (steps[:, None] * inv_freq[None, :])[:, None, :]
+            rows = len(self.layers) * self._batch
+            table = self._rot_table = (angle.cos().expand(-1, rows, -1), angle.sin().expand(-1, rows, -1))
+            self._rot_start, i = n, 0
+        return table[0][i], table[1][i]
+
+    def _columns_arange(self, device) -> torch.Tensor:
+        cols = self._cols
+        if cols is None or cols.device != device:
+            cols = self._cols = torch.arange(self.capacity, device=device)
+        return cols
 
     def _sink_rotation(self, n0, batch: int, device):
         """cos/sin [B, D/2] (fp32) rotating the sinks by delta = max(0, n0 - window + 1 - sinks) positions, for
@@ -417,12 +492,50 @@ class RollingKVCache(Cache):
         held = torch.cat((sink_idx < n[:, None], ring_idx >= S), dim=1)
         return idx, held
 
+    def _general_decode_plan(self, batch, device, attention_mask, position_ids, dtype, n0):
+        """One token per row (padding or not). Written first, then attention reads the whole storage: after the
+        write a real query sees every stored slot (the sinks and a ring of exactly its last `window` tokens), and
+        slot c is stored iff c < end, so the mask needs no per-slot stream indices."""
+        cols = self._columns_arange(device)
+        if attention_mask is not None:
+            valid = attention_mask[:, -1:].to(device=device, dtype=torch.bool)       # [B, 1]
+            pos = torch.where(valid, n0[:, None], -1)
+            end = n0 + valid[:, 0]
+            # Padding queries attend to one finite key (column 0) so no row is fully masked.
+            vis = torch.where(valid, cols < end[:, None], cols == 0)
+            if position_ids is None:
+                position_ids = torch.where(valid, pos, 0)
+        else:
+            pos = n0[:, None]
+            end = n0 + 1
+            vis = cols < end[:, None]
+            if position_ids is None:
+                position_ids = pos
+        plan = _Plan(1, "slots", pos, end, kv_length=self.capacity, q_offset=self.capacity - 1)
+        if self.mode == "streaming" and self.sinks > 0:
+            if self._joint_ready:
+                # Every layer's sinks in one launch, before any layer writes. Slots s >= n0[b] are not stored
+                # yet (zero in both buffers, and the angle is 0 while n0[b] < sinks), so rotating all is exact.
+                L = len(self.layers)
+                cos, sin = self._sink_rotation(n0.repeat(L), L * batch, device)
+                dst, src = self._joint[4]
+                kv_sink_rotate_unchecked(dst, src, cos, sin)
+            else:
+                plan.start = n0
+                plan.cos, plan.sin = self._sink_rotation(n0, batch, device)
+        mask = vis[:, None, None, :]                                                  # [B, 1, 1, C]
+        if self._config._attn_implementation == "eager":
+            mask = torch.where(mask, 0.0, torch.finfo(dtype).min).to(dtype)
+        return plan, mask, position_ids
+
     def _general_plan(self, batch, T, device, attention_mask, position_ids, dtype):
         S, W, C = self.sinks, self.window, self.capacity
         if self._uniform is not None:
             n0 = torch.full((batch,), self._uniform, dtype=torch.long, device=device)
         else:
             n0 = self._counts.to(device)
+        if T == 1:
+            return self._general_decode_plan(batch, device, attention_mask, position_ids, dtype, n0)
         if attention_mask is not None:
             valid = attention_mask[:, -T:].to(device=device, dtype=torch.bool)
             rank = valid.long().cumsum(-1) - 1
@@ -433,25 +546,20 @@ class RollingKVCache(Cache):
             pos = n0[:, None] + torch.arange(T, device=device)
             end = n0 + T
         q = pos                                                      # [B, T]
-        if T == 1:
-            # Write first, then attend over the whole storage (the evicted token is out of the query's window).
-            kidx, kheld = self._slot_streams(end)
-            plan = _Plan(T, "slots", pos, end, kv_length=C, q_offset=C - 1)
-            own_col = torch.zeros((1, 1), dtype=torch.long, device=device)  # a finite slot for padding queries
+        # Keys are cat(storage, chunk): the chunk's early queries need tokens the write evicts.
+        storage = self._columns > 0
+        plan = _Plan(T, "concat", pos, end, storage_in_keys=storage)
+        chunk_cols = torch.arange(T, device=device)
+        if storage:
+            sidx, sheld = self._slot_streams(n0)
+            kidx = torch.cat((sidx, pos), dim=1)
+            kheld = torch.cat((sheld, valid), dim=1)
+            own_col = (chunk_cols + C)[None, :]
         else:
-            storage = self._columns > 0
-            plan = _Plan(T, "concat", pos, end, storage_in_keys=storage)
-            chunk_cols = torch.arange(T, device=device)
-            if storage:
-                sidx, sheld = self._slot_streams(n0)
-                kidx = torch.cat((sidx, pos), dim=1)
-                kheld = torch.cat((sheld, valid), dim=1)
-                own_col = (chunk_cols + C)[None, :]
-            else:
-                kidx, kheld = pos, valid
-                own_col = chunk_cols[None, :]
-            plan.kv_length = kidx.shape[1]
-            plan.q_offset = plan.kv_length - T
+            kidx, kheld = pos, valid
+            own_col = chunk_cols[None, :]
+        plan.kv_length = kidx.shape[1]
+        plan.q_offset = plan.kv_length - T
         kj = kidx[:, None, :]
         qi = q[:, :, None]
         vis = kheld[:, None, :] & (kj <= qi) & ((kj < S) | (kj > qi - W))
@@ -504,9 +612,8 @@ def _rolling_pre_hook(module, args, kwargs):
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         raise ValueError("RollingKVCache builds the attention mask itself: pass a 2D padding mask [B, columns] "
                          "or none (not a 4D mask or a mask dict)")
-    dtype = kwargs["inputs_embeds"].dtype if kwargs.get("inputs_embeds") is not None else module.dtype
     new_mask, position_ids = cache._begin_forward(x.shape[0], x.shape[1], x.device, mask,
-                                                  kwargs.get("position_ids"), dtype)
+                                                  kwargs.get("position_ids"), module, kwargs.get("inputs_embeds"))
     kwargs["attention_mask"] = new_mask
     kwargs["position_ids"] = position_ids
     return args, kwargs

@@ -262,6 +262,18 @@ def kv_ring_write_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: tor
                             k_sink: Optional[torch.Tensor] = None, sink_cos: Optional[torch.Tensor] = None,
                             sink_sin: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None) -> None:
     """Same contract as ``kv_ring_write``, with index_put (PyTorch)."""
+    if not isinstance(pos, torch.Tensor) and k.shape[2] == 1:
+        # One token at stream index p in every row: always kept, one slot, plain slice copies.
+        p = int(pos)
+        slot = p if p < sinks else sinks + (p - sinks) % window
+        old = min(p, sinks)          # sinks stored by earlier calls
+        if sink_cos is not None and k_sink is not None and old > 0:
+            kv_sink_rotate_reference(k_cache[:, :, :old], k_sink[:, :, :old], sink_cos, sink_sin)
+        k_cache[:, :, slot:slot + 1].copy_(k)
+        v_cache[:, :, slot:slot + 1].copy_(v)
+        if k_sink is not None and slot < sinks:
+            k_sink[:, :, slot:slot + 1].copy_(k)
+        return
     if not isinstance(pos, torch.Tensor):
         pos, end, start = _uniform_indices(int(pos), k.shape[0], k.shape[2], k.device)
     if sink_cos is not None and k_sink is not None and sinks > 0:
@@ -397,6 +409,14 @@ def _check_cos_sin(cos, sin, B, D, cos_name="cos", sin_name="sin"):
     if tuple(cos.shape) != (B, D // 2) or tuple(sin.shape) != (B, D // 2):
         raise ValueError(f"{cos_name} and {sin_name} must be [B, D/2] = [{B}, {D // 2}], got {tuple(cos.shape)}, "
                          f"{tuple(sin.shape)}")
+
+
+def kv_sink_rotate_unchecked(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """``kv_sink_rotate`` without argument checks, for callers that built the arguments themselves."""
+    if _common.use_triton(src):
+        _common.compiled_or_eager("swift_liger::kv_sink_rotate", _kv_sink_rotate_launch)(dst, src, cos, sin)
+    else:
+        kv_sink_rotate_reference(dst, src, cos, sin)
 
 
 def kv_sink_rotate(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
