@@ -69,16 +69,15 @@ def _rotate_sink_rows(src_ptr, dst_ptr, cos_ptr, sin_ptr, start_ptr, start0, r0,
 
 
 @triton.jit(do_not_specialize=["pos0"])
-def _kv_ring_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, pos_ptr, end_ptr, start_ptr, cos_ptr, sin_ptr,
-                          pos0, n_rows, n_sink_rows, T, H, SINKS, WINDOW,
+def _kv_ring_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, pos_ptr, end_ptr,
+                          pos0, n_rows, T, H, SINKS, WINDOW,
                           sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                           skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
                           sks_b, sks_h, sks_s,
-                          sp_b, sp_t, sc_b, sn_b,
-                          D: tl.constexpr, HALF: tl.constexpr, UNIFORM: tl.constexpr, SPLIT_SINKS: tl.constexpr,
-                          ROTATE: tl.constexpr, SINK_LIMIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                          SINK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Grid (max(cdiv(B*H*T, ROWS), cdiv(B*H*SINKS, SINK_ROWS)),). Token row r = (b*H + h)*T + t.
+                          sp_b, sp_t,
+                          D: tl.constexpr, UNIFORM: tl.constexpr, SPLIT_SINKS: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (cdiv(B*H*T, ROWS),). Token row r = (b*H + h)*T + t.
     UNIFORM: every row's tokens are pos0 .. pos0 + T - 1 (no index tensors)."""
     pid = tl.program_id(0)
     r = tl.cast(pid, tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -113,11 +112,6 @@ def _kv_ring_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, pos_ptr, end_ptr
         # Pristine copy of each sink key, the source of every later re-rotation.
         tl.store(ks_ptr + (b * sks_b + h * sks_h + sink_slot * sks_s)[:, None] + d[None, :],
                  kv.to(ks_ptr.dtype.element_ty), mask=is_sink[:, None] & dmask)
-    if ROTATE:
-        # Sinks stored by earlier calls (slots < start): never the slots this call writes, so no race.
-        _rotate_sink_rows(ks_ptr, kc_ptr, cos_ptr, sin_ptr, start_ptr, pos0, pid * SINK_ROWS, n_sink_rows, H, SINKS,
-                          sks_b, sks_h, sks_s, skc_b, skc_h, skc_s, sc_b, sn_b,
-                          SINK_LIMIT, HALF, SINK_ROWS, BLOCK_HALF)
 
 
 @triton.jit(do_not_specialize=["start0"])
@@ -172,8 +166,6 @@ def _kv_ring_write_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch
     block_d = _common.next_pow2(D)
     rows = _rows_for(n_rows, block_d)
     grid = _common.cdiv(n_rows, rows)
-    n_sink_rows = 0
-    sink_rows = 2
     if rotate:
         # Sinks stored by earlier calls (slots < start) never overlap the slots this call writes: order-free.
         n_sink = B * H * sinks
@@ -184,19 +176,15 @@ def _kv_ring_write_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch
             ks.stride(0), ks.stride(1), ks.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             cos.stride(0), sin.stride(0),
             LIMIT=2 if uniform else 1, HALF=D // 2, ROWS=srows, BLOCK_HALF=block_half, num_warps=2)
-        rotate = False
     _kv_ring_write_kernel[(grid,)](
-        k, v, k_cache, v_cache, ks, pos_t, end_t, start_t, cos, sin,
-        pos0, n_rows, n_sink_rows, T, H, sinks, window,
+        k, v, k_cache, v_cache, ks, pos_t, end_t,
+        pos0, n_rows, T, H, sinks, window,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2),
         0 if uniform else pos.stride(0), 0 if uniform else pos.stride(1),
-        cos.stride(0) if rotate else 0, sin.stride(0) if rotate else 0,
-        D=D, HALF=D // 2, UNIFORM=uniform, SPLIT_SINKS=split, ROTATE=rotate, SINK_LIMIT=2 if uniform else 1,
-        ROWS=rows, BLOCK_D=block_d,
-        SINK_ROWS=sink_rows, BLOCK_HALF=max(2, _common.next_pow2(D // 2)),
+        D=D, UNIFORM=uniform, SPLIT_SINKS=split, ROWS=rows, BLOCK_D=block_d,
         num_warps=4 if rows * block_d >= 2048 else 2)
 
 
