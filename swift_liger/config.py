@@ -19,7 +19,8 @@ class LigerConfig:
     cross_entropy: "fused_linear" (loss from hidden states, logits never materialised, training with labels only),
                    "fused" (Triton CE on materialised logits) or "off".
     qk_norm_rope:  Qwen3-style attention: fuse q_norm/k_norm with the rotation (needs rope=True).
-    rolling_cache: {"window": int, "sinks": int} installs RollingKVCache for generation; None leaves caches alone.
+    rolling_cache: {"window": int, "sinks": int} (optional "mode": "absolute"|"streaming", "cuda_graph": bool)
+                   installs RollingKVCache for generation; None leaves caches alone.
     strict:        an unsupported model type is an error instead of a warning.
     """
     rms_norm: bool = True
@@ -44,9 +45,10 @@ class LigerConfig:
             raise ValueError(f"LigerConfig.cross_entropy must be one of {', '.join(CROSS_ENTROPY_MODES)}, "
                              f"got {self.cross_entropy!r}")
         if self.rolling_cache is not None:
-            if not isinstance(self.rolling_cache, Mapping) or set(self.rolling_cache) - {"window", "sinks", "mode"}:
+            keys = {"window", "sinks", "mode", "cuda_graph"}
+            if not isinstance(self.rolling_cache, Mapping) or set(self.rolling_cache) - keys:
                 raise ValueError("LigerConfig.rolling_cache must be a mapping with keys window, sinks (and optional "
-                                 f"mode), got {self.rolling_cache!r}")
+                                 f"mode, cuda_graph), got {self.rolling_cache!r}")
 
     @classmethod
     def field_names(cls) -> tuple:

@@ -309,6 +309,56 @@ def test_continue_generation_with_same_cache(device):
     assert_close(l2, ref[:, turn2.shape[1] - 1:].transpose(0, 1), torch.float32, slack=10, name="turn 2")
 
 
+def test_all_ones_mask_keeps_the_fast_path(device, monkeypatch):
+    """generate passes an all-ones 2D mask every step: it means no padding, so decode must not take the general
+    (mask-building) path, and the answer is the same as with no mask."""
+    model = tiny_model(device)
+    ids = torch.randint(2, 64, (2, 7), device=device)
+    want, want_logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode="streaming"), ids,
+                                 None, 12)
+    general = []
+    original = RollingKVCache._general_plan
+    monkeypatch.setattr(RollingKVCache, "_general_plan", lambda self, *a: general.append(a[1]) or original(self, *a))
+    seqs, logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode="streaming"), ids,
+                            torch.ones_like(ids), 12)
+    assert general == [], f"all-ones mask took the general path for chunks of {general}"
+    assert torch.equal(seqs, want) and torch.equal(logits, want_logits)
+
+
+@pytest.mark.parametrize("mode", ["absolute", "streaming"])
+def test_graph_decode_matches_eager(device, mode, monkeypatch):
+    """cuda_graph=True: after the wrap each decode step reads its position, slot and sink angle from a device
+    counter (what the captured graph replays). On CPU the same body runs eagerly (forced here); on the GPU it is
+    captured once and replayed. Either way the tokens and logits equal the eager fast path's."""
+    model = tiny_model(device)
+    ids = torch.randint(2, 64, (2, 5), device=device)
+    want, want_logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode), ids, None, 16)
+    if not GPU:
+        monkeypatch.setattr(RollingKVCache, "_graph_ok", lambda self, dev: self._joint_ready and
+                            not torch.is_grad_enabled())
+    runs, attended = [], []
+    original = RollingKVCache._graph_run
+    monkeypatch.setattr(RollingKVCache, "_graph_run", lambda self, *a: runs.append(1) or original(self, *a))
+    import swift_liger.cache.rolling as rolling
+    kernel = rolling.decode_attention_unchecked
+    monkeypatch.setattr(rolling, "decode_attention_unchecked", lambda *a: attended.append(1) or kernel(*a))
+    cache = RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode, cuda_graph=True)
+    seqs, logits = generate(model, cache, ids, torch.ones_like(ids), 16)
+    # 5 + 16 - 1 tokens fed; steps at stream index >= sinks + window (8) go through the graph: 20 - 8 = 12
+    assert len(runs) == 12
+    # Calls per layer: on CPU each of the 12 graph steps runs eagerly; on the GPU the 3 decode steps before the
+    # wrap use the kernel eagerly, the first graph step runs it twice (warm-up, capture), replays run no Python.
+    assert len(attended) == (2 * 12 if not GPU else 2 * (3 + 2))
+    # Graph steps attend with the split-KV decode kernel instead of SDPA: equal up to fp32 summation order.
+    assert torch.equal(seqs, want)
+    assert_close(logits, want_logits.double(), torch.float32, name="graph logits")
+    if GPU:
+        assert cache._graph is not None, "no graph was captured"
+    assert model.config._attn_implementation == "sdpa"
+    uninstall_rolling_cache(model)
+    assert "forward" not in model.model.__dict__
+
+
 class _Probe(LogitsProcessor):
     """Records the cache's bytes and storage addresses at every decode step."""
 
