@@ -291,8 +291,10 @@ def _identity_forward(self, hidden_states):
 
 def _make_mlp_forward(gated_act: Callable) -> Callable:
     def forward(self, x):
-        # children are looked up at call time, so LoRA-wrapped gate/up/down projections are used
-        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x)))
+        # Children are looked up at call time, so LoRA-wrapped gate/up/down projections are used. gate and up are
+        # fresh projection outputs that only the activation reads, so its backward may overwrite them with their
+        # gradients: two [tokens, intermediate] buffers fewer at the peak (2 x 224 MiB for Llama-3-8B at 8k).
+        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
     return forward
 
 
