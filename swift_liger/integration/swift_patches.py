@@ -103,21 +103,48 @@ def patch_model(args, model, role: str):
     cfg, notes = _config_for(args, role)
     report = swift_liger.apply(model, cfg)
     _patched.add(model)
+    ranks = _gather_ranks(report)
     master = _is_master()
     if master:
         logger = _logger()
         for note in notes:
             logger.info(f"swift_liger: {note}")
-        logger.info(f"swift_liger: patched the {role} model:\n{report}")
+        same = all(r["model_class"] == ranks[0]["model_class"] and r["patched"] == ranks[0]["patched"] for r in ranks)
+        where = f" (the same on all {len(ranks)} ranks)" if len(ranks) > 1 and same else ""
+        logger.info(f"swift_liger: patched the {role} model{where}:\n{report}")
+        if not same:
+            logger.warning(f"swift_liger: the ranks patched the {role} model differently: {ranks}")
         if role == "policy" and cfg.cross_entropy == "fused_linear":
             logger.info("swift_liger: cross_entropy=fused_linear computes the loss from hidden states, so the model "
                         "returns no logits in training and ms-swift logs no token_acc (use --liger_cross_entropy "
                         "fused or --liger_config keep_logits to keep it)")
-        _save_record(args, role, cfg, notes, report)
+        _save_record(args, role, cfg, notes, report, ranks)
     return report
 
 
-def _save_record(args, role, cfg, notes, report):
+def _gather_ranks(report):
+    """What each rank patched, as a list indexed by rank (one entry when not distributed).
+
+    Under torchrun every rank loads and patches its own copy of the model, but only rank 0 logs and writes
+    liger_patch.json; gathering the per-rank summaries there makes "every rank patched the same modules" visible in
+    one log line and one record. ms-swift calls prepare_model (and rlhf's side-model set-up) on every rank, after the
+    process group is up, so this collective is matched on all ranks; a rank that fails before it ends the torchrun job.
+    """
+    info = _report_dict(report)
+    mine = {"model_class": info.get("model_class"), "patched": info.get("patched")}
+    try:
+        import torch.distributed as dist
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    except ImportError:
+        distributed = False
+    if not distributed:
+        return [{"rank": 0, **mine}]
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {"rank": dist.get_rank(), **mine})
+    return ranks
+
+
+def _save_record(args, role, cfg, notes, report, ranks):
     output_dir = getattr(args, "output_dir", None)
     if not output_dir:
         return
@@ -128,9 +155,10 @@ def _save_record(args, role, cfg, notes, report):
             "swift_liger": __version__,
             "ms_swift": _swift_version(),
             "backend": {k: os.environ.get(k) for k in ("SWIFT_LIGER_BACKEND", "TRITON_INTERPRET")},
+            "world_size": len(ranks),
             "models": {},
         }
-    record["models"][role] = {"config": cfg.to_dict(), "notes": notes, "report": _report_dict(report)}
+    record["models"][role] = {"config": cfg.to_dict(), "notes": notes, "report": _report_dict(report), "ranks": ranks}
     if role == "policy":
         record["config"], record["notes"] = cfg.to_dict(), notes
     os.makedirs(output_dir, exist_ok=True)

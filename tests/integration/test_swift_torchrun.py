@@ -1,0 +1,107 @@
+"""End-to-end under torchrun: `swift sft --use_liger` with NPROC_PER_NODE=2 on CPU (gloo) patches the model on every
+rank, before LoRA wraps it, and trains with the same per-step losses as the same 2-rank run without --use_liger.
+
+ms-swift's own launcher does the torchrun part: with NPROC_PER_NODE (and MASTER_PORT) set, `swift sft` re-runs
+swift/cli/sft.py through `python -m torch.distributed.run`. Two CPU gotchas, both handled by TORCHRUN_CPU below:
+
+* `--use_cpu true` is required. Without it transformers builds accelerate's PartialState with cpu=False, which on a
+  machine without CUDA yields DistributedType.NO: the process group still comes up (gloo, torch's CPU default) but
+  the Trainer neither wraps the model in DDP nor shards the data. Each rank then trains its own model on its own
+  batches, and both write the same logging.jsonl (transformers only warns "torch.distributed process group is
+  initialized, but parallel_mode != ParallelMode.DISTRIBUTED").
+* `--ddp_backend gloo` pins the backend: with use_cpu and no backend, accelerate picks MPI when torch has it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from swift_runner import CPU_FLAGS, run_swift, swift_env
+
+pytestmark = pytest.mark.slow
+
+FUSIONS = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "cross_entropy")
+NPROC = 2
+STEPS = 4
+SMALL = ["--per_device_train_batch_size", "1", "--max_length", "64"]  # the interpreter runs every Triton program
+TORCHRUN_CPU = ["--use_cpu", "true", "--ddp_backend", "gloo"]
+NOT_DDP = "parallel_mode != ParallelMode.DISTRIBUTED"  # transformers' warning when the ranks train independently
+
+
+def _free_ports(n):
+    """n distinct free TCP ports (held open together, so two parallel runs cannot get the same one)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("swift_torchrun")
+    sft = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], "--tuner_type", "lora", *CPU_FLAGS, *SMALL,
+           *TORCHRUN_CPU, "--learning_rate", "2e-3", "--max_steps", str(STEPS), "--report_to", "none",
+           "--save_strategy", "no"]
+    specs = {"liger": sft + ["--use_liger"], "base": sft}
+    ports = dict(zip(specs, _free_ports(len(specs))))
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        futures = {name: pool.submit(run_swift, "sft", argv, str(root / name),
+                                     swift_env(NPROC_PER_NODE=NPROC, MASTER_PORT=ports[name]))
+                   for name, argv in specs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def _train_summary(run):
+    with open(os.path.join(run.run_dir, "logging.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    (summary,) = [r for r in rows if "train_runtime" in r]
+    return summary
+
+
+def test_both_runs_are_real_ddp(runs):
+    for name, run in runs.items():
+        run.check()
+        assert "-m torch.distributed.run --nproc_per_node 2" in run.log, name  # ms-swift's launcher used torchrun
+        assert f"world_size: {NPROC}" in run.log and NOT_DDP not in run.log, name
+        assert [r["step"] for r in run.steps()] == list(range(1, STEPS + 1)), name  # rank 0 alone logs each step
+        summary = _train_summary(run)  # global batch = 2 ranks x 1 sample
+        assert summary["train_samples_per_second"] == pytest.approx(NPROC * summary["train_steps_per_second"],
+                                                                    rel=0.05), (name, summary)
+
+
+def test_torchrun_losses_match_unpatched(runs):
+    base, liger = runs["base"].check().steps(), runs["liger"].check().steps()
+    assert [r["step"] for r in base] == [r["step"] for r in liger] == list(range(1, STEPS + 1))
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(base, liger)]
+    assert max(diffs) <= 1e-5, diffs
+    assert len({r["loss"] for r in base}) > 1  # it trained
+
+
+def test_every_rank_patched_before_lora(runs):
+    liger = runs["liger"].check()
+    record = liger.patch_record()
+    assert record["world_size"] == NPROC and set(record["models"]) == {"policy"}
+    policy = record["models"]["policy"]
+    report = policy["report"]
+    assert all(report["patched"][f] > 0 for f in FUSIONS), report
+    # one entry per rank, gathered by rank 0: every rank patched the same modules of the bare model (not yet a
+    # PeftModel: the seam runs before LoRA wraps it)
+    assert [r["rank"] for r in policy["ranks"]] == list(range(NPROC)), policy["ranks"]
+    for rank in policy["ranks"]:
+        assert rank["model_class"] == report["model_class"] == "Qwen3ForCausalLM", rank
+        assert rank["patched"] == report["patched"], rank
+    # one log line per run (rank 0), saying it holds for every rank; it comes before LoRA's config and the wrapped model
+    log = liger.log
+    line = f"swift_liger: patched the policy model (the same on all {NPROC} ranks):"
+    assert log.count("swift_liger: patched the policy model") == 1 and line in log, log[-4000:]
+    assert log.index(line) < log.index("lora_config: LoraConfig") < log.index("model_parameter_info: PeftModel")
+    assert "the ranks patched the policy model differently" not in log
+    assert not os.path.exists(os.path.join(runs["base"].run_dir, "liger_patch.json"))
