@@ -456,8 +456,8 @@ class RollingKVCache(Cache):
                             kv_sink_rotate_unchecked(dst, src, cos, sin)
                         else:                   # fused into each layer's write
                             plan.cos, plan.sin = cos[:batch], sin[:batch]
-                # SDPA re-plans for every new key length (40-45 ms per token before the wrap at Llama-3-8B shapes
-                # on the H200, like DynamicCache's); the decode kernel takes the length as a runtime argument.
+                # SDPA with a key length that grows every step took 40-45 ms per token before the wrap (Llama-3-8B
+                # shapes, H200; DynamicCache the same); the decode kernel: 4-7 ms, the length is a runtime argument.
                 plan.decode_kernel = device.type == "cuda"
         elif attention_mask is None and n is not None and self._fast_ok and n + T <= C:
             # Uniform rows: the kernel takes the start index as a scalar, no per-step index tensors.
