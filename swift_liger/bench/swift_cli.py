@@ -1,0 +1,461 @@
+"""The real `swift sft` CLI on a random-init Llama-3-8B-shaped model: plain vs --use_liger vs --use_liger_kernel.
+
+    python -m swift_liger.bench.swift_cli build OUTDIR [--layers 32 ... --seq 8192 --rows 64 --device cuda]
+    python -m swift_liger.bench.swift_cli run OUTDIR/model OUTDIR/sft.jsonl --variant swift_liger --out DIR
+    python -m swift_liger.bench.swift_cli report DIR --out docs/benchmarks --name swift_cli_llama3_8b_lora
+
+`build` writes OUTDIR/model (Llama-3-8B config, random init in bf16 on the device, safetensors, plus an offline
+ChatML BPE tokenizer from swift_liger.testing.tiny) and OUTDIR/sft.jsonl, whose rows encode to just under --seq tokens
+with ms-swift's chatml template (ms-swift's default truncation_strategy 'delete' drops longer rows).
+
+`run` launches `python -m swift.cli.main sft` (LoRA r=16 on all linears, bf16, SDPA, gradient checkpointing,
+batch 1, one row = one step) and reads the run's logging.jsonl. The per-step step_time(s) / tokens/s /
+peak_alloc(GiB) / peak_reserved(GiB) columns come from swift_liger's metrics callback, which the import hook attaches
+to every `swift sft` run (--liger_metrics, default true, no --use_liger needed), so all variants log the same fields.
+tokens/s of a run = median over the measured steps (after --warmup); peak memory = max over all steps.
+
+`report` merges DIR/<variant>.json into <name>.json and <name>.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("plain", "swift_liger", "liger_kernel")
+VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"], "liger_kernel": ["--use_liger_kernel", "true"]}
+VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
+                  "liger_kernel": "`--use_liger_kernel true` (liger-kernel)"}
+SWIFT_MODEL_FLAGS = ["--model_type", "llama", "--template", "chatml"]
+CPU_FLAGS = ["--torch_dtype", "float32", "--bf16", "false", "--fp16", "false"]
+# Room left under --seq for the chat template's tokens and BPE boundary effects; rows stay under max_length.
+SEQ_MARGIN = 64
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+GiB = 1024 ** 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# build
+# ---------------------------------------------------------------------------------------------------------------
+
+def _fill(text, tok, target):
+    """Sentences, topped up with single words, whose encoding is at most `target` tokens and close to it (the
+    byte-level pre-tokenizer splits at spaces, so counts add up over ' '-joined pieces; the final encode checks it)."""
+    parts, n = [], 0
+    for make in (lambda: text.sentence(6, 24), lambda: text.rng.choice(text.words)):  # sentences, then words
+        misses = 0
+        while misses < 8:
+            s = (" " if parts else "") + make()
+            k = len(tok.encode(s, add_special_tokens=False))
+            if n + k > target:
+                misses += 1
+                continue
+            parts.append(s)
+            n += k
+    out = "".join(parts)
+    while parts and len(tok.encode(out, add_special_tokens=False)) > target:
+        parts.pop()
+        out = "".join(parts)
+    return out
+
+
+def _row_lengths(tokenizer, rows):
+    """Token count of each row as ms-swift's chatml template encodes it (content encoded per segment)."""
+    lengths = []
+    for row in rows:
+        n = 0
+        for m in row["messages"]:
+            n += len(tokenizer.encode(f"<|im_start|>{m['role']}\n", add_special_tokens=False))
+            n += len(tokenizer.encode(m["content"], add_special_tokens=False))
+            n += len(tokenizer.encode("<|im_end|>\n", add_special_tokens=False))
+        lengths.append(n)
+    return lengths
+
+
+def build(args) -> dict:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from ..testing import tiny
+
+    t0 = time.time()
+    os.makedirs(args.outdir, exist_ok=True)
+    model_dir = os.path.join(args.outdir, "model")
+    tok_vocab = min(args.tok_vocab, args.vocab)
+    tokenizer = tiny.build_tokenizer(tiny.TinySpec(arch="llama", vocab_size=tok_vocab, seed=args.seed))
+    if len(tokenizer) > args.vocab:
+        raise SystemExit(f"tokenizer has {len(tokenizer)} ids, more than --vocab {args.vocab}")
+    tokenizer.model_max_length = max(args.seq, 8192)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.pad_token_id
+    t_tok = time.time() - t0
+
+    # dataset: one user turn (~1/4) + one assistant turn (~3/4), total just under --seq
+    text = tiny._Text(args.seed + 2)
+    overhead = _row_lengths(tokenizer, [{"messages": tiny._chat("", "")}])[0]
+    budget = args.seq - SEQ_MARGIN - overhead
+    rows = []
+    for _ in range(args.rows):
+        q = _fill(text, tokenizer, budget // 4)
+        a = _fill(text, tokenizer, budget - len(tokenizer.encode(q, add_special_tokens=False)))
+        rows.append({"messages": tiny._chat(q, a)})
+    lengths = _row_lengths(tokenizer, rows)
+    if max(lengths) > args.seq - 8:
+        raise SystemExit(f"rows too long for --seq {args.seq}: max {max(lengths)} tokens")
+    sft = os.path.join(args.outdir, "sft.jsonl")
+    tiny.write_jsonl(sft, rows)
+    t_data = time.time() - t0 - t_tok
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 8192),
+                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
+                      bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+    torch.manual_seed(args.seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(args.device):  # every parameter born on the device in bf16: init is a few kernels each
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=None,
+                                               do_sample=False)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    params = sum(p.numel() for p in model.parameters())
+    t_init = time.time() - t0 - t_tok - t_data
+    model.save_pretrained(model_dir, safe_serialization=True, max_shard_size="5GB")
+    tokenizer.save_pretrained(model_dir)
+    del model
+    t_save = time.time() - t0 - t_tok - t_data - t_init
+    info = {"model": model_dir, "sft": sft, "swift_flags": ["--model", model_dir, *SWIFT_MODEL_FLAGS,
+                                                            "--dataset", sft],
+            "params": params, "config": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads",
+                                                                       "kv_heads", "vocab", "seq", "rows", "seed")},
+            "tokenizer_vocab": len(tokenizer), "eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None,
+            "row_tokens": {"min": min(lengths), "max": max(lengths), "mean": round(sum(lengths) / len(lengths), 1)},
+            "seconds": {"tokenizer": round(t_tok, 1), "dataset": round(t_data, 1), "init": round(t_init, 1),
+                        "save": round(t_save, 1), "total": round(time.time() - t0, 1)}}
+    with open(os.path.join(args.outdir, "build.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run
+# ---------------------------------------------------------------------------------------------------------------
+
+def swift_command(model, dataset, variant, output_dir, seq, steps, extra=(), python=None) -> list:
+    return [python or sys.executable, "-m", "swift.cli.main", "sft",
+            "--model", model, *SWIFT_MODEL_FLAGS, "--dataset", dataset,
+            "--tuner_type", "lora", "--target_modules", "all-linear", "--lora_rank", "16", "--lora_alpha", "32",
+            "--torch_dtype", "bfloat16", "--attn_impl", "sdpa", "--gradient_checkpointing", "true",
+            "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
+            "--max_length", str(seq), "--max_steps", str(steps), "--logging_steps", "1",
+            "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0",
+            "--dataset_num_proc", "1", "--check_model", "false", "--learning_rate", "1e-5", "--seed", "42",
+            "--liger_metrics", "true", "--output_dir", output_dir,
+            *VARIANT_FLAGS[variant], *extra]
+
+
+def read_rows(logging_jsonl) -> list:
+    rows = []
+    with open(logging_jsonl, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            step = row.get("global_step/max_steps")
+            if "loss" in row and isinstance(step, str):
+                row["step"] = int(step.split("/")[0])
+                rows.append(row)
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def summarize(rows, warmup) -> dict:
+    measured = [r for r in rows if r["step"] > warmup and "tokens/s" in r]
+    out = {"steps_logged": len(rows), "steps_measured": len(measured), "warmup": warmup,
+           "final_loss": rows[-1]["loss"] if rows else None,
+           "first_loss": rows[0]["loss"] if rows else None}
+    if measured:
+        tps = [r["tokens/s"] for r in measured]
+        st = [r["step_time(s)"] for r in measured]
+        out.update({"tokens_per_s": statistics.median(tps), "tokens_per_s_mean": statistics.fmean(tps),
+                    "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
+                    "step_time_s": statistics.median(st),
+                    "tokens_per_step": round(statistics.median(r["tokens/s"] * r["step_time(s)"] for r in measured))})
+    for key, name in (("peak_alloc(GiB)", "peak_allocated_gib"), ("peak_reserved(GiB)", "peak_reserved_gib"),
+                      ("memory(GiB)", "swift_memory_gib"), ("rss(GiB)", "rss_gib")):
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if vals:
+            out[name] = max(vals)
+    mfu = [r["MFU"] for r in measured if isinstance(r.get("MFU"), (int, float))]
+    if mfu:
+        out["mfu"] = statistics.median(mfu)
+    return out
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+    out = {"python": platform.python_version()}
+    for name in ("torch", "triton", "transformers", "ms-swift", "peft", "liger-kernel", "swift-liger"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    if out["swift-liger"] is None:   # run from a checkout on PYTHONPATH (the device calls do)
+        from swift_liger import __version__
+        out["swift-liger"] = f"{__version__} (source tree)"
+    return out
+
+
+def _gpu_name():
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=20)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+    except Exception:
+        return None
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except Exception:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except Exception:
+            pass
+        proc.wait()
+
+
+def _error_lines(log_path, n=6):
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = [ln.rstrip() for ln in f if ln.strip()]
+    except OSError:
+        return ""
+    errs = [ln for ln in lines if "Error" in ln or "error:" in ln or "Exception" in ln]
+    return " | ".join((errs or lines)[-n:])[-800:]
+
+
+def _last_flag(cmd, flag):
+    vals = [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == flag]
+    return vals[-1] if vals else None
+
+
+def run(args) -> dict:
+    os.makedirs(args.out, exist_ok=True)
+    extra = [a for chunk in (args.extra or []) for a in shlex.split(chunk)]
+    if args.cpu:
+        extra = CPU_FLAGS + extra
+    output_dir = os.path.abspath(os.path.join(args.out, args.variant))
+    shutil.rmtree(output_dir, ignore_errors=True)
+    cmd = swift_command(args.model, args.dataset, args.variant, output_dir, args.seq, args.steps, extra)
+    log_path = os.path.join(args.out, f"{args.variant}.log")
+    env = dict(os.environ, **OFFLINE_ENV)
+    env.pop("SWIFT_LIGER_DISABLE_HOOK", None)
+    print(f"[{args.variant}] {shlex.join(cmd[1:])}", flush=True)
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            rc = proc.returncode
+    wall = time.time() - t0
+
+    logs = sorted(glob.glob(os.path.join(output_dir, "v*-*", "logging.jsonl")))
+    rows = read_rows(logs[-1]) if logs else []
+    if logs:
+        shutil.copy(logs[-1], os.path.join(args.out, f"{args.variant}.logging.jsonl"))
+        patch = os.path.join(os.path.dirname(logs[-1]), "liger_patch.json")
+        if os.path.exists(patch):
+            shutil.copy(patch, os.path.join(args.out, f"{args.variant}.liger_patch.json"))
+    result = {"variant": args.variant, "returncode": rc, "timed_out": timed_out, "wall_s": round(wall, 1),
+              "command": "python -m swift.cli.main " + shlex.join(cmd[3:]),
+              "steps": args.steps, "seq": args.seq, "dtype": _last_flag(cmd, "--torch_dtype"),
+              "summary": summarize(rows, args.warmup),
+              "rows": rows, "versions": _versions(), "gpu": _gpu_name(),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    if rc != 0 or not rows:
+        why = f"timed out after {args.timeout}s" if timed_out else f"exit code {rc}"
+        result["error"] = f"{why}: {_error_lines(log_path)}"
+    with open(os.path.join(args.out, f"{args.variant}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    s = result["summary"]
+    for r in rows:
+        print(f"[{args.variant}] step {r['step']:3d} loss {r['loss']:.4f} "
+              f"tok/s {r.get('tokens/s', '—')} step {r.get('step_time(s)', '—')} s "
+              f"peak_alloc {r.get('peak_alloc(GiB)', '—')} GiB", flush=True)
+    if "error" in result:
+        print(f"[{args.variant}] FAILED ({result['wall_s']} s): {result['error']}", flush=True)
+    else:
+        print(f"[{args.variant}] done in {result['wall_s']} s: {s.get('tokens_per_s', 0):.0f} tok/s (median of "
+              f"{s['steps_measured']} steps), peak alloc {s.get('peak_allocated_gib', '—')} GiB, "
+              f"final loss {s['final_loss']:.4f}", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------------------------
+
+def _f(v, spec):
+    return "—" if v is None else format(v, spec)
+
+
+def report(args) -> str:
+    results = []
+    for v in VARIANTS:
+        path = os.path.join(args.dir, f"{v}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results.append(json.load(f))
+    if not results:
+        raise SystemExit(f"no variant JSON in {args.dir}")
+    build_info = None
+    if args.build and os.path.exists(os.path.join(args.build, "build.json")):
+        with open(os.path.join(args.build, "build.json")) as f:
+            build_info = json.load(f)
+    first = results[0]
+    env = {"gpu": next((r["gpu"] for r in results if r.get("gpu")), None), **first["versions"],
+           "date": max(r["date"] for r in results)}
+    try:
+        import torch
+        env["cuda"] = torch.version.cuda
+        if env["gpu"] is None and torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name()
+    except Exception:
+        pass
+    steps, seq = first["steps"], first["seq"]
+    warmup = first["summary"]["warmup"]
+    build_cmd = build_info and ("python -m swift_liger.bench.swift_cli build " +
+                                os.path.dirname(build_info["model"]) + " " +
+                                " ".join(f"--{k.replace('_', '-')} {v}" for k, v in build_info["config"].items()
+                                         if k != "seed"))
+    base = next((r for r in results if r["variant"] == "plain" and r["summary"].get("tokens_per_s")), None)
+    lines = ["# End to end: `swift sft` CLI, Llama-3-8B-shaped LoRA", "",
+             f"GPU: {env['gpu']} · torch {env.get('torch')} · triton {env.get('triton')} · transformers "
+             f"{env.get('transformers')} · ms-swift {env.get('ms-swift')} · peft {env.get('peft')} · liger-kernel "
+             f"{env.get('liger-kernel')} · swift-liger {env.get('swift-liger')} · {env['date']}", ""]
+    shape = "model from the build step"
+    if build_info:
+        c, n = build_info["config"], build_info["params"]
+        size = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.1f} M"
+        shape = f"{c['layers']} layers, hidden {c['hidden']}, vocab {c['vocab']}, {size} params"
+    rows_tok = (f"each row {build_info['row_tokens']['min']}–{build_info['row_tokens']['max']} tokens"
+                if build_info else f"rows just under {seq} tokens")
+    dtype = first.get("dtype") or "bfloat16"
+    lines += [f"The real `swift sft` CLI (one process per variant) on a random-init Llama-3-8B-shaped model "
+              f"({shape}); batch 1 × one row ({rows_tok}, `--max_length {seq}`), {dtype}, SDPA, gradient "
+              f"checkpointing, LoRA r=16 on all linears, AdamW, {steps} steps. Throughput and memory are "
+              f"swift_liger's per-step metrics (`--liger_metrics`, on in every variant, no patching): tokens/s = "
+              f"median over steps {warmup + 1}–{steps} (steps 1–{warmup} are warm-up); peak allocated / reserved = "
+              f"`torch.cuda.max_memory_*` reset each step, max over all steps. Loss after step {steps} "
+              f"(random init and random text: only a sanity check that the variants agree).", "",
+              "| variant | tokens/s | vs plain | step s | peak allocated GiB | peak reserved GiB | final loss |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        s = r["summary"]
+        label = VARIANT_LABELS.get(r["variant"], r["variant"])
+        if "error" in r and not s.get("tokens_per_s"):
+            lines.append(f"| {label} | failed: {r['error'][:160].replace('|', '/')} | | | | | |")
+            continue
+        rel = f"{s['tokens_per_s'] / base['summary']['tokens_per_s']:.2f}×" if base else "—"
+        lines.append(f"| {label} | {s['tokens_per_s']:.0f} | {rel} | {_f(s.get('step_time_s'), '.3f')} | "
+                     f"{_f(s.get('peak_allocated_gib'), '.2f')} | {_f(s.get('peak_reserved_gib'), '.2f')} | "
+                     f"{_f(s.get('final_loss'), '.4f')} |")
+    lines += [""]
+    notes = [f"- {r['variant']}: {r['summary'].get('tokens_per_step', '?')} tokens/step, "
+             f"{r['summary']['steps_measured']} measured steps, tokens/s min–max "
+             f"{_f(r['summary'].get('tokens_per_s_min'), '.0f')}–{_f(r['summary'].get('tokens_per_s_max'), '.0f')}, "
+             f"MFU {_f(r['summary'].get('mfu'), '.3f')}, ms-swift memory(GiB) "
+             f"{_f(r['summary'].get('swift_memory_gib'), '.2f')}, whole CLI run {r['wall_s']} s"
+             + (f", error: {r['error'][:300]}" if r.get("error") else "")
+             for r in results]
+    lines += notes + ["", "Commands (env HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1; "
+                          "`tools/gpu_swift_8b.sh` runs them all):", "", "```"]
+    if build_cmd:
+        lines.append(build_cmd)
+    for r in results:
+        lines.append(r["command"])
+    lines += ["```", ""]
+    md = "\n".join(lines)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+        json.dump({"environment": env, "build": build_info, "warmup": warmup, "steps": steps, "seq": seq,
+                   "tokens_per_s_statistic": "median over measured steps",
+                   "results": results}, f, indent=1)
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+        f.write(md)
+    return md
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m swift_liger.bench.swift_cli", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="random-init Llama-3-8B-shaped model + tokenizer + long-row SFT jsonl")
+    b.add_argument("outdir")
+    b.add_argument("--layers", type=int, default=32)
+    b.add_argument("--hidden", type=int, default=4096)
+    b.add_argument("--intermediate", type=int, default=14336)
+    b.add_argument("--heads", type=int, default=32)
+    b.add_argument("--kv-heads", type=int, default=8)
+    b.add_argument("--vocab", type=int, default=128256)
+    b.add_argument("--tok-vocab", type=int, default=2048, help="BPE vocab of the tokenizer (ids < --vocab)")
+    b.add_argument("--seq", type=int, default=8192)
+    b.add_argument("--rows", type=int, default=64)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--device", default="cuda")
+    r = sub.add_parser("run", help="one `swift sft` run; writes OUT/<variant>.json")
+    r.add_argument("model")
+    r.add_argument("dataset")
+    r.add_argument("--variant", required=True, choices=VARIANTS)
+    r.add_argument("--out", required=True)
+    r.add_argument("--steps", type=int, default=12, help="--max_steps of the run (warm-up included)")
+    r.add_argument("--warmup", type=int, default=3, help="first steps left out of tokens/s")
+    r.add_argument("--seq", type=int, default=8192, help="--max_length")
+    r.add_argument("--timeout", type=float, default=None, help="kill the run after this many seconds")
+    r.add_argument("--cpu", action="store_true", help="add " + " ".join(CPU_FLAGS))
+    r.add_argument("--extra", action="append", help="more swift flags, one shell-quoted string (repeatable)")
+    p = sub.add_parser("report", help="merge DIR/<variant>.json into OUT/<name>.json and .md")
+    p.add_argument("dir")
+    p.add_argument("--out", default="docs/benchmarks")
+    p.add_argument("--name", default="swift_cli_llama3_8b_lora")
+    p.add_argument("--build", default=None, help="build OUTDIR (for build.json: shape, row lengths, command)")
+    args = ap.parse_args(argv)
+    if args.cmd == "build":
+        info = build(args)
+        print(f"{info['params'] / 1e9:.3f} B params, tokenizer {info['tokenizer_vocab']} ids, rows "
+              f"{info['row_tokens']} tokens, {info['seconds']} s -> {args.outdir}")
+        print("swift sft " + " ".join(info["swift_flags"]) + f" --max_length {args.seq}")
+        return 0
+    if args.cmd == "run":
+        res = run(args)
+        return 0 if "error" not in res else 1
+    print(report(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
