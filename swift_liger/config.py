@@ -21,6 +21,10 @@ class LigerConfig:
     qk_norm_rope:  Qwen3-style attention: fuse q_norm/k_norm with the rotation (needs rope=True).
     rolling_cache: {"window": int, "sinks": int} (optional "mode": "absolute"|"streaming", "cuda_graph": bool)
                    installs RollingKVCache for generation; None leaves caches alone.
+    compile_layers: torch.compile each decoder layer of this instance (lazily, at its first call). Our ops are
+                   custom ops, so a compiled layer keeps them as single nodes and compile fuses the rest; in the
+                   8B LoRA loop this gave compile's speed at less memory than Liger-Kernel
+                   (docs/benchmarks/e2e_llama3_8b_lora.md). Off by default: the first steps pay the compile time.
     strict:        an unsupported model type is an error instead of a warning.
     """
     rms_norm: bool = True
@@ -29,11 +33,12 @@ class LigerConfig:
     cross_entropy: str = "fused_linear"
     qk_norm_rope: bool = True
     rolling_cache: Optional[dict] = None
+    compile_layers: bool = False
     strict: bool = False
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        for name in ("rms_norm", "rope", "swiglu", "qk_norm_rope", "strict"):
+        for name in ("rms_norm", "rope", "swiglu", "qk_norm_rope", "compile_layers", "strict"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"LigerConfig.{name} must be true or false, got {value!r}")

@@ -33,6 +33,8 @@ FIELDS = (
                                                  "CE on logits) or off (default from the preset)."),
     ("liger_qk_norm_rope", Optional[bool], None, "Qwen3-style q_norm/k_norm fused with the rotation."),
     ("liger_strict", Optional[bool], None, "Unsupported model type is an error instead of a warning."),
+    ("liger_compile_layers", Optional[bool], None, "torch.compile each decoder layer (our ops stay single custom-op "
+                                                   "nodes inside); first steps pay the compile time."),
     ("liger_rolling_cache", Optional[str], None, 'RollingKVCache for generation: "window,sinks" or '
                                                  '{"window": W, "sinks": S}.'),
     ("liger_metrics", bool, True, "Log step_time(s), tokens/s, peak memory and MFU every logging step (with or "
@@ -48,6 +50,7 @@ FLAG_TO_KEY = {
     "liger_qk_norm_rope": "qk_norm_rope",
     "liger_strict": "strict",
     "liger_rolling_cache": "rolling_cache",
+    "liger_compile_layers": "compile_layers",
 }
 PRESET_DIR_ENV = "SWIFT_LIGER_PRESET_DIR"
 

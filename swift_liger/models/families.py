@@ -19,6 +19,7 @@ class Family:
     mlp: Tuple[str, ...]             # gated MLP classes: down_proj(act(gate_proj(x)) * up_proj(x))
     attention: Tuple[str, ...]       # attention classes whose forward calls the module-global `rope_function`
     causal_lm: Tuple[str, ...]       # ...ForCausalLM classes: lm_head + self.loss_function(logits=, labels=, ...)
+    decoder_layer: Tuple[str, ...] = ()   # decoder-layer classes (compile_layers compiles each one)
     rope_function: str = "apply_rotary_pos_emb"
     qk_norm: bool = False            # attention applies q_norm/k_norm (RMSNorm over head_dim) right before rope
     lm_head: str = "lm_head"
@@ -40,6 +41,7 @@ def _family(prefix: str, model_type: str, **kw) -> Family:
         mlp=(f"{prefix}MLP",),
         attention=(f"{prefix}Attention",),
         causal_lm=(f"{prefix}ForCausalLM",),
+        decoder_layer=(f"{prefix}DecoderLayer",),
         **kw,
     )
 

@@ -47,7 +47,7 @@ logger = logging.getLogger("swift_liger")
 
 STATE_ATTR = "_swift_liger_state"
 EMIT_HIDDEN_ATTR = "_swift_liger_emit_hidden"
-FUSIONS = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "cross_entropy", "rolling_cache")
+FUSIONS = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "cross_entropy", "rolling_cache", "compile_layers")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,7 +60,8 @@ class PatchReport:
 
     patched:  modules swapped per fusion. `rope` counts every attention whose rotation runs our kernel,
               `qk_norm_rope` those of them that also fuse q_norm/k_norm; `cross_entropy` is 1 when the loss is ours,
-              `rolling_cache` 1 when generate() uses RollingKVCache.
+              `rolling_cache` 1 when generate() uses RollingKVCache, `compile_layers` the decoder layers that
+              will run through torch.compile.
     skipped:  {fusion, reason, count, problem}. problem=False: not applicable here (switched off, no such module,
               activation without a kernel). problem=True: asked for but impossible (unexpected forward structure,
               kernel missing, module already patched by another tool); these warn, and raise under strict=True.
@@ -109,6 +110,9 @@ class PatchReport:
             elif name == "rolling_cache":
                 if count:
                     parts.append("rolling_cache")
+            elif name == "compile_layers":
+                if count:
+                    parts.append(f"torch.compile on {count} decoder layers")
             elif count:
                 label = self.activation if name == "swiglu" and self.activation else name
                 parts.append(f"{label}x{count}")
@@ -134,6 +138,7 @@ class _PatchState:
         self.report = report
         self.saved: List[Tuple[Any, str, bool, Any]] = []  # (object, attribute, existed before, previous value)
         self.qk_attention: List[Tuple[torch.nn.Module, str, Callable, dict]] = []  # rebuilt again on deepcopy
+        self.compiled: List[torch.nn.Module] = []  # compile_layers: recompiled for the copies on deepcopy
         self.lm_head: Optional[torch.nn.Module] = None
         self.lm_head_name: Optional[str] = None
         self.labels_index: Optional[int] = None
@@ -159,6 +164,7 @@ class _PatchState:
                 obj.__dict__.pop(name, None)
         self.saved.clear()
         self.qk_attention.clear()
+        self.compiled.clear()
 
     def __deepcopy__(self, memo):
         # copy.deepcopy(model) rebinds bound methods to the copies, but function objects are shared, and the fused
@@ -170,6 +176,8 @@ class _PatchState:
             new.__dict__[key] = copy.deepcopy(value, memo)  # functions (ops, head_loss) are copied by reference
         for attention, attr, base, spec in new.qk_attention:
             attention.__dict__[attr] = types.MethodType(_build_qk_forward(attention, base, spec), attention)
+        for layer in new.compiled:   # the copied entry would still call the original layer
+            layer.__dict__["_compiled_call_impl"] = torch.compile(layer._call_impl)
         return new
 
 
@@ -592,6 +600,24 @@ def _patch(root: torch.nn.Module, family: Family, config: LigerConfig, st: _Patc
 
     if config.rolling_cache is not None:
         _install_rolling_cache(root, config.rolling_cache, st, report)
+
+    if config.compile_layers:
+        _compile_layers([m for m in modules if _class_in(m, family.decoder_layer)], family, st, report)
+
+
+def _compile_layers(layers, family: Family, st: _PatchState, report: PatchReport) -> None:
+    """What nn.Module.compile() does (compile the layer's call lazily, in place), recorded so revert undoes it.
+    PEFT wraps the layers' Linear children later; dynamo traces whatever children a layer has at its first call."""
+    if not layers:
+        report.skip("compile_layers", f"no {'/'.join(family.decoder_layer)} module found", problem=True)
+        return
+    for layer in layers:
+        if layer.__dict__.get("_compiled_call_impl") is not None:
+            report.skip("compile_layers", f"{type(layer).__name__} is already compiled", problem=True)
+            continue
+        st.set(layer, "_compiled_call_impl", torch.compile(layer._call_impl))
+        st.compiled.append(layer)
+        report.patched["compile_layers"] += 1
 
 
 def _install_rolling_cache(root: torch.nn.Module, settings: dict, st: _PatchState, report: PatchReport) -> None:

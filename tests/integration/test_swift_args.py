@@ -100,7 +100,7 @@ def test_yaml_preset_and_cli_flags_agree(swift_mod, base_argv, tmp_path):
     assert from_yaml == from_cli == from_flags == expected
 
 
-@pytest.mark.parametrize("name", ["default", "minimal", "off", "keep_logits"])
+@pytest.mark.parametrize("name", ["default", "minimal", "off", "keep_logits", "compiled"])
 def test_presets_load(name):
     path = liger_args.find_preset(name)
     assert path == os.path.join(REPO, "configs", "liger", f"{name}.yaml")

@@ -268,7 +268,7 @@ def test_default_report_and_summary(caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "swift_liger"] == [str(report)]  # one line
     assert isinstance(report, PatchReport)
     assert report.patched == {"rms_norm": 5, "rope": 2, "qk_norm_rope": 2, "swiglu": 2, "cross_entropy": 1,
-                              "rolling_cache": 0}
+                              "rolling_cache": 0, "compile_layers": 0}
     assert report.activation == "swiglu" and report.model_type == "qwen3"
     text = str(report)
     assert "Qwen3ForCausalLM" in text and "cross_entropy=fused_linear" in text and "\n" not in text
@@ -534,6 +534,42 @@ def test_compile_whole_model_fused_linear_training_no_graph_break(torch_backend)
         assert out.logits is None
     out.loss.backward(), expected.loss.backward()
     assert_grads_match(model, ref)
+    torch._dynamo.reset()
+
+
+def test_compile_layers_with_lora_and_checkpointing(torch_backend):
+    """compile_layers: every decoder layer runs through torch.compile (inductor on CPU here), after PEFT wraps its
+    Linears and under gradient checkpointing, with the same loss and grads; deepcopy recompiles for the copy;
+    revert removes it."""
+    peft = pytest.importorskip("peft")
+    ref, model = pair("llama", layers=1)
+    report = swift_liger.apply(model, compile_layers=True)
+    assert report.patched["compile_layers"] == 1 and "torch.compile on 1 decoder layers" in str(report)
+    layer = model.model.layers[0]
+    assert layer._compiled_call_impl is not None
+    clone = copy.deepcopy(model)
+    compiled_fn = clone.model.layers[0]._compiled_call_impl
+    assert compiled_fn is not None and compiled_fn is not layer._compiled_call_impl
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
+                init_lora_weights=False)
+    torch.manual_seed(7)
+    ref = peft.get_peft_model(ref, peft.LoraConfig(**lora))
+    torch.manual_seed(7)
+    model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    for m in (model, ref):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.enable_input_require_grads()
+        m.train()
+    ids, labels = batch()
+    torch._dynamo.reset()
+    calls = torch._dynamo.utils.counters["stats"]["calls_captured"]
+    out, expected = model(ids, labels=labels, use_cache=False), ref(ids, labels=labels, use_cache=False)
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] > calls, "the layer was not compiled"
+    close(out.loss, expected.loss, "loss")
+    out.loss.backward(), expected.loss.backward()
+    assert_grads_match(model, ref)
+    swift_liger.revert(model)
+    assert layer._compiled_call_impl is None
     torch._dynamo.reset()
 
 
