@@ -84,7 +84,9 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = CharTokenizer()
     model = tiny_model(len(tok), device, args.seed)
-    cache = RollingKVCache(model, window=args.window, sinks=args.sinks, mode=args.mode)
+    # On a GPU, reply tokens after the ring is full replay one CUDA graph of the decoder each.
+    cache = RollingKVCache(model, window=args.window, sinks=args.sinks, mode=args.mode,
+                           cuda_graph=device.type == "cuda")
     print(f"tiny random Llama on {device}; {cache}; --max-tokens {args.max_tokens or 'unlimited'}\n")
 
     logits = feed(model, cache, [1], device)            # <bos>: the first tokens become the attention sinks
