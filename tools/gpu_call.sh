@@ -2,6 +2,7 @@
 # One device call made of named sections, run in the order given; logs and results under $OUT.
 #   bash tools/gpu_call.sh tests mem e2e tinysft rolling
 # tests:   GPU test suite (ops, models, cache)
+# bench:   kernel and attention benchmarks (python -m swift_liger.bench kernels|attention)
 # mem:     what is alive at the training-step peak, ours vs Liger-Kernel (2 layers, tools/mem_peak.py)
 # e2e:     Llama-3-8B-shaped LoRA loop, 32 layers (E2E_VARIANTS, default swift_liger,liger)
 # tinysft: tiny `swift sft` in bf16 with and without --use_liger, per-step losses side by side
@@ -22,6 +23,12 @@ for section in "$@"; do
     SWIFT_LIGER_TEST_GPU=1 timeout 200 python3 -m pytest ${TEST_PATHS:-tests/ops tests/models tests/cache} -q -n 8 \
       -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1; echo "pytest rc $?"
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -15 ;;
+  bench)
+    for suite in kernels attention; do
+      stamp "bench $suite"
+      timeout 150 python3 -m swift_liger.bench "$suite" --out "$OUT/bench" --rep-ms 300 2>&1 | grep -E " ms |failed" \
+        | cut -c1-120
+    done ;;
   mem)
     for v in swift_liger liger; do
       stamp "mem $v"
