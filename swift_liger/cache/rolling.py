@@ -70,6 +70,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import types
 from typing import Optional
 
 import torch
@@ -768,35 +769,36 @@ def _ensure_hook(decoder: torch.nn.Module) -> None:
         object.__setattr__(decoder, _HOOK_ATTR, handle)
 
 
+def _rolling_decoder_forward(self, *args, **kwargs):
+    """The decoder's instance-level forward while a RollingKVCache knows it: planned decode steps go through the
+    cache (graph replay, decode attention), everything else to the forward it replaced. Bound with MethodType and
+    reading its state from the instance, so a deep copy runs the copy's own modules."""
+    previous = self.__dict__[_GRAPH_ATTR][0]
+    original = previous if previous is not None else functools.partial(type(self).forward, self)
+    cache = kwargs.get("past_key_values")
+    plan = cache._plan if isinstance(cache, RollingKVCache) and not args else None
+    if plan is not None and plan.graph:
+        return cache._graph_run(original, kwargs)
+    if plan is not None and plan.decode_kernel:
+        return cache._call_with_decode_attention(original, kwargs)
+    return original(*args, **kwargs)
+
+
 def _ensure_forward_wrapper(decoder: torch.nn.Module) -> None:
-    """Route planned decode steps through the cache (graph replay, decode attention); instance attribute: this
-    decoder only, removable."""
+    """Install _rolling_decoder_forward on this decoder instance (removable)."""
     if getattr(decoder, _GRAPH_ATTR, None) is not None:
         return
-    original = decoder.forward
-
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        cache = kwargs.get("past_key_values")
-        plan = cache._plan if isinstance(cache, RollingKVCache) and not args else None
-        if plan is not None and plan.graph:
-            return cache._graph_run(original, kwargs)
-        if plan is not None and plan.decode_kernel:
-            return cache._call_with_decode_attention(original, kwargs)
-        return original(*args, **kwargs)
-
-    had_instance_forward = "forward" in decoder.__dict__
-    object.__setattr__(decoder, "forward", forward)
-    object.__setattr__(decoder, _GRAPH_ATTR, (original, had_instance_forward))
+    previous = decoder.__dict__.get("forward")     # e.g. accelerate's hook wrapper; None: the class forward
+    object.__setattr__(decoder, _GRAPH_ATTR, (previous,))
+    object.__setattr__(decoder, "forward", types.MethodType(_rolling_decoder_forward, decoder))
 
 
 def _remove_forward_wrapper(decoder: torch.nn.Module) -> None:
-    state = getattr(decoder, _GRAPH_ATTR, None)
+    state = decoder.__dict__.get(_GRAPH_ATTR)
     if state is None:
         return
-    original, had_instance_forward = state
-    if had_instance_forward:
-        object.__setattr__(decoder, "forward", original)
+    if state[0] is not None:
+        object.__setattr__(decoder, "forward", state[0])
     else:
         object.__delattr__(decoder, "forward")
     object.__delattr__(decoder, _GRAPH_ATTR)
@@ -820,30 +822,38 @@ def install_rolling_cache(model: torch.nn.Module, window: int, sinks: int = 4, m
     if state is not None:
         state["settings"] = settings
         return model
-    original = model.generate
-    state = {"settings": settings, "original": original}
-
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
-        gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-        wants_cache = (kwargs.get("past_key_values") is None and kwargs.get("use_cache", True) is not False
-                       and kwargs.get("cache_implementation") is None
-                       and getattr(gen_config, "cache_implementation", None) is None
-                       and getattr(gen_config, "use_cache", True) is not False)
-        if wants_cache:
-            kwargs["past_key_values"] = RollingKVCache(model, **state["settings"])
-        return original(*args, **kwargs)
-
-    object.__setattr__(model, "generate", generate)
+    state = {"settings": settings, "original": model.__dict__.get("generate")}   # None: the class method
     object.__setattr__(model, _INSTALL_ATTR, state)
+    object.__setattr__(model, "generate", types.MethodType(_rolling_generate, model))
     return model
+
+
+def _rolling_generate(self, *args, **kwargs):
+    """``generate`` of a model with install_rolling_cache: a fresh RollingKVCache unless the call brings its own
+    cache (or none). Bound with MethodType and reading its settings from the instance, so deep copies build caches
+    for themselves."""
+    state = self.__dict__[_INSTALL_ATTR]
+    gen_config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
+    wants_cache = (kwargs.get("past_key_values") is None and kwargs.get("use_cache", True) is not False
+                   and kwargs.get("cache_implementation") is None
+                   and getattr(gen_config, "cache_implementation", None) is None
+                   and getattr(gen_config, "use_cache", True) is not False)
+    if wants_cache:
+        kwargs["past_key_values"] = RollingKVCache(self, **state["settings"])
+    original = state["original"]
+    if original is None:
+        return type(self).generate(self, *args, **kwargs)
+    return original(*args, **kwargs)
 
 
 def uninstall_rolling_cache(model: torch.nn.Module) -> None:
     """Undo ``install_rolling_cache`` (and remove the decoder hook)."""
-    state = getattr(model, _INSTALL_ATTR, None)
+    state = model.__dict__.get(_INSTALL_ATTR)
     if state is not None:
-        object.__delattr__(model, "generate")
+        if state["original"] is not None:
+            object.__setattr__(model, "generate", state["original"])
+        else:
+            object.__delattr__(model, "generate")
         object.__delattr__(model, _INSTALL_ATTR)
     try:
         decoder = _find_decoder(model)

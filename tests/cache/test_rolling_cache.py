@@ -429,6 +429,29 @@ def test_install_rolling_cache(device):
         install_rolling_cache(model, 4, 4)
 
 
+def test_deepcopy_of_model_with_cache_machinery(device):
+    """The decoder wrapper and the generate wrapper are per instance: a deep copy must run (and build caches for)
+    its own modules, not the original's."""
+    model = tiny_model(device)
+    install_rolling_cache(model, WINDOW, SINKS, "streaming")
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone.model.embed_tokens.weight.mul_(-1.0)
+    ids = torch.randint(2, 64, (1, 9), device=device)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    out_model, out_clone = model.generate(ids, **kw), clone.generate(ids, **kw)
+    assert out_clone.past_key_values._decoder is clone.model
+    assert out_model.past_key_values._decoder is model.model
+    fresh = copy.deepcopy(clone)
+    uninstall_rolling_cache(fresh)
+    want = generate(fresh, RollingKVCache(fresh, window=WINDOW, sinks=SINKS, mode="streaming"), ids, None, 4)[1]
+    assert torch.equal(torch.stack(out_clone.logits), want)
+    assert not torch.equal(torch.stack(out_model.logits), want)
+    uninstall_rolling_cache(model), uninstall_rolling_cache(clone)
+    for m in (model, clone):
+        assert "forward" not in m.model.__dict__ and "generate" not in m.__dict__
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------------------------
