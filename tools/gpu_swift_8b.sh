@@ -2,7 +2,7 @@
 # One device call: the real `swift sft` CLI on a random-init Llama-3-8B-shaped model (LoRA r=16, bf16, SDPA,
 # gradient checkpointing, batch 1 x ~8k tokens), three variants in their own processes: --use_liger (swift_liger),
 # --use_liger_kernel true (ms-swift's liger-kernel integration), plain. Tokens/s and peak memory per variant under
-# $OUT/swift_cli/, merged into $OUT/swift_cli_llama3_8b_lora.{json,md} (copy those to docs/benchmarks/).
+# $OUT/swift_cli_runs.tar.gz, merged into $OUT/swift_cli_llama3_8b_lora.{json,md} (copy those to docs/benchmarks/).
 # Needs the ignored .whl/ carried. Whole script < 9 min: per-run timeouts shrink to fit DEADLINE (seconds).
 set -uo pipefail
 OUT=${OUT:-.out}; R=/tmp/swift_cli_runs; M=/tmp/m8b; DEADLINE=${DEADLINE:-530}
@@ -24,7 +24,8 @@ if [ $rc -ne 0 ]; then echo "build failed rc $rc"; tail -30 "$OUT/swift_cli/buil
 cp "$M/build.json" "$OUT/swift_cli/"; du -sh "$M/model"
 echo "== built at ${SECONDS}s"
 
-VARIANTS=(swift_liger liger_kernel plain)  # most important first
+# most important first; e.g. VARIANTS="swift_liger_compiled swift_liger liger_kernel plain" (compile adds ~1 min)
+read -r -a VARIANTS <<<"${VARIANTS:-swift_liger liger_kernel plain}"
 for i in "${!VARIANTS[@]}"; do
   v=${VARIANTS[$i]}; after=$(( ${#VARIANTS[@]} - i - 1 ))
   left=$(( DEADLINE - SECONDS - 15 ))                  # 15 s kept for the report
@@ -45,4 +46,6 @@ done
 echo "== report (at ${SECONDS}s)"
 python3 -m swift_liger.bench.swift_cli report "$R" --out "$OUT" --name swift_cli_llama3_8b_lora --build "$M" \
   | grep -E "^\||^GPU|^- "
+# $OUT returns at most 8 files: keep the per-variant files as one archive.
+(cd "$OUT" && tar czf swift_cli_runs.tar.gz swift_cli && rm -rf swift_cli)
 echo "== done at ${SECONDS}s"

@@ -32,9 +32,12 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("plain", "swift_liger", "liger_kernel")
-VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"], "liger_kernel": ["--use_liger_kernel", "true"]}
+VARIANTS = ("plain", "swift_liger", "swift_liger_compiled", "liger_kernel")
+VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
+                 "swift_liger_compiled": ["--use_liger", "--liger_compile_layers", "true"],
+                 "liger_kernel": ["--use_liger_kernel", "true"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
+                  "swift_liger_compiled": "`--use_liger --liger_compile_layers true`",
                   "liger_kernel": "`--use_liger_kernel true` (liger-kernel)"}
 SWIFT_MODEL_FLAGS = ["--model_type", "llama", "--template", "chatml"]
 CPU_FLAGS = ["--torch_dtype", "float32", "--bf16", "false", "--fp16", "false"]
