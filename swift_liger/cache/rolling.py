@@ -86,6 +86,8 @@ MODES = ("absolute", "streaming")
 STREAMING_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _TABLE = 256   # decode steps covered by one precomputed position / sink-rotation table
+# Devices whose eager single-token steps attend with the decode kernel (on CPU SDPA is as good; tests add "cpu").
+DECODE_KERNEL_DEVICES = ("cuda",)
 _HOOK_ATTR = "_swift_liger_rolling_hook"
 _INSTALL_ATTR = "_swift_liger_rolling_install"
 _GRAPH_ATTR = "_swift_liger_rolling_graph_forward"
@@ -459,7 +461,7 @@ class RollingKVCache(Cache):
                             plan.cos, plan.sin = cos[:batch], sin[:batch]
                 # SDPA with a key length that grows every step took 40-45 ms per token before the wrap (Llama-3-8B
                 # shapes, H200; DynamicCache the same); the decode kernel: 4-7 ms, the length is a runtime argument.
-                plan.decode_kernel = device.type == "cuda"
+                plan.decode_kernel = device.type in DECODE_KERNEL_DEVICES
         elif attention_mask is None and n is not None and self._fast_ok and n + T <= C:
             # Uniform rows: the kernel takes the start index as a scalar, no per-step index tensors.
             plan = _Plan(T, "prefix", n, None, prefix_len=n + T, kv_length=n + T, q_offset=n)

@@ -326,6 +326,28 @@ def test_all_ones_mask_keeps_the_fast_path(device, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["absolute", "streaming"])
+def test_eager_decode_kernel_matches_sdpa(device, mode, monkeypatch):
+    """Unpadded single-token steps (before and after the wrap) attending with the split-KV decode kernel give the
+    tokens and logits of the SDPA path (on CPU forced on; on CUDA it is the default)."""
+    import swift_liger.cache.rolling as rolling
+    model = tiny_model(device)
+    ids = torch.randint(2, 64, (2, 3), device=device)
+    monkeypatch.setattr(rolling, "DECODE_KERNEL_DEVICES", ())
+    want, want_logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode), ids, None, 12)
+    monkeypatch.setattr(rolling, "DECODE_KERNEL_DEVICES", ("cuda", "cpu"))
+    attended = []
+    kernel = rolling.decode_attention_unchecked
+    monkeypatch.setattr(rolling, "decode_attention_unchecked", lambda *a: attended.append(a[1].shape[2]) or kernel(*a))
+    seqs, logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode), ids, None, 12)
+    # 11 decode steps x 2 layers; key lengths grow 4..8 (prefix views of the ring), then stay at sinks + window
+    assert len(attended) == 22
+    assert sorted(set(attended)) == list(range(4, WINDOW + SINKS + 1))
+    assert torch.equal(seqs, want)
+    assert_close(logits, want_logits.double(), torch.float32, name="decode kernel logits")
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("mode", ["absolute", "streaming"])
 def test_graph_decode_matches_eager(device, mode, monkeypatch):
     """cuda_graph=True: after the wrap each decode step reads its position, slot and sink angle from a device
     counter (what the captured graph replays). On CPU the same body runs eagerly (forced here); on the GPU it is
