@@ -25,6 +25,9 @@ class LigerConfig:
                    custom ops, so a compiled layer keeps them as single nodes and compile fuses the rest; in the
                    8B LoRA loop this gave compile's speed at less memory than Liger-Kernel
                    (docs/benchmarks/e2e_llama3_8b_lora.md). Off by default: the first steps pay the compile time.
+    lora_fusion:   in the patched MLPs, PEFT LoRA projections (plain set-up: one adapter, unmerged, vanilla LoRA)
+                   run through swift_liger.ops.lora_linear, which keeps no fp32 or duplicate copies of their
+                   inputs for backward (same maths). Off by default until measured on a GPU.
     strict:        an unsupported model type is an error instead of a warning.
     """
     rms_norm: bool = True
@@ -34,11 +37,12 @@ class LigerConfig:
     qk_norm_rope: bool = True
     rolling_cache: Optional[dict] = None
     compile_layers: bool = False
+    lora_fusion: bool = False
     strict: bool = False
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        for name in ("rms_norm", "rope", "swiglu", "qk_norm_rope", "compile_layers", "strict"):
+        for name in ("rms_norm", "rope", "swiglu", "qk_norm_rope", "compile_layers", "lora_fusion", "strict"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"LigerConfig.{name} must be true or false, got {value!r}")

@@ -297,7 +297,63 @@ def _identity_forward(self, hidden_states):
     return hidden_states
 
 
-def _make_mlp_forward(gated_act: Callable) -> Callable:
+def _plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor):
+    """(weight, bias, lora_a, lora_b, scaling, dropout) when `layer` is a PEFT LoRA Linear in its plain set-up
+    (one active adapter, unmerged, vanilla LoRA, frozen nn.Linear base, no biases or hooks, LoRA branch computing
+    in x's dtype), else None: the caller then calls the layer as usual."""
+    cls = type(layer)
+    if cls.__name__ != "Linear" or not cls.__module__.startswith("peft.tuners.lora"):
+        return None
+    try:
+        if layer.merged or layer.disable_adapters or getattr(layer, "fan_in_fan_out", False):
+            return None
+        active = layer.active_adapters
+        if len(active) != 1:
+            return None
+        name = active[0]
+        lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+        dropout, scaling = layer.lora_dropout[name], layer.scaling[name]
+        if name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False):
+            return None
+        base = layer.get_base_layer()
+    except (AttributeError, KeyError, TypeError):
+        return None
+    if (type(base) is not torch.nn.Linear or base.weight.requires_grad
+            or (base.bias is not None and base.bias.requires_grad)):
+        return None
+    if type(lora_a) is not torch.nn.Linear or type(lora_b) is not torch.nn.Linear:
+        return None
+    if lora_a.bias is not None or lora_b.bias is not None or not isinstance(scaling, (int, float)):
+        return None
+    if type(dropout) not in (torch.nn.Identity, torch.nn.Dropout):
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, base, lora_a, lora_b)):
+        return None
+    from ..ops.lora_linear import _compute_dtype
+    if _compute_dtype(x, lora_a.weight) != x.dtype or _compute_dtype(x, base.weight) != x.dtype:
+        return None
+    return base.weight, base.bias, lora_a.weight, lora_b.weight, scaling, dropout
+
+
+def _project(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x), through swift_liger.ops.lora_linear when layer is a plain PEFT LoRA Linear."""
+    parts = _plain_lora_parts(layer, x)
+    if parts is None:
+        return layer(x)
+    from ..ops.lora_linear import LoRALinearFunction
+    weight, bias, lora_a, lora_b, scaling, dropout = parts
+    x_lora = x if type(dropout) is torch.nn.Identity else dropout(x)
+    return LoRALinearFunction.apply(x, x_lora, weight, bias, lora_a, lora_b, float(scaling))
+
+
+def _make_mlp_forward(gated_act: Callable, lora_fusion: bool = False) -> Callable:
+    if lora_fusion:
+        def forward(self, x):
+            # PEFT LoRA projections without PEFT's input copies (see ops/lora_linear.py); others as usual.
+            gate, up = _project(self.gate_proj, x), _project(self.up_proj, x)
+            return _project(self.down_proj, gated_act(gate, up, inplace_backward=True))
+        return forward
+
     def forward(self, x):
         # Children are looked up at call time, so LoRA-wrapped gate/up/down projections are used. gate and up are
         # fresh projection outputs that only the activation reads, so its backward may overwrite them with their
@@ -588,7 +644,7 @@ def _patch(root: torch.nn.Module, family: Family, config: LigerConfig, st: _Patc
     if not config.swiglu:
         report.skip("swiglu", "switched off")
     elif mlps:
-        _patch_mlps(mlps, root, st, report)
+        _patch_mlps(mlps, root, st, report, config.lora_fusion)
 
     # --- causal-LM loss ---
     if config.cross_entropy == "off":
@@ -704,7 +760,8 @@ def _qk_norm_problem(attention: torch.nn.Module, family: Family) -> Optional[str
     return None
 
 
-def _patch_mlps(mlps, root: torch.nn.Module, st: _PatchState, report: PatchReport) -> None:
+def _patch_mlps(mlps, root: torch.nn.Module, st: _PatchState, report: PatchReport,
+                lora_fusion: bool = False) -> None:
     ops_cache: Dict[str, Tuple[Optional[Callable], Optional[str]]] = {}  # kernel -> (MLP forward, reason)
     for mlp in mlps:
         missing = [n for n in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(mlp, n)]
@@ -723,7 +780,7 @@ def _patch_mlps(mlps, root: torch.nn.Module, st: _PatchState, report: PatchRepor
             continue
         if kernel not in ops_cache:
             op, why = _load_op(kernel)
-            ops_cache[kernel] = (_make_mlp_forward(op) if op is not None else None), why
+            ops_cache[kernel] = (_make_mlp_forward(op, lora_fusion) if op is not None else None), why
         mlp_forward, why = ops_cache[kernel]
         why = why or _foreign_forward(mlp)
         if why:

@@ -144,7 +144,8 @@ def test_fields_injected_into_dataclass_and_subclass(fake_swift):
     """, pythonpath=str(fake_swift))
     res = out_json(proc)
     ours = ["use_liger", "liger_config", "liger_rms_norm", "liger_rope", "liger_swiglu", "liger_cross_entropy",
-            "liger_qk_norm_rope", "liger_strict", "liger_compile_layers", "liger_rolling_cache", "liger_metrics"]
+            "liger_qk_norm_rope", "liger_strict", "liger_compile_layers", "liger_lora_fusion", "liger_rolling_cache",
+            "liger_metrics"]
     assert res["sft"] == ["model", "use_liger_kernel"] + ours
     assert res["rlhf"] == ["model", "use_liger_kernel"] + ours + ["rlhf_type"]
     assert res["events"][:2] == [["post_init", True], ["post_init", True]]  # fields set before __post_init__

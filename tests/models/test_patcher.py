@@ -573,6 +573,86 @@ def test_compile_layers_with_lora_and_checkpointing(torch_backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_lora_fusion_same_loss_and_grads(torch_backend, dropout, monkeypatch):
+    """lora_fusion: the MLP's PEFT LoRA projections run through ops.lora_linear (counted), with the same loss and
+    gradients as PEFT's own forward, dropout included (same module, same RNG draws)."""
+    peft = pytest.importorskip("peft")
+    from swift_liger.ops import lora_linear as LL
+    calls = []
+    original = LL.LoRALinearFunction.apply
+    monkeypatch.setattr(LL.LoRALinearFunction, "apply", lambda *a: calls.append(1) or original(*a))
+    ref, model = pair("qwen2")
+    swift_liger.apply(model, lora_fusion=True)
+    lora = dict(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
+                target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(ref, peft.LoraConfig(**lora))
+    torch.manual_seed(3)
+    model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    ids, labels = batch()
+    ref.train(), model.train()
+    torch.manual_seed(11)
+    expected = ref(ids, labels=labels)
+    torch.manual_seed(11)
+    out = model(ids, labels=labels)
+    assert len(calls) == 3 * 2   # gate, up, down in both layers
+    close(out.loss, expected.loss, "loss")
+    out.loss.backward(), expected.loss.backward()
+    assert_grads_match(model, ref)
+
+
+def test_lora_fusion_falls_back_outside_the_plain_setup(torch_backend, monkeypatch):
+    """DoRA, merged or disabled adapters, several active adapters: PEFT's own forward runs."""
+    peft = pytest.importorskip("peft")
+    from swift_liger.ops import lora_linear as LL
+    calls = []
+    original = LL.LoRALinearFunction.apply
+    monkeypatch.setattr(LL.LoRALinearFunction, "apply", lambda *a: calls.append(1) or original(*a))
+    ref, model = pair("llama")
+    swift_liger.apply(model, lora_fusion=True)
+    lora = dict(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False, use_dora=True)
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(ref, peft.LoraConfig(**lora))
+    torch.manual_seed(3)
+    model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    ids, labels = batch()
+    close(model(ids, labels=labels).loss, ref(ids, labels=labels).loss, "dora loss")
+    with model.disable_adapter():
+        model(ids, labels=labels)
+    assert calls == []
+
+
+def test_lora_fusion_under_bf16_autocast_with_fp32_adapters(torch_backend, monkeypatch):
+    """PEFT's default set-up in ms-swift: bf16 weights, fp32 adapters, bf16 autocast."""
+    peft = pytest.importorskip("peft")
+    from swift_liger.ops import lora_linear as LL
+    calls = []
+    original = LL.LoRALinearFunction.apply
+    monkeypatch.setattr(LL.LoRALinearFunction, "apply", lambda *a: calls.append(1) or original(*a))
+    ref, model = pair("llama")
+    swift_liger.apply(model, lora_fusion=True)
+    lora = dict(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
+    models = []
+    for m in (ref, model):
+        torch.manual_seed(3)
+        m = peft.get_peft_model(m.to(torch.bfloat16), peft.LoraConfig(**lora))
+        assert m.base_model.model.model.layers[0].mlp.gate_proj.lora_A["default"].weight.dtype == torch.float32
+        models.append(m)
+    ref, model = models
+    ids, labels = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = model(ids, labels=labels), ref(ids, labels=labels)
+    assert len(calls) == 3 * 2
+    assert abs(out.loss.item() - expected.loss.item()) < 2e-2 * max(1.0, abs(expected.loss.item()))
+    out.loss.backward(), expected.loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.requires_grad:
+            assert p.grad.dtype == torch.float32, name
+            torch.testing.assert_close(p.grad, q.grad, atol=5e-2 * max(1.0, q.grad.abs().max().item()), rtol=5e-2,
+                                       msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("family", ["qwen3"])
 def test_gradient_checkpointing(torch_backend, family):
     ref, model = pair(family)

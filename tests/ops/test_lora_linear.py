@@ -1,0 +1,92 @@
+"""lora_linear: same values and gradients as the autograd composition (PEFT's maths), fewer saved bytes than
+PEFT's fp32-adapter path under autocast."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_close, f64, inputs_unchanged
+from swift_liger.ops.lora_linear import lora_linear, lora_linear_reference
+
+
+def make(n=(3, 5), d_in=24, d_out=40, r=4, dtype=torch.float32, adapter_dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*n, d_in, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(d_out, d_in, generator=g).to(dtype)
+    b = torch.randn(d_out, generator=g).to(dtype) if bias else None
+    a = (torch.randn(r, d_in, generator=g) * 0.3).to(adapter_dtype).requires_grad_()
+    bb = (torch.randn(d_out, r, generator=g) * 0.3).to(adapter_dtype).requires_grad_()
+    return x, w, b, a, bb
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("separate_lora_input", [False, True])
+def test_matches_float64_reference(bias, separate_lora_input):
+    x, w, b, a, bb = make(bias=bias)
+    x_lora = (x * 0.5 + 1.0) if separate_lora_input else None      # e.g. dropout(x): its own graph
+    dy = torch.randn(3, 5, 40)
+    with inputs_unchanged(w, a, bb):
+        y = lora_linear(x, x_lora, w, b, a, bb, 2.0)
+    y.backward(dy)
+    xr, ar, br = f64(x), f64(a), f64(bb)
+    x_lora_r = (xr * 0.5 + 1.0) if separate_lora_input else xr
+    yr = lora_linear_reference(xr, x_lora_r, f64(w), None if b is None else f64(b), ar, br, 2.0)
+    yr.backward(dy.double())
+    assert_close(y, yr, torch.float32, name="y")
+    for name, got, want in (("dx", x.grad, xr.grad), ("dA", a.grad, ar.grad), ("dB", bb.grad, br.grad)):
+        assert_close(got, want, torch.float32, slack=4, name=name)
+    assert w.grad is None
+
+
+def _saved_bytes(fn):
+    """Bytes of distinct storages autograd keeps for backward while running fn (parameters excluded)."""
+    seen = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def test_autocast_bf16_with_fp32_adapters_matches_peft_and_saves_less():
+    """The PEFT set-up: bf16 base, fp32 adapters, bf16 autocast. Same output and gradients as PEFT's
+    cast-to-fp32-then-autocast path, and less saved for backward."""
+    x, w, b, a, bb = make(dtype=torch.bfloat16, adapter_dtype=torch.float32, bias=False)
+    P = torch.nn.Parameter
+    w, a, bb = P(w, requires_grad=False), P(a.detach()), P(bb.detach())
+    a_peft, b_peft = P(a.detach().clone()), P(bb.detach().clone())
+    x_peft = x.detach().clone().requires_grad_()
+    dy = torch.randn(3, 5, 40).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, ours = _saved_bytes(lambda: lora_linear(x, None, w, None, a, bb, 2.0))
+
+        def peft_forward():   # peft.tuners.lora.Linear.forward, one adapter, no dropout
+            result = F.linear(x_peft, w)
+            xa = x_peft.to(a_peft.dtype)
+            return result + F.linear(F.linear(xa, a_peft), b_peft) * 2.0
+        y_peft, theirs = _saved_bytes(peft_forward)
+    assert y.dtype == y_peft.dtype == torch.bfloat16
+    y.backward(dy), y_peft.backward(dy)
+    assert_close(y, y_peft.float(), torch.bfloat16, name="y")
+    assert_close(x.grad, x_peft.grad.float(), torch.bfloat16, name="dx")
+    assert a.grad.dtype == torch.float32 and bb.grad.dtype == torch.float32
+    assert_close(a.grad, a_peft.grad, torch.bfloat16, slack=2, name="dA")
+    assert_close(bb.grad, b_peft.grad, torch.bfloat16, slack=2, name="dB")
+    assert ours < theirs, (ours, theirs)
+
+
+def test_bad_inputs():
+    x, w, b, a, bb = make()
+    with pytest.raises(ValueError, match="frozen"):
+        lora_linear(x, None, w.requires_grad_(), b, a, bb, 1.0)
+    x, w, b, a, bb = make()
+    with pytest.raises(ValueError, match="lora_b"):
+        lora_linear(x, None, w, b, a, bb[:, :2], 1.0)
+    with pytest.raises(ValueError, match="x_lora"):
+        lora_linear(x, x[..., :3], w, b, a, bb, 1.0)
+    x16, w16, b16, _, _ = make(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="compute in"):   # no autocast: an fp32 branch on a bf16 input
+        lora_linear(x16, None, w16, b16, a, bb, 1.0)
