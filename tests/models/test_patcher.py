@@ -573,15 +573,21 @@ def test_compile_layers_with_lora_and_checkpointing(torch_backend):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_lora_fusion_same_loss_and_grads(torch_backend, dropout, monkeypatch):
-    """lora_fusion: the MLP's PEFT LoRA projections run through ops.lora_linear (counted), with the same loss and
-    gradients as PEFT's own forward, dropout included (same module, same RNG draws)."""
-    peft = pytest.importorskip("peft")
+@pytest.fixture
+def lora_linear_calls(monkeypatch):
+    """A list that gets one entry per ops.lora_linear call."""
     from swift_liger.ops import lora_linear as LL
     calls = []
     original = LL.LoRALinearFunction.apply
     monkeypatch.setattr(LL.LoRALinearFunction, "apply", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_lora_fusion_same_loss_and_grads(torch_backend, dropout, lora_linear_calls):
+    """lora_fusion: the MLP's PEFT LoRA projections run through ops.lora_linear (counted), with the same loss and
+    gradients as PEFT's own forward, dropout included (same module, same RNG draws)."""
+    peft = pytest.importorskip("peft")
     ref, model = pair("qwen2")
     swift_liger.apply(model, lora_fusion=True)
     lora = dict(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
@@ -596,19 +602,15 @@ def test_lora_fusion_same_loss_and_grads(torch_backend, dropout, monkeypatch):
     expected = ref(ids, labels=labels)
     torch.manual_seed(11)
     out = model(ids, labels=labels)
-    assert len(calls) == 3 * 2   # gate, up, down in both layers
+    assert len(lora_linear_calls) == 3 * 2   # gate, up, down in both layers
     close(out.loss, expected.loss, "loss")
     out.loss.backward(), expected.loss.backward()
     assert_grads_match(model, ref)
 
 
-def test_lora_fusion_falls_back_outside_the_plain_setup(torch_backend, monkeypatch):
+def test_lora_fusion_falls_back_outside_the_plain_setup(torch_backend, lora_linear_calls):
     """DoRA, merged or disabled adapters, several active adapters: PEFT's own forward runs."""
     peft = pytest.importorskip("peft")
-    from swift_liger.ops import lora_linear as LL
-    calls = []
-    original = LL.LoRALinearFunction.apply
-    monkeypatch.setattr(LL.LoRALinearFunction, "apply", lambda *a: calls.append(1) or original(*a))
     ref, model = pair("llama")
     swift_liger.apply(model, lora_fusion=True)
     lora = dict(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False, use_dora=True)
@@ -620,16 +622,12 @@ def test_lora_fusion_falls_back_outside_the_plain_setup(torch_backend, monkeypat
     close(model(ids, labels=labels).loss, ref(ids, labels=labels).loss, "dora loss")
     with model.disable_adapter():
         model(ids, labels=labels)
-    assert calls == []
+    assert lora_linear_calls == []
 
 
-def test_lora_fusion_under_bf16_autocast_with_fp32_adapters(torch_backend, monkeypatch):
+def test_lora_fusion_under_bf16_autocast_with_fp32_adapters(torch_backend, lora_linear_calls):
     """PEFT's default set-up in ms-swift: bf16 weights, fp32 adapters, bf16 autocast."""
     peft = pytest.importorskip("peft")
-    from swift_liger.ops import lora_linear as LL
-    calls = []
-    original = LL.LoRALinearFunction.apply
-    monkeypatch.setattr(LL.LoRALinearFunction, "apply", lambda *a: calls.append(1) or original(*a))
     ref, model = pair("llama")
     swift_liger.apply(model, lora_fusion=True)
     lora = dict(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
@@ -643,7 +641,7 @@ def test_lora_fusion_under_bf16_autocast_with_fp32_adapters(torch_backend, monke
     ids, labels = batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, expected = model(ids, labels=labels), ref(ids, labels=labels)
-    assert len(calls) == 3 * 2
+    assert len(lora_linear_calls) == 3 * 2
     assert abs(out.loss.item() - expected.loss.item()) < 2e-2 * max(1.0, abs(expected.loss.item()))
     out.loss.backward(), expected.loss.backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
