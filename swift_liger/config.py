@@ -25,9 +25,10 @@ class LigerConfig:
                    custom ops, so a compiled layer keeps them as single nodes and compile fuses the rest; in the
                    8B LoRA loop this gave compile's speed at less memory than Liger-Kernel
                    (docs/benchmarks/e2e_llama3_8b_lora.md). Off by default: the first steps pay the compile time.
-    lora_fusion:   in the patched MLPs, PEFT LoRA projections (plain set-up: one adapter, unmerged, vanilla LoRA)
-                   run through swift_liger.ops.lora_linear, which keeps no fp32 or duplicate copies of their
-                   inputs for backward (same maths). Off by default until measured on a GPU.
+    lora_fusion:   in the patched MLPs and attentions (rope on), PEFT LoRA projections in their plain set-up (one
+                   adapter, unmerged, vanilla LoRA) run through swift_liger.ops.lora_linear, which keeps no fp32 or
+                   duplicate copies of their inputs for backward (same maths). Off by default until measured on
+                   a GPU.
     strict:        an unsupported model type is an error instead of a warning.
     """
     rms_norm: bool = True

@@ -335,15 +335,50 @@ def _plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor):
     return base.weight, base.bias, lora_a.weight, lora_b.weight, scaling, dropout
 
 
-def _project(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """layer(x), through swift_liger.ops.lora_linear when layer is a plain PEFT LoRA Linear."""
-    parts = _plain_lora_parts(layer, x)
-    if parts is None:
-        return layer(x)
+def _fused_lora(x: torch.Tensor, parts) -> torch.Tensor:
     from ..ops.lora_linear import LoRALinearFunction
     weight, bias, lora_a, lora_b, scaling, dropout = parts
     x_lora = x if type(dropout) is torch.nn.Identity else dropout(x)
     return LoRALinearFunction.apply(x, x_lora, weight, bias, lora_a, lora_b, float(scaling))
+
+
+def _project(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x), through swift_liger.ops.lora_linear when layer is a plain PEFT LoRA Linear."""
+    parts = _plain_lora_parts(layer, x)
+    return layer(x) if parts is None else _fused_lora(x, parts)
+
+
+def _lora_projection_forward(self, x, *args, **kwargs):
+    """Instance forward of a PEFT LoRA Linear for the length of one patched attention call."""
+    parts = None if (args or kwargs) else _plain_lora_parts(self, x)
+    return type(self).forward(self, x, *args, **kwargs) if parts is None else _fused_lora(x, parts)
+
+
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _with_lora_projections(fn: Callable) -> Callable:
+    """Wrap an attention forward so that, during the call, its PEFT LoRA q/k/v/o projections run through
+    ops.lora_linear. HF's attention body calls them as modules, so each gets a temporary instance forward, removed
+    right after (nothing persists: deepcopy, revert and PEFT see the plain modules). Eager only: under
+    torch.compile the body runs unchanged."""
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(self, *args, **kwargs)
+        installed = []
+        for name in _ATTENTION_PROJECTIONS:
+            child = self._modules.get(name)
+            cls = type(child)
+            if (child is not None and cls.__name__ == "Linear" and cls.__module__.startswith("peft.tuners.lora")
+                    and "forward" not in child.__dict__):
+                child.__dict__["forward"] = types.MethodType(_lora_projection_forward, child)
+                installed.append(child)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            for child in installed:
+                child.__dict__.pop("forward", None)
+    return forward
 
 
 def _make_mlp_forward(gated_act: Callable, lora_fusion: bool = False) -> Callable:
@@ -470,7 +505,7 @@ def _build_qk_forward(attention: torch.nn.Module, base: Callable, spec: dict) ->
     new, reason = _rebuild_with_globals(base, {spec["name"]: rope}, spec["required"])
     if new is None:  # checked at apply time; only reachable if the class changed under us
         raise RuntimeError(f"swift_liger: cannot rebuild {type(attention).__name__}.forward: {reason}")
-    return new
+    return _with_lora_projections(new) if spec.get("lora_fusion") else new
 
 
 # --- Causal LM: forward wrapper + loss function ---------------------------------------------------------------
@@ -716,10 +751,13 @@ def _patch_attention(attentions, family: Family, config: LigerConfig, st: _Patch
         if want_qk:
             qk_why = qk_reason or _qk_norm_problem(attention, family)
             if qk_why is None:
-                spec = {"op": qk_op, "extra": extra, "name": name, "required": (name, "q_norm", "k_norm")}
+                spec = {"op": qk_op, "extra": extra, "name": name, "required": (name, "q_norm", "k_norm"),
+                        "lora_fusion": config.lora_fusion}
                 rope = _make_qk_rope(attention, qk_op, extra)
                 new, qk_why = _rebuild_with_globals(base, {name: rope}, spec["required"])
                 if new is not None:
+                    if config.lora_fusion:
+                        new = _with_lora_projections(new)
                     attr = _forward_attr(attention)
                     _set_forward(st, attention, new)
                     st.qk_attention.append((attention, attr, base, spec))
@@ -741,7 +779,7 @@ def _patch_attention(attentions, family: Family, config: LigerConfig, st: _Patch
         if new is None:
             report.skip("rope", why, problem=True)
             continue
-        _set_forward(st, attention, new)
+        _set_forward(st, attention, _with_lora_projections(new) if config.lora_fusion else new)
         report.patched["rope"] += 1
 
 

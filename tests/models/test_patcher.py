@@ -583,12 +583,13 @@ def lora_linear_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_lora_fusion_same_loss_and_grads(torch_backend, dropout, lora_linear_calls):
-    """lora_fusion: the MLP's PEFT LoRA projections run through ops.lora_linear (counted), with the same loss and
-    gradients as PEFT's own forward, dropout included (same module, same RNG draws)."""
+@pytest.mark.parametrize("family,dropout", [("qwen2", 0.0), ("qwen2", 0.2), ("qwen3", 0.1)])
+def test_lora_fusion_same_loss_and_grads(torch_backend, family, dropout, lora_linear_calls):
+    """lora_fusion: the MLP's and the attention's PEFT LoRA projections run through ops.lora_linear (counted), with
+    the same loss and gradients as PEFT's own forward, dropout included (same module, same RNG draws); qwen3 takes
+    the fused qk-norm rope attention. Nothing stays installed on the LoRA modules after a forward."""
     peft = pytest.importorskip("peft")
-    ref, model = pair("qwen2")
+    ref, model = pair(family)
     swift_liger.apply(model, lora_fusion=True)
     lora = dict(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
                 target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
@@ -602,10 +603,16 @@ def test_lora_fusion_same_loss_and_grads(torch_backend, dropout, lora_linear_cal
     expected = ref(ids, labels=labels)
     torch.manual_seed(11)
     out = model(ids, labels=labels)
-    assert len(lora_linear_calls) == 3 * 2   # gate, up, down in both layers
+    assert len(lora_linear_calls) == 5 * 2   # q, v, gate, up, down in both layers
+    assert not any("forward" in m.__dict__ for m in model.modules() if type(m).__module__.startswith("peft.tuners"))
     close(out.loss, expected.loss, "loss")
     out.loss.backward(), expected.loss.backward()
     assert_grads_match(model, ref)
+    clone = copy.deepcopy(model)   # the rebuilt qk forward is rebuilt again for the copy, fusion included
+    lora_linear_calls.clear()
+    torch.manual_seed(11)
+    close(clone(ids, labels=labels).loss, out.loss, "deep copy loss")
+    assert len(lora_linear_calls) == 5 * 2
 
 
 def test_lora_fusion_falls_back_outside_the_plain_setup(torch_backend, lora_linear_calls):
