@@ -35,8 +35,8 @@ FIELDS = (
     ("liger_strict", Optional[bool], None, "Unsupported model type is an error instead of a warning."),
     ("liger_compile_layers", Optional[bool], None, "torch.compile each decoder layer (our ops stay single custom-op "
                                                    "nodes inside); first steps pay the compile time."),
-    ("liger_lora_fusion", Optional[bool], None, "LoRA projections in the patched MLP without PEFT's input copies "
-                                                "(experimental, off by default)."),
+    ("liger_lora_fusion", Optional[bool], None, "PEFT LoRA projections (MLP, attention) without PEFT's input "
+                                                "copies (experimental, off by default)."),
     ("liger_rolling_cache", Optional[str], None, 'RollingKVCache for generation: "window,sinks" or '
                                                  '{"window": W, "sinks": S}.'),
     ("liger_metrics", bool, True, "Log step_time(s), tokens/s, peak memory and MFU every logging step (with or "
