@@ -297,12 +297,16 @@ def _identity_forward(self, hidden_states):
     return hidden_states
 
 
+def _is_peft_lora_linear(module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Linear" and cls.__module__.startswith("peft.tuners.lora")
+
+
 def _plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor):
     """(weight, bias, lora_a, lora_b, scaling, dropout) when `layer` is a PEFT LoRA Linear in its plain set-up
     (one active adapter, unmerged, vanilla LoRA, frozen nn.Linear base, no biases or hooks, LoRA branch computing
     in x's dtype), else None: the caller then calls the layer as usual."""
-    cls = type(layer)
-    if cls.__name__ != "Linear" or not cls.__module__.startswith("peft.tuners.lora"):
+    if not _is_peft_lora_linear(layer):
         return None
     try:
         if layer.merged or layer.disable_adapters or getattr(layer, "fan_in_fan_out", False):
@@ -368,9 +372,7 @@ def _with_lora_projections(fn: Callable) -> Callable:
         installed = []
         for name in _ATTENTION_PROJECTIONS:
             child = self._modules.get(name)
-            cls = type(child)
-            if (child is not None and cls.__name__ == "Linear" and cls.__module__.startswith("peft.tuners.lora")
-                    and "forward" not in child.__dict__):
+            if _is_peft_lora_linear(child) and "forward" not in child.__dict__:
                 child.__dict__["forward"] = types.MethodType(_lora_projection_forward, child)
                 installed.append(child)
         try:
