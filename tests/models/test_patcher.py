@@ -113,6 +113,15 @@ def torch_backend(monkeypatch):
     monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
 
 
+def lora_pair(peft, ref, model, seed, **lora):
+    """Both models wrapped with the same LoRA config and the same initial adapter weights."""
+    out = []
+    for m in (ref, model):
+        torch.manual_seed(seed)
+        out.append(peft.get_peft_model(m, peft.LoraConfig(**lora)))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Real kernels (Triton interpreter on CPU): all fusions on, 1 layer to stay fast
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,10 +385,7 @@ def test_peft_lora_after_apply(torch_backend, family):
     swift_liger.apply(model)
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                    "down_proj"], init_lora_weights=False)
-    torch.manual_seed(7)
-    ref = peft.get_peft_model(ref, peft.LoraConfig(**lora))
-    torch.manual_seed(7)
-    model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    ref, model = lora_pair(peft, ref, model, 7, **lora)
     ids, labels = batch()
     ref.train(), model.train()
     out, expected = model(ids, labels=labels), ref(ids, labels=labels)
@@ -403,10 +409,7 @@ def test_peft_lora_on_lm_head_falls_back_to_logits(torch_backend):
     ref, model = pair("llama")
     swift_liger.apply(model)
     lora = dict(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
-    torch.manual_seed(3)
-    ref = peft.get_peft_model(ref, peft.LoraConfig(**lora))
-    torch.manual_seed(3)
-    model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    ref, model = lora_pair(peft, ref, model, 3, **lora)
     ids, labels = batch()
     out, expected = model(ids, labels=labels), ref(ids, labels=labels)
     close(out.logits, expected.logits, "logits")  # wrapped lm_head: no hidden-state shortcut
@@ -552,10 +555,7 @@ def test_compile_layers_with_lora_and_checkpointing(torch_backend):
     assert compiled_fn is not None and compiled_fn is not layer._compiled_call_impl
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
                 init_lora_weights=False)
-    torch.manual_seed(7)
-    ref = peft.get_peft_model(ref, peft.LoraConfig(**lora))
-    torch.manual_seed(7)
-    model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    ref, model = lora_pair(peft, ref, model, 7, **lora)
     for m in (model, ref):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.enable_input_require_grads()
@@ -593,10 +593,7 @@ def test_lora_fusion_same_loss_and_grads(torch_backend, family, dropout, lora_li
     swift_liger.apply(model, lora_fusion=True)
     lora = dict(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
                 target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
-    torch.manual_seed(3)
-    ref = peft.get_peft_model(ref, peft.LoraConfig(**lora))
-    torch.manual_seed(3)
-    model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    ref, model = lora_pair(peft, ref, model, 3, **lora)
     ids, labels = batch()
     ref.train(), model.train()
     torch.manual_seed(11)
@@ -621,10 +618,7 @@ def test_lora_fusion_falls_back_outside_the_plain_setup(torch_backend, lora_line
     ref, model = pair("llama")
     swift_liger.apply(model, lora_fusion=True)
     lora = dict(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False, use_dora=True)
-    torch.manual_seed(3)
-    ref = peft.get_peft_model(ref, peft.LoraConfig(**lora))
-    torch.manual_seed(3)
-    model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    ref, model = lora_pair(peft, ref, model, 3, **lora)
     ids, labels = batch()
     close(model(ids, labels=labels).loss, ref(ids, labels=labels).loss, "dora loss")
     with model.disable_adapter():
@@ -638,13 +632,9 @@ def test_lora_fusion_under_bf16_autocast_with_fp32_adapters(torch_backend, lora_
     ref, model = pair("llama")
     swift_liger.apply(model, lora_fusion=True)
     lora = dict(r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
-    models = []
+    ref, model = lora_pair(peft, ref.to(torch.bfloat16), model.to(torch.bfloat16), 3, **lora)
     for m in (ref, model):
-        torch.manual_seed(3)
-        m = peft.get_peft_model(m.to(torch.bfloat16), peft.LoraConfig(**lora))
         assert m.base_model.model.model.layers[0].mlp.gate_proj.lora_A["default"].weight.dtype == torch.float32
-        models.append(m)
-    ref, model = models
     ids, labels = batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, expected = model(ids, labels=labels), ref(ids, labels=labels)
@@ -676,10 +666,7 @@ def test_apply_after_peft_wrap(torch_backend):
     peft = pytest.importorskip("peft")
     ref, model = pair("qwen2")
     lora = dict(r=4, target_modules=["q_proj", "gate_proj", "down_proj"], init_lora_weights=False)
-    torch.manual_seed(5)
-    ref = peft.get_peft_model(ref, peft.LoraConfig(**lora))
-    torch.manual_seed(5)
-    model = peft.get_peft_model(model, peft.LoraConfig(**lora))
+    ref, model = lora_pair(peft, ref, model, 5, **lora)
     report = swift_liger.apply(model)
     assert report.model_class == "Qwen2ForCausalLM" and report.patched["swiglu"] == 2
     ids, labels = batch()
