@@ -5,7 +5,7 @@
 # bench:   kernel and attention benchmarks (python -m swift_liger.bench kernels|attention)
 # mem:     what is alive at the training-step peak, ours vs Liger-Kernel (2 layers, tools/mem_peak.py)
 # e2e:     Llama-3-8B-shaped LoRA loop, 32 layers (E2E_VARIANTS, default swift_liger,liger)
-# tinysft: tiny `swift sft` in bf16 with and without --use_liger, per-step losses side by side
+# tinysft: tiny `swift sft` in bf16: stock, --use_liger, --use_liger + lora_fusion; per-step losses side by side
 # rolling: RollingKVCache decode benchmark (ROLLING_ARGS)
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/bench"
@@ -44,17 +44,25 @@ for section in "$@"; do
     F="--model /tmp/tiny/model --model_type qwen3 --template qwen3 --dataset /tmp/tiny/sft.jsonl --tuner_type lora
        --torch_dtype bfloat16 --check_model false --gradient_accumulation_steps 1 --dataloader_num_workers 0
        --max_steps 10 --logging_steps 1 --max_length 256 --per_device_train_batch_size 8 --save_strategy no
-       --report_to none --seed 42 --liger_metrics true"
-    timeout 60 swift sft $F --output_dir /tmp/o_stock >"$OUT/sft_bf16_stock.log" 2>&1; echo "stock rc $?"
-    timeout 60 swift sft $F --output_dir /tmp/o_liger --use_liger >"$OUT/sft_bf16_liger.log" 2>&1; echo "liger rc $?"
-    for d in stock liger; do f=$(ls /tmp/o_$d/v*/logging.jsonl | head -1); cp "$f" "$OUT/sft_bf16_$d.jsonl"; done
+       --report_to none --seed 42 --liger_metrics true
+    --target_modules all-linear --gradient_checkpointing true"
+    declare -A FLAGS=([stock]="" [liger]="--use_liger" [liger_lora]="--use_liger --liger_lora_fusion true")
+    for d in stock liger liger_lora; do
+      timeout 60 swift sft $F --output_dir /tmp/o_$d ${FLAGS[$d]} >"$OUT/sft_bf16_$d.log" 2>&1; echo "$d rc $?"
+      f=$(ls /tmp/o_$d/v*/logging.jsonl | head -1); cp "$f" "$OUT/sft_bf16_$d.jsonl"
+    done
+    grep -h "lora_fusion in the first step" "$OUT"/sft_bf16_*.log | cut -c1-200
     python3 - <<'PY'
 import json, os
 out = os.environ.get("OUT", ".out")
-rows = {d: [r for r in map(json.loads, open(f"{out}/sft_bf16_{d}.jsonl")) if "loss" in r] for d in ("stock", "liger")}
-for a, b in zip(rows["stock"], rows["liger"]):
-    print(f"step {a.get('global_step/max_steps')}: loss {a['loss']:.5f} vs {b['loss']:.5f}  tok/s "
-          f"{a.get('tokens/s')} vs {b.get('tokens/s')}  peak_alloc {a.get('peak_alloc(GiB)')} vs {b.get('peak_alloc(GiB)')}")
+runs = ("stock", "liger", "liger_lora")
+rows = {d: [r for r in map(json.loads, open(f"{out}/sft_bf16_{d}.jsonl")) if "loss" in r] for d in runs}
+for i, a in enumerate(rows["stock"]):
+    line = [f"step {a.get('global_step/max_steps')}:"]
+    for d in runs:
+        r = rows[d][i] if i < len(rows[d]) else {}
+        line.append(f"{d} loss {r.get('loss', float('nan')):.5f} tok/s {r.get('tokens/s')} peak {r.get('peak_alloc(GiB)')}")
+    print("  ".join(line))
 PY
     ;;
   rolling)

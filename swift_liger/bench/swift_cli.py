@@ -300,6 +300,10 @@ def run(args) -> dict:
               "summary": summarize(rows, args.warmup),
               "rows": rows, "versions": _versions(), "gpu": _gpu_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    with open(log_path, errors="replace") as log:   # proof that lora_fusion took its calls (see swift_patches)
+        fusion = [ln.split("swift_liger: ", 1)[1].strip() for ln in log if "lora_fusion in the first step" in ln]
+    if fusion:
+        result["lora_fusion"] = fusion[0]
     if rc != 0 or not rows:
         why = f"timed out after {args.timeout}s" if timed_out else f"exit code {rc}"
         result["error"] = f"{why}: {_error_lines(log_path)}"
@@ -394,6 +398,7 @@ def report(args) -> str:
              f"{_f(r['summary'].get('tokens_per_s_min'), '.0f')}–{_f(r['summary'].get('tokens_per_s_max'), '.0f')}, "
              f"MFU {_f(r['summary'].get('mfu'), '.3f')}, ms-swift memory(GiB) "
              f"{_f(r['summary'].get('swift_memory_gib'), '.2f')}, whole CLI run {r['wall_s']} s"
+             + (f"; {r['lora_fusion']}" if r.get("lora_fusion") else "")
              + (f", error: {r['error'][:300]}" if r.get("error") else "")
              for r in results]
     lines += notes + ["", "Commands (env HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1; "

@@ -229,6 +229,29 @@ def patch_rlhf_pipeline(module) -> None:
 # swift.pipelines.train.sft
 # ---------------------------------------------------------------------------------------------------------------
 
+def _lora_fusion_check_class():
+    from transformers import TrainerCallback
+
+    from ..models import patcher
+
+    class LoraFusionCheck(TrainerCallback):
+        """After the first step, say how many LoRA projection calls lora_fusion took (it falls back to PEFT's
+        forward per call, silently otherwise: DoRA, merged adapters, fp32 adapters without autocast, ...)."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            patcher.LORA_CALLS.update(fused=0, peft=0)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step != 1 or not _is_master():
+                return
+            fused, peft = patcher.LORA_CALLS["fused"], patcher.LORA_CALLS["peft"]
+            msg = (f"swift_liger: lora_fusion in the first step: {fused} LoRA projection calls through "
+                   f"ops.lora_linear, {peft} through PEFT's forward")
+            (_logger().warning if peft and not fused else _logger().info)(msg)
+
+    return LoraFusionCheck
+
+
 def patch_sft_pipeline(module) -> None:
     sft_cls = _require(module, "SwiftSft", "swift.pipelines.train.sft")
     orig_train = _require(sft_cls, "train", "swift.pipelines.train.sft.SwiftSft")
@@ -239,6 +262,8 @@ def patch_sft_pipeline(module) -> None:
         if getattr(args, "use_liger", False) or getattr(args, "liger_metrics", False):
             from .metrics import attach
             attach(trainer)
+        if getattr(args, "use_liger", False) and _config_for(args, "policy")[0].lora_fusion:
+            trainer.add_callback(_lora_fusion_check_class()())
         return orig_train(self, trainer)
 
     sft_cls.train = train

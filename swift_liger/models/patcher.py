@@ -339,23 +339,41 @@ def _plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor):
     return base.weight, base.bias, lora_a.weight, lora_b.weight, scaling, dropout
 
 
+# Calls of PEFT LoRA projections inside patched modules since the last reset: "fused" through ops.lora_linear,
+# "peft" through PEFT's own forward (not the plain set-up, or under torch.compile). Read by the ms-swift
+# integration to say after the first step whether lora_fusion took effect.
+LORA_CALLS = {"fused": 0, "peft": 0}
+
+
 def _fused_lora(x: torch.Tensor, parts) -> torch.Tensor:
     from ..ops.lora_linear import LoRALinearFunction
     weight, bias, lora_a, lora_b, scaling, dropout = parts
+    LORA_CALLS["fused"] += 1
+    p = float(dropout.p) if type(dropout) is torch.nn.Dropout and dropout.training else 0.0
+    if 0.0 < p < 1.0 and x.is_contiguous() and not dropout.inplace:
+        return LoRALinearFunction.apply(x, None, weight, bias, lora_a, lora_b, float(scaling), p)
     x_lora = x if type(dropout) is torch.nn.Identity else dropout(x)
-    return LoRALinearFunction.apply(x, x_lora, weight, bias, lora_a, lora_b, float(scaling))
+    return LoRALinearFunction.apply(x, x_lora, weight, bias, lora_a, lora_b, float(scaling), 0.0)
 
 
 def _project(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """layer(x), through swift_liger.ops.lora_linear when layer is a plain PEFT LoRA Linear."""
-    parts = _plain_lora_parts(layer, x)
-    return layer(x) if parts is None else _fused_lora(x, parts)
+    """layer(x), through swift_liger.ops.lora_linear when layer is a plain PEFT LoRA Linear. Under torch.compile
+    PEFT's forward is traced as it is: the compiler decides what to save."""
+    parts = None if torch.compiler.is_compiling() else _plain_lora_parts(layer, x)
+    if parts is None:
+        if _is_peft_lora_linear(layer) and not torch.compiler.is_compiling():
+            LORA_CALLS["peft"] += 1
+        return layer(x)
+    return _fused_lora(x, parts)
 
 
 def _lora_projection_forward(self, x, *args, **kwargs):
     """Instance forward of a PEFT LoRA Linear for the length of one patched attention call."""
     parts = None if (args or kwargs) else _plain_lora_parts(self, x)
-    return type(self).forward(self, x, *args, **kwargs) if parts is None else _fused_lora(x, parts)
+    if parts is None:
+        LORA_CALLS["peft"] += 1
+        return type(self).forward(self, x, *args, **kwargs)
+    return _fused_lora(x, parts)
 
 
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -612,6 +612,34 @@ def test_lora_fusion_same_loss_and_grads(torch_backend, family, dropout, lora_li
     assert len(lora_linear_calls) == 5 * 2
 
 
+def test_lora_fusion_dropout_under_reentrant_checkpointing(torch_backend, lora_linear_calls):
+    """ms-swift's set-up: LoRA dropout, use_reentrant=True checkpointing. The recomputed forward draws the same
+    dropout masks (checkpoint restores the RNG), so loss and gradients equal PEFT's; the call counter sees only
+    fused calls."""
+    from swift_liger.models import patcher
+    peft = pytest.importorskip("peft")
+    ref, model = pair("llama")
+    swift_liger.apply(model, lora_fusion=True)
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.3, init_lora_weights=False, target_modules="all-linear")
+    ref, model = lora_pair(peft, ref, model, 3, **lora)
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        m.enable_input_require_grads()
+        m.train()
+    ids, labels = batch()
+    patcher.LORA_CALLS.update(fused=0, peft=0)
+    torch.manual_seed(4)
+    expected = ref(ids, labels=labels, use_cache=False)
+    expected.loss.backward()
+    torch.manual_seed(4)
+    out = model(ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    assert len(lora_linear_calls) == 7 * 2 * 2          # 7 projections, 2 layers, forward + recompute
+    assert patcher.LORA_CALLS == {"fused": 28, "peft": 0}
+    close(out.loss, expected.loss, "loss")
+    assert_grads_match(model, ref)
+
+
 def test_lora_fusion_falls_back_outside_the_plain_setup(torch_backend, lora_linear_calls):
     """DoRA, merged or disabled adapters, several active adapters: PEFT's own forward runs."""
     peft = pytest.importorskip("peft")
@@ -624,6 +652,8 @@ def test_lora_fusion_falls_back_outside_the_plain_setup(torch_backend, lora_line
     with model.disable_adapter():
         model(ids, labels=labels)
     assert lora_linear_calls == []
+    from swift_liger.models import patcher
+    assert patcher.LORA_CALLS["peft"] > 0
 
 
 def test_lora_fusion_under_bf16_autocast_with_fp32_adapters(torch_backend, lora_linear_calls):

@@ -90,3 +90,60 @@ def test_bad_inputs():
     x16, w16, b16, _, _ = make(dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="compute in"):   # no autocast: an fp32 branch on a bf16 input
         lora_linear(x16, None, w16, b16, a, bb, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_inside_matches_reference_with_the_same_mask(device, dtype):
+    """dropout_p > 0: the mask is the one torch.native_dropout (nn.Dropout's CUDA path, and the same random
+    stream on CPU) draws after the same seed; values and every gradient match the float64 composition."""
+    x, w, b, a, bb = (t.detach().to(device).requires_grad_(t.requires_grad)
+                      for t in make(n=(4, 7), d_in=40, dtype=dtype, adapter_dtype=dtype))
+    p = 0.25
+    dy = torch.randn(4, 7, 40).to(device, dtype)
+    torch.manual_seed(11)
+    with inputs_unchanged(x, w, a, bb):
+        y = lora_linear(x, None, w, b, a, bb, 0.5, dropout_p=p)
+    y.backward(dy)
+    torch.manual_seed(11)
+    _, mask = torch.native_dropout(x.detach(), p, True)
+    mask = mask.cpu()
+    assert 0 < (~mask).sum() < mask.numel()
+    xr, ar, br = f64(x), f64(a), f64(bb)
+    yr = lora_linear_reference(xr, xr * mask / (1 - p), f64(w), f64(b), ar, br, 0.5)
+    yr.backward(dy.double())
+    assert_close(y, yr, dtype, name="y")
+    for name, got, want in (("dx", x.grad, xr.grad), ("dA", a.grad, ar.grad), ("dB", bb.grad, br.grad)):
+        assert_close(got, want, dtype, slack=4, name=name)
+
+
+def test_dropout_inside_matches_nn_dropout_and_saves_less(device):
+    """Same numbers as dropout(x) outside (the PEFT order: one nn.Dropout call on x), and autograd keeps x plus
+    bits instead of a bool mask plus the dropped-out copy."""
+    x, w, b, a, bb = (None if t is None else t.detach().to(device).requires_grad_(t.requires_grad)
+                      for t in make(n=(16, 8), d_in=64, d_out=48, bias=False))
+    x_ref = x.detach().clone().requires_grad_()
+    a_ref, b_ref = a.detach().clone().requires_grad_(), bb.detach().clone().requires_grad_()
+    dy = torch.randn(16, 8, 48, device=device)
+    torch.manual_seed(2)
+    y, ours = _saved_bytes(lambda: lora_linear(x, None, w, None, a, bb, 2.0, dropout_p=0.05))
+    torch.manual_seed(2)
+    y_ref, theirs = _saved_bytes(
+        lambda: lora_linear(x_ref, torch.nn.Dropout(0.05)(x_ref), w, None, a_ref, b_ref, 2.0))
+    y.backward(dy), y_ref.backward(dy)
+    assert torch.equal(y, y_ref)
+    for name, got, want in (("dx", x.grad, x_ref.grad), ("dA", a.grad, a_ref.grad), ("dB", bb.grad, b_ref.grad)):
+        assert_close(got, want, torch.float32, name=name)
+    x_bytes = x.numel() * 4
+    fixed = sum(t.numel() * 4 for t in (w, a, bb))                      # plain tensors here, not Parameters
+    assert ours <= fixed + x_bytes + x.numel() // 8 + 16 * 8 * 4 * 4, ours   # x, bits, the rank-r activation
+    assert theirs >= fixed + x_bytes + x.numel(), theirs                # x_lora and the mask
+
+
+def test_dropout_p_errors():
+    x, w, b, a, bb = make()
+    with pytest.raises(ValueError, match="dropout_p must be a number in"):
+        lora_linear(x, None, w, b, a, bb, 1.0, dropout_p=1.0)
+    with pytest.raises(ValueError, match="x_lora must be None"):
+        lora_linear(x, x, w, b, a, bb, 1.0, dropout_p=0.1)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        lora_linear(x.transpose(0, 1), None, w, b, a, bb, 1.0, dropout_p=0.1)
