@@ -32,13 +32,13 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("plain", "swift_liger", "swift_liger_lora", "swift_liger_compiled", "liger_kernel")
+VARIANTS = ("plain", "swift_liger", "swift_liger_no_lora_fusion", "swift_liger_compiled", "liger_kernel")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
-                 "swift_liger_lora": ["--use_liger", "--liger_lora_fusion", "true"],
+                 "swift_liger_no_lora_fusion": ["--use_liger", "--liger_lora_fusion", "false"],
                  "swift_liger_compiled": ["--use_liger", "--liger_compile_layers", "true"],
                  "liger_kernel": ["--use_liger_kernel", "true"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
-                  "swift_liger_lora": "`--use_liger --liger_lora_fusion true`",
+                  "swift_liger_no_lora_fusion": "`--use_liger --liger_lora_fusion false`",
                   "swift_liger_compiled": "`--use_liger --liger_compile_layers true`",
                   "liger_kernel": "`--use_liger_kernel true` (liger-kernel)"}
 SWIFT_MODEL_FLAGS = ["--model_type", "llama", "--template", "chatml"]

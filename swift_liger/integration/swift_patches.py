@@ -245,9 +245,15 @@ def _lora_fusion_check_class():
             if state.global_step != 1 or not _is_master():
                 return
             fused, peft = patcher.LORA_CALLS["fused"], patcher.LORA_CALLS["peft"]
+            if not fused and not peft:      # no LoRA, or only compiled layers (PEFT traced, not counted)
+                return
             msg = (f"swift_liger: lora_fusion in the first step: {fused} LoRA projection calls through "
                    f"ops.lora_linear, {peft} through PEFT's forward")
-            (_logger().warning if peft and not fused else _logger().info)(msg)
+            if peft:
+                msg += (" (lora_fusion takes plain LoRA on nn.Linear layers computing in the model's dtype; "
+                        "QLoRA, DoRA, merged or several active adapters, and fp32 adapters without autocast run "
+                        "PEFT's own forward)")
+            _logger().info(msg)
 
     return LoraFusionCheck
 

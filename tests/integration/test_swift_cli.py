@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -66,6 +67,10 @@ def test_patch_record_log_and_metrics(runs):
     assert all(report["patched"][f] > 0 for f in FUSIONS), report
     assert report["cross_entropy_mode"] == "fused_linear" and set(record["models"]) == {"policy"}
     assert liger.log.count("swift_liger: patched the policy model") == 1
+    # lora_fusion (on by default) took every LoRA projection call of the first step
+    fusion = re.search(r"lora_fusion in the first step: (\d+) LoRA projection calls through ops.lora_linear, "
+                       r"(\d+) through PEFT", liger.log)
+    assert fusion and int(fusion.group(1)) > 0 and fusion.group(2) == "0", fusion
     with open(os.path.join(liger.run_dir, "args.json")) as f:
         args = json.load(f)
     assert args["use_liger"] is True and args["use_liger_kernel"] is False
@@ -123,7 +128,8 @@ def test_adapter_from_patched_run_loads_into_unpatched_model(runs, tiny_qwen3):
 def test_yaml_config_switches_exactly_the_configured_fusions(runs):
     yaml_run = runs["yaml"].check()
     record = yaml_run.patch_record()
-    expected = LigerConfig(rms_norm=True, rope=True, swiglu=True, qk_norm_rope=False, cross_entropy="off")
+    expected = LigerConfig(rms_norm=True, rope=True, swiglu=True, qk_norm_rope=False, cross_entropy="off",
+                           lora_fusion=False)     # the minimal preset turns it off
     assert record["config"] == expected.to_dict()
     patched = record["models"]["policy"]["report"]["patched"]
     assert {f for f in FUSIONS if patched[f] > 0} == {"rms_norm", "rope", "swiglu"}, patched
