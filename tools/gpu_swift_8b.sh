@@ -29,7 +29,8 @@ read -r -a VARIANTS <<<"${VARIANTS:-swift_liger liger_kernel plain}"
 for i in "${!VARIANTS[@]}"; do
   v=${VARIANTS[$i]}; after=$(( ${#VARIANTS[@]} - i - 1 ))
   left=$(( DEADLINE - SECONDS - 15 ))                  # 15 s kept for the report
-  t=$(( left - after * 100 )); [ $t -gt 240 ] && t=240    # leave ~100 s to each later run
+  t=$(( left - after * 100 )); [ $t -gt 240 ] && t=240    # leave ~100 s to each later run,
+  [ $t -lt 90 ] && t=$(( left < 90 ? left : 90 ))          # but the earlier (more important) run goes first
   if [ $t -lt 60 ]; then echo "== $v skipped: ${left}s left"; continue; fi
   echo "== $v (timeout ${t}s, at ${SECONDS}s)"
   timeout $((t + 20)) python3 -m swift_liger.bench.swift_cli run "$M/model" "$M/sft.jsonl" --variant "$v" --out "$R" \

@@ -305,7 +305,8 @@ def _is_peft_lora_linear(module) -> bool:
 def _plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor):
     """(weight, bias, lora_a, lora_b, scaling, dropout) when `layer` is a PEFT LoRA Linear in its plain set-up
     (one active adapter, unmerged, vanilla LoRA, frozen nn.Linear base, no biases or hooks, LoRA branch computing
-    in x's dtype), else None: the caller then calls the layer as usual."""
+    in x's dtype, or fp32 adapters on a 16-bit x without autocast), else None: the caller then calls the layer as
+    usual."""
     if not _is_peft_lora_linear(layer):
         return None
     try:
@@ -333,8 +334,13 @@ def _plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor):
         return None
     if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, base, lora_a, lora_b)):
         return None
-    from ..ops.lora_linear import _compute_dtype
-    if _compute_dtype(x, lora_a.weight) != x.dtype or _compute_dtype(x, base.weight) != x.dtype:
+    if type(dropout) is torch.nn.Dropout and not 0.0 <= dropout.p < 1.0:
+        return None
+    from ..ops.lora_linear import _compute_dtype, upcast_applies
+    if _compute_dtype(x, base.weight) != x.dtype:
+        return None
+    if _compute_dtype(x, lora_a.weight) != x.dtype and not (
+            x.is_contiguous() and upcast_applies(x, base.weight, lora_a.weight)):
         return None
     return base.weight, base.bias, lora_a.weight, lora_b.weight, scaling, dropout
 
@@ -346,10 +352,12 @@ LORA_CALLS = {"fused": 0, "peft": 0}
 
 
 def _fused_lora(x: torch.Tensor, parts) -> torch.Tensor:
-    from ..ops.lora_linear import LoRALinearFunction
+    from ..ops.lora_linear import LoRALinearFunction, LoRALinearUpcastFunction, upcast_applies
     weight, bias, lora_a, lora_b, scaling, dropout = parts
     LORA_CALLS["fused"] += 1
     p = float(dropout.p) if type(dropout) is torch.nn.Dropout and dropout.training else 0.0
+    if upcast_applies(x, weight, lora_a):     # fp32 adapters, no autocast: the LoRA branch runs in fp32
+        return LoRALinearUpcastFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling), p)
     if 0.0 < p < 1.0 and x.is_contiguous() and not dropout.inplace:
         return LoRALinearFunction.apply(x, None, weight, bias, lora_a, lora_b, float(scaling), p)
     x_lora = x if type(dropout) is torch.nn.Identity else dropout(x)

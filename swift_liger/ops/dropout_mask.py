@@ -72,7 +72,8 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_scale(t: torch.Tensor, bits: torch.Tensor, scale: float, *, out: torch.Tensor = None) -> torch.Tensor:
-    """t * mask * scale with the mask read from ``bits``; into ``out`` when given (``out=t`` works in place)."""
+    """t * mask * scale with the mask read from ``bits``; into ``out`` when given (``out=t`` works in place; a
+    wider ``out``, e.g. fp32 for a bf16 t, gets the product unrounded)."""
     _common.check_tensor("t", t)
     _common.check_tensor("bits", bits, ndim=1, dtypes=(torch.uint8,))
     if not t.is_contiguous():
@@ -83,8 +84,8 @@ def masked_scale(t: torch.Tensor, bits: torch.Tensor, scale: float, *, out: torc
     _common.check_same_device(t=t, bits=bits)
     if out is None:
         out = torch.empty_like(t)
-    elif out.shape != t.shape or out.dtype != t.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {t.dtype} tensor of shape {tuple(t.shape)}")
+    elif out.shape != t.shape or out.dtype not in _common.FLOAT_DTYPES or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float tensor of shape {tuple(t.shape)}")
     if not _common.use_triton(t):
         shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
         keep = ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[:n].view(t.shape).bool()

@@ -12,6 +12,9 @@ What it saves, compared with PEFT's ``lora.Linear`` (fp32 adapters on a bf16 mod
   gradient.
 - For the Llama-3-8B MLP at 8k tokens, the down projection's fp32 input copy and its fp32 gradient are
   448 MiB each.
+- Without autocast, fp32 adapters on a bf16 model (a plain PyTorch loop) compute the LoRA branch in fp32;
+  ``LoRALinearUpcastFunction`` does that from fp32 row chunks it re-creates in the backward, instead of PEFT's
+  fp32 copy of every input kept for the backward.
 - With LoRA dropout (ms-swift's default is 0.05) it draws the dropout itself and keeps the mask as bits
   (ops/dropout_mask.py): autograd's dropout would keep a bool mask and the LoRA branch the dropped-out input,
   3 bytes per bf16 element; here 1/8 byte, and the backward re-applies the mask to x.
@@ -98,6 +101,86 @@ class LoRALinearFunction(torch.autograd.Function):
         return dx, dx_lora, None, None, da_w, db_w, None, None
 
 
+# Rows per chunk of the upcast path: its fp32 copies of x (or of the input gradient) stay under ~64 MiB
+# (1168 rows at 14336 features). A multiple of 8, so a chunk's dropout bits start on a byte.
+CHUNK_BYTES = 64 << 20
+
+
+def _chunk_rows(features: int) -> int:
+    return max(8, (CHUNK_BYTES // (4 * max(1, features))) // 8 * 8)
+
+
+class LoRALinearUpcastFunction(torch.autograd.Function):
+    """The LoRA branch in its adapters' wider dtype (fp32 adapters on a bf16 model, no autocast: a plain PyTorch
+    loop, or a Trainer without bf16 mixed precision). PEFT then keeps an fp32 copy of every input (and of its
+    dropout output) for the backward. This keeps x as it is plus the dropout bits, and re-creates the fp32 rows
+    chunk by chunk, so an fp32 copy of at most ``CHUNK_BYTES`` exists at a time. Same maths as PEFT:
+    y = (fp32(x W^T + b) + s * (fp32(dropout(x)) A^T) B^T) rounded to x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, dropout_p):
+        ldt = lora_a.dtype
+        n_in, n_out = x.shape[-1], weight.shape[0]
+        x2 = x.reshape(-1, n_in)
+        bits = None
+        if dropout_p > 0:
+            _, mask = torch.native_dropout(x2, dropout_p, True)
+            bits = pack_mask(mask)
+            del mask, _
+        keep_scale = 1.0 / (1.0 - dropout_p)
+        rows = _chunk_rows(max(n_in, n_out))
+        y = F.linear(x2, weight, bias)
+        a = torch.empty(x2.shape[0], lora_a.shape[0], dtype=ldt, device=x.device)
+        for c0 in range(0, x2.shape[0], rows):
+            c1 = min(c0 + rows, x2.shape[0])
+            xc = _lora_rows(x2, bits, c0, c1, keep_scale, ldt)
+            torch.mm(xc, lora_a.t(), out=a[c0:c1])
+            y[c0:c1] = (F.linear(a[c0:c1], lora_b) * scaling).add_(y[c0:c1]).to(y.dtype)
+        ctx.save_for_backward(x, bits, a, weight, lora_a, lora_b)
+        ctx.scaling, ctx.keep_scale, ctx.rows = scaling, keep_scale, rows
+        return y.reshape(*x.shape[:-1], n_out)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, bits, a, weight, lora_a, lora_b = ctx.saved_tensors
+        s, ldt, rows = ctx.scaling, lora_a.dtype, ctx.rows
+        n_in = x.shape[-1]
+        x2 = x.reshape(-1, n_in)
+        g = dy.reshape(-1, dy.shape[-1])
+        dx = (g @ weight.to(g.dtype)) if ctx.needs_input_grad[0] else None
+        da_w = torch.zeros_like(lora_a) if ctx.needs_input_grad[3] else None
+        db_w = torch.zeros_like(lora_b) if ctx.needs_input_grad[4] else None
+        for c0 in range(0, g.shape[0], rows):
+            c1 = min(c0 + rows, g.shape[0])
+            gc = g[c0:c1].to(ldt) * s                          # gradient at B's output, fp32 as in PEFT
+            if db_w is not None:
+                db_w.addmm_(gc.t(), a[c0:c1])
+            da = gc @ lora_b                                   # [rows, r]
+            del gc
+            if da_w is not None:
+                da_w.addmm_(da.t(), _lora_rows(x2, bits, c0, c1, ctx.keep_scale, ldt))
+            if dx is not None:
+                dxl = da @ lora_a                              # [rows, in], fp32
+                if bits is not None:
+                    masked_scale(dxl, _bits_rows(bits, c0, c1, n_in), ctx.keep_scale, out=dxl)
+                dx[c0:c1] += dxl.to(dx.dtype)
+        if dx is not None:
+            dx = dx.reshape(x.shape)
+        return dx, None, None, da_w, db_w, None, None
+
+
+def _bits_rows(bits, c0, c1, n_in):
+    return bits[c0 * n_in // 8:(c1 * n_in + 7) // 8]
+
+
+def _lora_rows(x2, bits, c0, c1, keep_scale, dtype):
+    """Rows c0:c1 of dropout(x) in `dtype` (fp32), re-created from x and the bits."""
+    if bits is None:
+        return x2[c0:c1].to(dtype)
+    out = torch.empty(c1 - c0, x2.shape[1], dtype=dtype, device=x2.device)
+    return masked_scale(x2[c0:c1], _bits_rows(bits, c0, c1, x2.shape[1]), keep_scale, out=out)
+
+
 def lora_linear_reference(x, x_lora, weight, bias, lora_a, lora_b, scaling):
     """The same maths with autograd doing the backward (what PEFT computes, minus its dtype round trips)."""
     return F.linear(x, weight, bias) + F.linear(F.linear(x_lora, lora_a), lora_b) * scaling
@@ -132,9 +215,23 @@ def lora_linear(x: torch.Tensor, x_lora: Optional[torch.Tensor], weight: torch.T
         raise ValueError(f"lora_b must be [{weight.shape[0]}, {lora_a.shape[0]}], got {tuple(lora_b.shape)}")
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("lora_linear needs a frozen base weight and bias (requires_grad=False)")
-    if _compute_dtype(x_lora_checked, lora_a) != x.dtype:
-        raise ValueError(f"the LoRA branch would compute in {_compute_dtype(x_lora_checked, lora_a)}, not in x's "
-                         f"dtype {x.dtype}")
+    if not torch.is_autocast_enabled(x.device.type) and weight.dtype != x.dtype:
+        raise ValueError(f"weight has dtype {weight.dtype} but x has {x.dtype}; without autocast they must match")
+    cdt = _compute_dtype(x_lora_checked, lora_a)
+    if cdt != x.dtype and not upcast_applies(x, weight, lora_a, x_lora):
+        raise ValueError(f"the LoRA branch would compute in {cdt}, not in x's dtype {x.dtype} (only fp32 adapters "
+                         f"on a bf16/fp16 x without autocast, with x_lora None, are supported)")
+    if cdt != x.dtype:
+        if not x.is_contiguous():
+            raise ValueError(f"x must be contiguous for fp32 adapters on a {x.dtype} input, got strides {x.stride()}")
+        return LoRALinearUpcastFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling), float(dropout_p))
     if dropout_p == 0:
         x_lora = x_lora_checked
     return LoRALinearFunction.apply(x, x_lora, weight, bias, lora_a, lora_b, float(scaling), float(dropout_p))
+
+
+def upcast_applies(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, x_lora=None) -> bool:
+    """True for the set-up LoRALinearUpcastFunction covers: a 16-bit x and base weight, fp32 adapters, no autocast."""
+    return (x_lora is None and not torch.is_autocast_enabled(x.device.type)
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and lora_a.dtype == torch.float32)

@@ -678,6 +678,32 @@ def test_lora_fusion_under_bf16_autocast_with_fp32_adapters(torch_backend, lora_
                                        msg=lambda m: f"{name}: {m}")
 
 
+def test_lora_fusion_fp32_adapters_without_autocast(torch_backend):
+    """A plain PyTorch loop: bf16 weights, PEFT's fp32 adapters, no autocast, dropout. Every LoRA projection runs
+    through the upcast op; loss and gradients as PEFT's (same dropout draws on CPU)."""
+    from swift_liger.models import patcher
+    peft = pytest.importorskip("peft")
+    ref, model = pair("llama")
+    swift_liger.apply(model)                                     # lora_fusion is on by default
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.1, init_lora_weights=False, target_modules="all-linear")
+    ref, model = lora_pair(peft, ref.to(torch.bfloat16), model.to(torch.bfloat16), 3, **lora)
+    ids, labels = batch()
+    ref.train(), model.train()
+    patcher.LORA_CALLS.update(fused=0, peft=0)
+    torch.manual_seed(8)
+    out = model(ids, labels=labels)
+    torch.manual_seed(8)
+    expected = ref(ids, labels=labels)
+    assert patcher.LORA_CALLS == {"fused": 7 * 2, "peft": 0}
+    assert abs(out.loss.item() - expected.loss.item()) < 2e-2 * max(1.0, abs(expected.loss.item()))
+    out.loss.backward(), expected.loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.requires_grad:
+            assert p.grad.dtype == torch.float32, name
+            torch.testing.assert_close(p.grad, q.grad, atol=5e-2 * max(1.0, q.grad.abs().max().item()), rtol=5e-2,
+                                       msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("family", ["qwen3"])
 def test_gradient_checkpointing(torch_backend, family):
     ref, model = pair(family)

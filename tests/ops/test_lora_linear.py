@@ -88,8 +88,10 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="x_lora"):
         lora_linear(x, x[..., :3], w, b, a, bb, 1.0)
     x16, w16, b16, _, _ = make(dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="compute in"):   # no autocast: an fp32 branch on a bf16 input
-        lora_linear(x16, None, w16, b16, a, bb, 1.0)
+    with pytest.raises(ValueError, match="compute in"):   # no autocast, x_lora given: an fp32 branch on bf16
+        lora_linear(x16, x16 * 2, w16, b16, a, bb, 1.0)
+    with pytest.raises(ValueError, match="weight has dtype torch.bfloat16 but x has torch.float32"):
+        lora_linear(x, None, w.bfloat16(), b, a.detach().bfloat16(), bb.detach().bfloat16(), 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -147,3 +149,52 @@ def test_dropout_p_errors():
         lora_linear(x, x, w, b, a, bb, 1.0, dropout_p=0.1)
     with pytest.raises(ValueError, match="x must be contiguous"):
         lora_linear(x.transpose(0, 1), None, w, b, a, bb, 1.0, dropout_p=0.1)
+
+
+def _peft_upcast(x, w, b, a, bb, s, mask=None, p=0.0):
+    """peft.tuners.lora.Linear.forward without autocast: the LoRA branch on an fp32 copy of x, the sum rounded
+    back to x's dtype (mask: the dropout's keep mask, applied to the fp32 copy)."""
+    xa = x.to(a.dtype)
+    if mask is not None:
+        xa = xa * mask / (1 - p)
+    return (F.linear(x, w, b) + F.linear(F.linear(xa, a), bb) * s).to(x.dtype)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_upcast_fp32_adapters_without_autocast(device, p, monkeypatch):
+    """bf16 x and base weight, fp32 adapters, no autocast (a plain PyTorch loop): same values and gradients as
+    PEFT's fp32 branch, in row chunks (a small CHUNK_BYTES makes 5 of them, the last one partial), keeping x and
+    the bits instead of fp32 copies."""
+    from swift_liger.ops import lora_linear as LL
+    monkeypatch.setattr(LL, "CHUNK_BYTES", 8 * 48 * 4)          # 8 rows per chunk
+    x, w, b, a, bb = (t.detach().to(device).requires_grad_(t.requires_grad)
+                      for t in make(n=(37,), d_in=40, d_out=48, dtype=torch.bfloat16, adapter_dtype=torch.float32))
+    x_ref, a_ref, b_ref = (t.detach().clone().requires_grad_() for t in (x, a, bb))
+    dy = torch.randn(37, 48).to(device, torch.bfloat16)
+    torch.manual_seed(3)
+    with inputs_unchanged(x, w, b, a, bb):
+        y, ours = _saved_bytes(lambda: lora_linear(x, None, w, b, a, bb, 1.5, dropout_p=p))
+    mask = None
+    if p:
+        torch.manual_seed(3)
+        mask = torch.native_dropout(x.detach(), p, True)[1]      # the draw the op makes
+    y_ref, theirs = _saved_bytes(lambda: _peft_upcast(x_ref, w, b, a_ref, b_ref, 1.5, mask, p))
+    assert y.dtype == torch.bfloat16
+    y.backward(dy), y_ref.backward(dy)
+    assert torch.equal(y, y_ref)
+    assert torch.equal(x.grad, x_ref.grad)
+    assert a.grad.dtype == bb.grad.dtype == torch.float32
+    torch.testing.assert_close(a.grad, a_ref.grad, atol=1e-5, rtol=1e-5)   # chunked fp32 sums
+    torch.testing.assert_close(bb.grad, b_ref.grad, atol=1e-5, rtol=1e-5)
+    assert ours < theirs, (ours, theirs)
+
+
+def test_upcast_dropout_is_nn_dropout_on_cpu():
+    """On CPU the bf16 draw and PEFT's draw on the fp32 copy are the same random stream: equal to PEFT exactly."""
+    x, w, b, a, bb = make(n=(16, 5), d_in=32, d_out=24, dtype=torch.bfloat16, adapter_dtype=torch.float32)
+    torch.manual_seed(9)
+    y = lora_linear(x, None, w, b, a, bb, 2.0, dropout_p=0.2)
+    torch.manual_seed(9)
+    xa = torch.nn.Dropout(0.2)(x.detach().float())
+    y_ref = (F.linear(x.detach(), w, b) + F.linear(F.linear(xa, a.detach()), bb.detach()) * 2.0).to(torch.bfloat16)
+    assert torch.equal(y, y_ref)
