@@ -156,13 +156,13 @@ def _peft_upcast(x, w, b, a, bb, s, mask=None, p=0.0):
     back to x's dtype (mask: the dropout's keep mask, applied to the fp32 copy)."""
     xa = x.to(a.dtype)
     if mask is not None:
-        xa = xa * mask * (1 / (1 - p))      # as torch's dropout kernels: times the reciprocal
+        xa = xa * mask / (1 - p)
     return (F.linear(x, w, b) + F.linear(F.linear(xa, a), bb) * s).to(x.dtype)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_upcast_fp32_adapters_without_autocast(device, p, monkeypatch):
-    """bf16 x and base weight, fp32 adapters, no autocast (a plain PyTorch loop): the values and gradients of
+    """bf16 x and base weight, fp32 adapters, no autocast (a plain PyTorch loop): same values and gradients as
     PEFT's fp32 branch, in row chunks (a small CHUNK_BYTES makes 5 of them, the last one partial), keeping x and
     the bits instead of fp32 copies."""
     from swift_liger.ops import lora_linear as LL
@@ -181,9 +181,8 @@ def test_upcast_fp32_adapters_without_autocast(device, p, monkeypatch):
     y_ref, theirs = _saved_bytes(lambda: _peft_upcast(x_ref, w, b, a_ref, b_ref, 1.5, mask, p))
     assert y.dtype == torch.bfloat16
     y.backward(dy), y_ref.backward(dy)
-    # the scaling rides in the GEMMs (alpha) and chunks may take other GEMM kernels: fp32 ulps, then bf16 rounding
-    assert_close(y, y_ref.double(), torch.bfloat16, name="y")
-    assert_close(x.grad, x_ref.grad.double(), torch.bfloat16, name="dx")
+    assert torch.equal(y, y_ref)
+    assert torch.equal(x.grad, x_ref.grad)
     assert a.grad.dtype == bb.grad.dtype == torch.float32
     torch.testing.assert_close(a.grad, a_ref.grad, atol=1e-5, rtol=1e-5)   # chunked fp32 sums
     torch.testing.assert_close(bb.grad, b_ref.grad, atol=1e-5, rtol=1e-5)
@@ -191,13 +190,11 @@ def test_upcast_fp32_adapters_without_autocast(device, p, monkeypatch):
 
 
 def test_upcast_dropout_is_nn_dropout_on_cpu():
-    """On CPU the bf16 draw and PEFT's draw on the fp32 copy are the same random stream: the same dropout."""
+    """On CPU the bf16 draw and PEFT's draw on the fp32 copy are the same random stream: equal to PEFT exactly."""
     x, w, b, a, bb = make(n=(16, 5), d_in=32, d_out=24, dtype=torch.bfloat16, adapter_dtype=torch.float32)
     torch.manual_seed(9)
     y = lora_linear(x, None, w, b, a, bb, 2.0, dropout_p=0.2)
     torch.manual_seed(9)
     xa = torch.nn.Dropout(0.2)(x.detach().float())
     y_ref = (F.linear(x.detach(), w, b) + F.linear(F.linear(xa, a.detach()), bb.detach()) * 2.0).to(torch.bfloat16)
-    base = F.linear(x.detach(), w, b).double()
-    assert (xa == 0).any()
-    assert_close(y.double() - base, (y_ref.double() - base), torch.bfloat16, slack=2, name="LoRA part of y")
+    assert torch.equal(y, y_ref)
