@@ -113,6 +113,14 @@ def torch_backend(monkeypatch):
     monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
 
 
+def checkpointed_training(models, use_reentrant):
+    """Gradient checkpointing on PEFT models (inputs made to require grad, as ms-swift does), train mode."""
+    for m in models:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        m.enable_input_require_grads()
+        m.train()
+
+
 def lora_pair(peft, ref, model, seed, **lora):
     """Both models wrapped with the same LoRA config and the same initial adapter weights."""
     out = []
@@ -556,10 +564,7 @@ def test_compile_layers_with_lora_and_checkpointing(torch_backend):
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
                 init_lora_weights=False)
     ref, model = lora_pair(peft, ref, model, 7, **lora)
-    for m in (model, ref):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        m.enable_input_require_grads()
-        m.train()
+    checkpointed_training((model, ref), use_reentrant=False)
     ids, labels = batch()
     torch._dynamo.reset()
     calls = torch._dynamo.utils.counters["stats"]["calls_captured"]
@@ -622,10 +627,7 @@ def test_lora_fusion_dropout_under_reentrant_checkpointing(torch_backend, lora_l
     swift_liger.apply(model, lora_fusion=True)
     lora = dict(r=4, lora_alpha=8, lora_dropout=0.3, init_lora_weights=False, target_modules="all-linear")
     ref, model = lora_pair(peft, ref, model, 3, **lora)
-    for m in (ref, model):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-        m.enable_input_require_grads()
-        m.train()
+    checkpointed_training((ref, model), use_reentrant=True)
     ids, labels = batch()
     patcher.LORA_CALLS.update(fused=0, peft=0)
     torch.manual_seed(4)
