@@ -113,6 +113,18 @@ def torch_backend(monkeypatch):
     monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
 
 
+def assert_bf16_loss_and_fp32_adapter_grads_match(out, expected, model, ref):
+    """bf16 model with fp32 adapters against PEFT's: loss and adapter gradients at bf16 tolerances (backward run
+    here), every trainable gradient fp32."""
+    assert abs(out.loss.item() - expected.loss.item()) < 2e-2 * max(1.0, abs(expected.loss.item()))
+    out.loss.backward(), expected.loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.requires_grad:
+            assert p.grad.dtype == torch.float32, name
+            torch.testing.assert_close(p.grad, q.grad, atol=5e-2 * max(1.0, q.grad.abs().max().item()), rtol=5e-2,
+                                       msg=lambda m: f"{name}: {m}")
+
+
 def checkpointed_training(models, use_reentrant):
     """Gradient checkpointing on PEFT models (inputs made to require grad, as ms-swift does), train mode."""
     for m in models:
@@ -671,13 +683,7 @@ def test_lora_fusion_under_bf16_autocast_with_fp32_adapters(torch_backend, lora_
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, expected = model(ids, labels=labels), ref(ids, labels=labels)
     assert len(lora_linear_calls) == 3 * 2
-    assert abs(out.loss.item() - expected.loss.item()) < 2e-2 * max(1.0, abs(expected.loss.item()))
-    out.loss.backward(), expected.loss.backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        if p.requires_grad:
-            assert p.grad.dtype == torch.float32, name
-            torch.testing.assert_close(p.grad, q.grad, atol=5e-2 * max(1.0, q.grad.abs().max().item()), rtol=5e-2,
-                                       msg=lambda m: f"{name}: {m}")
+    assert_bf16_loss_and_fp32_adapter_grads_match(out, expected, model, ref)
 
 
 def test_lora_fusion_fp32_adapters_without_autocast(torch_backend):
@@ -697,13 +703,7 @@ def test_lora_fusion_fp32_adapters_without_autocast(torch_backend):
     torch.manual_seed(8)
     expected = ref(ids, labels=labels)
     assert patcher.LORA_CALLS == {"fused": 7 * 2, "peft": 0}
-    assert abs(out.loss.item() - expected.loss.item()) < 2e-2 * max(1.0, abs(expected.loss.item()))
-    out.loss.backward(), expected.loss.backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        if p.requires_grad:
-            assert p.grad.dtype == torch.float32, name
-            torch.testing.assert_close(p.grad, q.grad, atol=5e-2 * max(1.0, q.grad.abs().max().item()), rtol=5e-2,
-                                       msg=lambda m: f"{name}: {m}")
+    assert_bf16_loss_and_fp32_adapter_grads_match(out, expected, model, ref)
 
 
 @pytest.mark.parametrize("family", ["qwen3"])
