@@ -236,7 +236,7 @@ def _lora_fusion_check_class():
 
     class LoraFusionCheck(TrainerCallback):
         """After the first step, say how many LoRA projection calls lora_fusion took (it falls back to PEFT's
-        forward per call, silently otherwise: DoRA, merged adapters, fp32 adapters without autocast, ...)."""
+        forward per call, silently otherwise: QLoRA, DoRA, merged adapters, ...)."""
 
         def on_train_begin(self, args, state, control, **kwargs):
             patcher.LORA_CALLS.update(fused=0, peft=0)
@@ -250,9 +250,8 @@ def _lora_fusion_check_class():
             msg = (f"swift_liger: lora_fusion in the first step: {fused} LoRA projection calls through "
                    f"ops.lora_linear, {peft} through PEFT's forward")
             if peft:
-                msg += (" (lora_fusion takes plain LoRA on nn.Linear layers computing in the model's dtype; "
-                        "QLoRA, DoRA, merged or several active adapters, and fp32 adapters without autocast run "
-                        "PEFT's own forward)")
+                msg += (" (lora_fusion takes plain LoRA on nn.Linear layers; QLoRA, DoRA, merged or several "
+                        "active adapters run PEFT's own forward)")
             _logger().info(msg)
 
     return LoraFusionCheck

@@ -194,9 +194,12 @@ def lora_linear(x: torch.Tensor, x_lora: Optional[torch.Tensor], weight: torch.T
     ``dropout_p`` in (0, 1): x_lora = dropout(x) drawn inside (x_lora must be None; x contiguous), keeping the mask
     as bits instead of the dropped-out copy.
 
+    fp32 adapters on a bf16/fp16 x without autocast (x_lora None, x contiguous) run the LoRA branch in fp32
+    through LoRALinearUpcastFunction, as PEFT does.
+
     Raises ValueError when the shapes do not chain, when W or bias require grad, when dropout_p is out of [0, 1),
-    or when the LoRA branch would compute in a dtype other than x's (PEFT would then add an fp32 branch to a bf16
-    result; call it instead).
+    when W's dtype differs from x's without autocast, or when the LoRA branch would compute in another dtype than
+    x's in any other set-up.
     """
     if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
