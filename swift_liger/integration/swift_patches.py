@@ -250,8 +250,8 @@ def _lora_fusion_check_class():
             msg = (f"swift_liger: lora_fusion in the first step: {fused} LoRA projection calls through "
                    f"ops.lora_linear, {peft} through PEFT's forward")
             if peft:
-                msg += (" (lora_fusion takes plain LoRA on nn.Linear layers; QLoRA, DoRA, merged or several "
-                        "active adapters run PEFT's own forward)")
+                msg += (" (lora_fusion takes plain LoRA on nn.Linear layers; QLoRA, DoRA, merged, disabled (a "
+                        "DPO reference pass) or several active adapters run PEFT's own forward)")
             _logger().info(msg)
 
     return LoraFusionCheck

@@ -1,5 +1,5 @@
 """End-to-end: the real `swift sft` / `swift rlhf` CLI on the tiny offline models, patched runs executing the real
-Triton kernels in Triton's interpreter. Six CLI runs in all, two at a time, shared by the tests below.
+Triton kernels in Triton's interpreter. Eight CLI runs in all, two at a time, shared by the tests below.
 """
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("swift_runs")
     sft = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], "--tuner_type", "lora", *CPU_FLAGS, *SMALL,
            "--learning_rate", "2e-3"]
+    # DPO with LoRA: no separate reference model; the reference pass is the policy with its adapters disabled
+    dpo_lora = ["--rlhf_type", "dpo", *tiny_llama["swift_flags"], "--dataset", tiny_llama["pref"], "--tuner_type",
+                "lora", *CPU_FLAGS, *SMALL, "--max_steps", "3", "--report_to", "none", "--save_strategy", "no"]
     bad_preset = root / "bad_preset.yaml"
     bad_preset.write_text("rms_norm: true\nfused_everything: true\n")
     yaml_cfg = root / "minimal_plus_swiglu.yaml"
@@ -41,6 +44,8 @@ def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
                          "--tuner_type", "full", *CPU_FLAGS, *SMALL, "--max_steps", "2", "--use_liger",
                          "--report_to", "none", "--save_strategy", "no"]),
         "base": ("sft", sft + ["--max_steps", str(STEPS), "--report_to", "none", "--save_strategy", "no"]),
+        "dpo_lora": ("rlhf", dpo_lora + ["--use_liger"]),
+        "dpo_lora_base": ("rlhf", dpo_lora),
         "yaml": ("sft", [str(yaml_cfg), *sft, "--max_steps", "2", "--report_to", "none", "--save_strategy", "no"]),
         "kernel_clash": ("sft", sft + ["--max_steps", "1", "--use_liger", "--use_liger_kernel", "true"]),
         "bad_preset": ("sft", sft + ["--max_steps", "1", "--use_liger", "--liger_config", str(bad_preset)]),
@@ -161,6 +166,18 @@ def test_dpo_patches_policy_and_reference_model(runs):
         assert all(entry["report"]["patched"][f] > 0 for f in ("rms_norm", "rope", "swiglu")), entry
     rows = dpo.steps()
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["tokens/s"] > 0 for r in rows)
+
+
+def test_dpo_lora_patched_losses_match_unpatched(runs):
+    """`swift rlhf --rlhf_type dpo --tuner_type lora --use_liger`: per-step DPO losses as without the plugin;
+    lora_fusion takes the policy's LoRA projections, the reference pass (adapters disabled) runs PEFT's."""
+    base, liger = runs["dpo_lora_base"].check().steps(), runs["dpo_lora"].check().steps()
+    assert len(base) == len(liger) == 3
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(base, liger)]
+    assert max(diffs) <= 1e-5, diffs
+    fusion = re.search(r"lora_fusion in the first step: (\d+) LoRA projection calls through ops.lora_linear",
+                       runs["dpo_lora"].log)
+    assert fusion and int(fusion.group(1)) > 0, fusion
 
 
 def test_plot_overlays_two_runs(runs, tmp_path):
