@@ -28,7 +28,7 @@ class LigerConfig:
     lora_fusion:   in the patched MLPs and attentions (rope on), PEFT LoRA projections in their plain set-up (one
                    adapter, unmerged, vanilla LoRA on an nn.Linear) run through swift_liger.ops.lora_linear, which
                    keeps no fp32 or duplicate copies of their inputs and only a bit mask of the LoRA dropout (same
-                   maths, same dropout draws). `swift sft` Llama-3-8B LoRA at 8k on an H200: 8601 tok/s at
+                   maths, same dropout distribution). `swift sft` Llama-3-8B LoRA at 8k on an H200: 8601 tok/s at
                    18.98 GiB against 7452 tok/s at 20.29 GiB without it (docs/benchmarks/swift_cli_llama3_8b_lora.md).
                    Without autocast (fp32 adapters on a bf16 model, a plain loop) the LoRA branch stays fp32 and
                    is recomputed from x in chunks: −0.87 GiB but 3% slower than Liger-Kernel in that 8B loop.

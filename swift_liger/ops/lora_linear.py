@@ -43,7 +43,8 @@ def _compute_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:
 
 class LoRALinearFunction(torch.autograd.Function):
     """x_lora given (dropout_p == 0): saved as it is. dropout_p > 0 (x_lora None): the dropout is drawn here with
-    ``torch.native_dropout`` (what ``nn.Dropout`` runs on CUDA, so the same random stream), only its mask is kept,
+    ``torch.native_dropout`` (what ``nn.Dropout`` runs on CUDA; PEFT drops out an fp32 copy of x, which on CPU
+    gives the same draws, and on CUDA may not), only its mask is kept,
     as bits, and the backward re-applies it to x: for dropout 0.05 on a bf16 input, 1/8 byte per element saved
     instead of 3 (a bool mask and the dropped-out copy)."""
 
