@@ -76,19 +76,36 @@ def _tanh(x):
 
 
 @triton.jit
+def _logit_transform(z, cap, inv_temp, HAS_CAP: tl.constexpr, HAS_TEMP: tl.constexpr):
+    """Model logits -> the logits the loss sees: softcap c*tanh(z/c) (in the model), then 1/temperature (in the
+    trainer). Returns them and dz_loss/dz_model, the chain factor for their gradient (1.0 when neither applies)."""
+    chain = 1.0
+    if HAS_CAP:
+        th = _tanh(z / cap)
+        z = cap * th
+        chain = 1.0 - th * th
+    if HAS_TEMP:
+        z = z * inv_temp
+        chain = chain * inv_temp
+    return z, chain
+
+
+@triton.jit
 def _flce_rows_kernel(
     z_ptr, stride_z,            # [R, V] logits chunk (input dtype); overwritten with dlogits when WRITE_GRAD
     labels_ptr,                 # [R] int
-    loss_ptr, lse_ptr,          # [R] fp32 outputs
+    loss_ptr, lse_ptr, sum_ptr,  # [R] fp32 outputs (sum_ptr written only when WRITE_SUM)
     V, ignore_index,
-    eps, cap, z_loss,           # fp32 scalars: label smoothing, softcap, z-loss weight
-    HAS_CAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    eps, cap, z_loss, inv_temp,  # fp32 scalars: label smoothing, softcap, z-loss weight, 1/temperature
+    HAS_CAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_TEMP: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, WRITE_SUM: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One program per token row: online max/sum-exp over V, then (optionally) dlogits in place.
 
     dlogits (gradient of this row's loss, unit scale) = p*(1 + 2*z_loss*lse) - (1-eps)*onehot - eps/V,
-    times the softcap chain 1 - (z/c)^2. Ignored rows get zeros; out-of-range labels get loss NaN, zero grads.
+    times the softcap / temperature chain. Ignored rows get zeros; out-of-range labels get loss NaN, zero grads.
+    WRITE_SUM stores the row's sum of (transformed) logits, for every row, ignored ones included.
     """
     row = tl.program_id(0)
     base = z_ptr + tl.cast(row, tl.int64) * stride_z
@@ -105,9 +122,8 @@ def _flce_rows_kernel(
         cols = start + offs
         mask = cols < V
         z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_CAP:
-            z = cap * _tanh(z / cap)
-        if HAS_EPS:
+        z, _ = _logit_transform(z, cap, inv_temp, HAS_CAP, HAS_TEMP)
+        if HAS_EPS or WRITE_SUM:
             sum_z += tl.sum(tl.where(mask, z, 0.0), 0)
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 0))
@@ -117,8 +133,7 @@ def _flce_rows_kernel(
 
     # The label logit is read before the row is overwritten; a masked-out label reads column 0.
     zy = tl.load(base + tl.where(valid, label, 0)).to(tl.float32)
-    if HAS_CAP:
-        zy = cap * _tanh(zy / cap)
+    zy, _ = _logit_transform(zy, cap, inv_temp, HAS_CAP, HAS_TEMP)
     loss = lse - zy
     if HAS_EPS:
         loss = (1.0 - eps) * loss + eps * (lse - sum_z / V)
@@ -128,6 +143,8 @@ def _flce_rows_kernel(
     loss = tl.where(ignored | in_range, loss, float("nan"))
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
+    if WRITE_SUM:
+        tl.store(sum_ptr + row, sum_z)
 
     if WRITE_GRAD:
         coef = 1.0
@@ -142,12 +159,10 @@ def _flce_rows_kernel(
             cols = start + offs
             mask = cols < V
             z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_CAP:
-                z = cap * _tanh(z / cap)
+            z, chain = _logit_transform(z, cap, inv_temp, HAS_CAP, HAS_TEMP)
             g = tl.exp(z - lse) * coef - tl.where(cols == label, w_label, 0.0) - w_uniform
-            if HAS_CAP:
-                zc = z / cap
-                g = g * (1.0 - zc * zc)
+            if HAS_CAP or HAS_TEMP:
+                g = g * chain
             g = tl.where(valid, g, 0.0)
             tl.store(base + cols, g.to(z_ptr.dtype.element_ty), mask=mask)
 
@@ -158,8 +173,8 @@ def _flce_slice_kernel(
     labels_ptr, lse_ptr,        # [N] int, [N] fp32 (saved by pass 1)
     scale_ptr, scale_stride,    # fp32 grad scale: one value (stride 0) or one per row (stride 1)
     v0, Vs, V, ignore_index,
-    eps, cap, z_loss,
-    HAS_CAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+    eps, cap, z_loss, inv_temp,
+    HAS_CAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_TEMP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Pass 2: dlogits = scale * d(loss)/dz for one vocab slice, from the saved lse (no row reduction needed)."""
@@ -173,8 +188,7 @@ def _flce_slice_kernel(
     scale = tl.load(scale_ptr + row * scale_stride)
 
     z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_CAP:
-        z = cap * _tanh(z / cap)
+    z, chain = _logit_transform(z, cap, inv_temp, HAS_CAP, HAS_TEMP)
     coef = 1.0
     if HAS_ZLOSS:
         coef = 1.0 + 2.0 * z_loss * lse
@@ -184,28 +198,29 @@ def _flce_slice_kernel(
         w_label = 1.0 - eps
         w_uniform = eps / V
     g = tl.exp(z - lse) * coef - tl.where(cols + v0 == label, w_label, 0.0) - w_uniform
-    if HAS_CAP:
-        zc = z / cap
-        g = g * (1.0 - zc * zc)
+    if HAS_CAP or HAS_TEMP:
+        g = g * chain
     g = tl.where(valid, g * scale, 0.0)
     tl.store(ptrs, g.to(z_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_rows(z, labels, loss, lse, V, ignore_index, eps, cap, z_loss, write_grad):
+def _launch_rows(z, labels, loss, lse, logit_sum, V, ignore_index, eps, cap, z_loss, temperature, write_grad):
     block = min(ROW_BLOCK_V, _common.next_pow2(V))
     _flce_rows_kernel[(z.shape[0],)](
-        z, z.stride(0), labels, loss, lse, V, ignore_index, float(eps), float(cap or 1.0), float(z_loss),
-        HAS_CAP=cap is not None and cap > 0, HAS_EPS=eps > 0, HAS_ZLOSS=z_loss > 0, WRITE_GRAD=write_grad,
+        z, z.stride(0), labels, loss, lse, logit_sum if logit_sum is not None else lse, V, ignore_index, float(eps),
+        float(cap or 1.0), float(z_loss), 1.0 / float(temperature),
+        HAS_CAP=cap is not None and cap > 0, HAS_EPS=eps > 0, HAS_ZLOSS=z_loss > 0, HAS_TEMP=temperature != 1.0,
+        WRITE_GRAD=write_grad, WRITE_SUM=logit_sum is not None,
         BLOCK_V=block, num_warps=_common.num_warps_for(block))
 
 
-def _launch_slice(z, labels, lse, scale, v0, V, ignore_index, eps, cap, z_loss):
+def _launch_slice(z, labels, lse, scale, v0, V, ignore_index, eps, cap, z_loss, temperature):
     n, vs = z.shape
     block = min(SLICE_BLOCK_V, _common.next_pow2(vs))
     _flce_slice_kernel[(n, _common.cdiv(vs, block))](
         z, z.stride(0), labels, lse, scale, 0 if scale.dim() == 0 else 1, v0, vs, V, ignore_index,
-        float(eps), float(cap or 1.0), float(z_loss),
-        HAS_CAP=cap is not None and cap > 0, HAS_EPS=eps > 0, HAS_ZLOSS=z_loss > 0,
+        float(eps), float(cap or 1.0), float(z_loss), 1.0 / float(temperature),
+        HAS_CAP=cap is not None and cap > 0, HAS_EPS=eps > 0, HAS_ZLOSS=z_loss > 0, HAS_TEMP=temperature != 1.0,
         BLOCK_V=block, num_warps=_common.num_warps_for(block))
 
 
@@ -322,13 +337,14 @@ def _resolve_dw_rows(strategy: str, v: int, h: int, reduction: str) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
-                  ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, chunk_size: int,
-                  dw_acc_rows: int, need_dh: bool, need_db: bool, write_grad: bool):
+                  ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, temperature: float,
+                  chunk_size: int, dw_acc_rows: int, need_dh: bool, need_db: bool, write_grad: bool, need_sum: bool):
     """Pass 1 over token chunks.
 
-    hidden [N, H], weight [V, H], bias [V] or None, labels [N] int; softcap 0 means none.
+    hidden [N, H], weight [V, H], bias [V] or None, labels [N] int; softcap 0 means none, temperature 1.0 none.
     Returns token_loss [N] fp32, lse [N] fp32, dh [N, H] (input dtype, unit scale; [0] unless need_dh),
-    dw_acc [dw_acc_rows, H] fp32 (unit scale, sum over all tokens), db_acc [V] fp32 ([0] unless need_db).
+    dw_acc [dw_acc_rows, H] fp32 (unit scale, sum over all tokens), db_acc [V] fp32 ([0] unless need_db),
+    logit_sum [N] fp32 (each row's sum of the logits the loss sees; [0] unless need_sum).
     """
     n, h_dim = hidden.shape
     v = weight.shape[0]
@@ -342,10 +358,11 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     acc = _common.new_empty((acc_rows, h_dim), dtype=torch.float32, device=dev)
     db = _common.new_empty((v,), dtype=torch.float32, device=dev) if (write_grad and need_db) \
         else hidden.new_empty((0,), dtype=torch.float32)
+    logit_sum = _common.new_empty((n if need_sum else 0,), dtype=torch.float32, device=dev)
     if n == 0:
         acc.zero_()
         db.zero_()
-        return token_loss, lse, dh, acc, db
+        return token_loss, lse, dh, acc, db, logit_sum
 
     c = min(chunk_size, n)
     ws = _common.new_empty((c * v,), dtype=hidden.dtype, device=dev)
@@ -355,8 +372,9 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
             z = ws[:rows * v].view(rows, v)
             h = hidden[r0:r0 + rows]
             _gemm_logits(h, weight, bias, z)
-            _launch_rows(z, labels[r0:r0 + rows], token_loss[r0:r0 + rows], lse[r0:r0 + rows], v, ignore_index,
-                         label_smoothing, cap, z_loss, write_grad)
+            _launch_rows(z, labels[r0:r0 + rows], token_loss[r0:r0 + rows], lse[r0:r0 + rows],
+                         logit_sum[r0:r0 + rows] if need_sum else None, v, ignore_index, label_smoothing, cap, z_loss,
+                         temperature, write_grad)
             if not write_grad:
                 continue
             if dh.numel():
@@ -368,14 +386,15 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                     torch.sum(z, 0, dtype=torch.float32, out=db)
                 else:
                     db.add_(z.sum(0, dtype=torch.float32))
-    return token_loss, lse, dh, acc, db
+    return token_loss, lse, dh, acc, db, logit_sum
 
 
 def _flce_backward(dh: torch.Tensor, dw_acc: torch.Tensor, db_acc: torch.Tensor, scale: torch.Tensor,
                    hidden: Optional[torch.Tensor], weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                    labels: Optional[torch.Tensor], lse: Optional[torch.Tensor], need_dh: bool, need_dw: bool,
                    need_db: bool, v: int, h_dim: int, w_dtype: torch.dtype, b_dtype: torch.dtype, ignore_index: int,
-                   label_smoothing: float, softcap: float, z_loss: float, chunk_size: int, inplace: bool):
+                   label_smoothing: float, softcap: float, z_loss: float, temperature: float, chunk_size: int,
+                   inplace: bool):
     """Scale the pass-1 grads by grad_output and run pass 2 (vocab slices) for the dW rows not accumulated.
 
     dh [N, H] / dw_acc [Va, H] fp32 / db_acc [V] fp32: unit-scale grads from pass 1 (empty when not needed).
@@ -428,7 +447,7 @@ def _flce_backward(dh: torch.Tensor, dw_acc: torch.Tensor, db_acc: torch.Tensor,
             cols = min(vs, v - v0)
             z = ws[:n * cols].view(n, cols)
             _gemm_logits(hidden, weight[v0:v0 + cols], None if bias is None else bias[v0:v0 + cols], z)
-            _launch_slice(z, labels, lse, scale, v0, v, ignore_index, label_smoothing, cap, z_loss)
+            _launch_slice(z, labels, lse, scale, v0, v, ignore_index, label_smoothing, cap, z_loss, temperature)
             if need_dw:
                 _gemm_dw(z.t(), hidden, grad_w[v0:v0 + cols])
             if need_db and per_row:
@@ -458,23 +477,25 @@ class _no_autocast:
 
 @torch.library.custom_op("swift_liger::flce_forward", mutates_args=())
 def _flce_forward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
-                     ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, chunk_size: int,
-                     dw_acc_rows: int, need_dh: bool, need_db: bool, write_grad: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _flce_forward(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, chunk_size,
-                         dw_acc_rows, need_dh, need_db, write_grad)
+                     ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, temperature: float,
+                     chunk_size: int, dw_acc_rows: int, need_dh: bool, need_db: bool, write_grad: bool,
+                     need_sum: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _flce_forward(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature,
+                         chunk_size, dw_acc_rows, need_dh, need_db, write_grad, need_sum)
 
 
 @_flce_forward_op.register_fake
-def _(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, chunk_size, dw_acc_rows,
-      need_dh, need_db, write_grad):
+def _(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
+      dw_acc_rows, need_dh, need_db, write_grad, need_sum):
     n, h_dim = hidden.shape
     v = weight.shape[0]
     f32 = torch.float32
     dh = hidden.new_empty((n, h_dim)) if (write_grad and need_dh) else hidden.new_empty((0,))
     acc = hidden.new_empty((dw_acc_rows if write_grad else 0, h_dim), dtype=f32)
     db = hidden.new_empty((v,) if (write_grad and need_db) else (0,), dtype=f32)
-    return hidden.new_empty((n,), dtype=f32), hidden.new_empty((n,), dtype=f32), dh, acc, db
+    logit_sum = hidden.new_empty((n if need_sum else 0,), dtype=f32)
+    return hidden.new_empty((n,), dtype=f32), hidden.new_empty((n,), dtype=f32), dh, acc, db, logit_sum
 
 
 @torch.library.custom_op("swift_liger::flce_backward", mutates_args=())
@@ -482,17 +503,17 @@ def _flce_backward_op(dh: torch.Tensor, dw_acc: torch.Tensor, db_acc: torch.Tens
                       hidden: Optional[torch.Tensor], weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                       labels: Optional[torch.Tensor], lse: Optional[torch.Tensor], need_dh: bool, need_dw: bool,
                       need_db: bool, v: int, h_dim: int, w_dtype: torch.dtype, b_dtype: torch.dtype,
-                      ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, chunk_size: int,
-                      inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, temperature: float,
+                      chunk_size: int, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # A custom op may not return (an alias of) its input, so the compiled path never scales dh in place.
     return _flce_backward(dh, dw_acc, db_acc, scale, hidden, weight, bias, labels, lse, need_dh, need_dw, need_db,
-                          v, h_dim, w_dtype, b_dtype, ignore_index, label_smoothing, softcap, z_loss, chunk_size,
-                          False)
+                          v, h_dim, w_dtype, b_dtype, ignore_index, label_smoothing, softcap, z_loss, temperature,
+                          chunk_size, False)
 
 
 @_flce_backward_op.register_fake
 def _(dh, dw_acc, db_acc, scale, hidden, weight, bias, labels, lse, need_dh, need_dw, need_db, v, h_dim, w_dtype,
-      b_dtype, ignore_index, label_smoothing, softcap, z_loss, chunk_size, inplace):
+      b_dtype, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size, inplace):
     grad_h = dh.new_empty(dh.shape) if need_dh else scale.new_empty((0,), dtype=w_dtype)
     grad_w = scale.new_empty((v, h_dim) if need_dw else (0,), dtype=w_dtype)
     grad_b = scale.new_empty((v,), dtype=b_dtype) if need_db else scale.new_empty((0,), dtype=w_dtype)
@@ -504,10 +525,12 @@ def _(dh, dw_acc, db_acc, scale, hidden, weight, bias, labels, lse, need_dh, nee
 # ---------------------------------------------------------------------------------------------------------------
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """(hidden [N, H], weight [V, H], bias [V]|None, labels [N], options...) -> (loss_sum 0-d, token_loss [N], lse [N]).
+    """(hidden [N, H], weight [V, H], bias [V]|None, labels [N], options...)
+    -> (loss_sum 0-d, token_loss [N], lse [N], logit_sum [N] or [0] unless need_sum).
 
-    All outputs fp32. Gradients flow from loss_sum and token_loss (lse is non-differentiable); ``row_grads`` says
-    whether token_loss may receive one (then pass 2 may need hidden/weight in backward, so they are kept).
+    All outputs fp32. Gradients flow from loss_sum and token_loss (lse and logit_sum are non-differentiable);
+    ``row_grads`` says whether token_loss may receive one (then pass 2 may need hidden/weight in backward, so they
+    are kept). swift_liger.ops.logprobs uses this Function with row_grads=True: log p = -token_loss.
     The gradients are formed in forward at unit scale and scaled by grad_output in backward, so the graph can be
     backpropagated only once (a second backward raises the saved-tensor version error). Unless pass 2 can run,
     backward reads neither hidden nor weight: a ZeRO-3 weight may be re-partitioned after forward, and hidden is
@@ -516,30 +539,31 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, chunk_size,
-                dw_acc_rows, row_grads):
+                dw_acc_rows, row_grads, temperature, need_sum):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
         write_grad = need_dh or need_dw or need_db
         v = weight.shape[0]
         acc_rows = dw_acc_rows if need_dw else 0
         fwd = _common.compiled_or_eager("swift_liger::flce_forward", _flce_forward)
-        token_loss, lse, dh, acc, db_acc = fwd(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap,
-                                               z_loss, chunk_size, acc_rows, need_dh, need_db, write_grad)
+        token_loss, lse, dh, acc, db_acc, logit_sum = fwd(
+            hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
+            acc_rows, need_dh, need_db, write_grad, need_sum)
         keep = (need_dw and (acc_rows < v or row_grads)) or (need_db and row_grads)
         kept = (hidden, weight, bias, labels, lse) if keep else (None,) * 5
         ctx.save_for_backward(dh, acc, db_acc, *kept)
         ctx.meta = (need_dh, need_dw, need_db, v, hidden.shape[1], weight.dtype,
                     bias.dtype if bias is not None else weight.dtype)
-        ctx.opts = (ignore_index, label_smoothing, softcap, z_loss, chunk_size)
+        ctx.opts = (ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size)
         ctx.row_grads = row_grads
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(lse, logit_sum)
         ctx.set_materialize_grads(False)
-        return token_loss.sum(), token_loss, lse
+        return token_loss.sum(), token_loss, lse, logit_sum
 
     @staticmethod
-    def backward(ctx, grad_sum, grad_tok, grad_lse):
+    def backward(ctx, grad_sum, grad_tok, grad_lse, grad_logit_sum):
         need_dh, need_dw, need_db = ctx.meta[:3]
-        none = (None,) * 8
+        none = (None,) * 10
         if grad_sum is None and (grad_tok is None or not ctx.row_grads):
             return (None, None, None) + none
         saved = ctx.saved_tensors
@@ -698,11 +722,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         (so the loss is NaN) and they get zero gradient.
     The graph can be backpropagated once (gradients are formed in forward and scaled in place in backward).
     """
-    if torch.is_tensor(hidden) and torch.is_tensor(weight) and torch.is_autocast_enabled(hidden.device.type) \
-            and hidden.is_floating_point():
-        dt = torch.get_autocast_dtype(hidden.device.type)
-        hidden, weight = hidden.to(dt), weight.to(dt)
-        bias = bias.to(dt) if torch.is_tensor(bias) else bias
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     _check_args(hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, z_loss, reduction,
                 num_items_in_batch, chunk_size, dw_strategy, validate_labels)
     _common.check_same_dtype(hidden=hidden, weight=weight, bias=bias)
@@ -713,28 +733,55 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         return fused_linear_cross_entropy_reference(hidden, weight, labels, bias, **opts)
 
     shape = labels.shape
-    h_dim = hidden.shape[-1]
-    h2 = hidden.reshape(-1, h_dim)
-    y = labels.reshape(-1)
-    if y.dtype not in (torch.int64, torch.int32):
-        y = y.long()
-    y = y.contiguous()
-    n, v = h2.shape[0], weight.shape[0]
-    c = chunk_size if chunk_size is not None else default_chunk_size(n, v, h2.element_size())
-    acc_rows = _resolve_dw_rows(dw_strategy, v, h_dim, reduction)
-    cap = float(softcap) if softcap is not None else 0.0
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
-                                        or (bias is not None and bias.requires_grad))
-    if grad:
-        loss_sum, token_loss, lse = FusedLinearCrossEntropyFunction.apply(
-            h2, weight, bias, y, ignore_index, float(label_smoothing), cap, float(z_loss), c, acc_rows,
-            bool(return_token_loss or reduction == "none"))
-    else:
-        fwd = _common.compiled_or_eager("swift_liger::flce_forward", _flce_forward)
-        token_loss, lse = fwd(h2, weight, bias, y, ignore_index, float(label_smoothing), cap, float(z_loss), c,
-                              0, False, False, False)[:2]
-        loss_sum = token_loss.sum()
+    h2, y = flat_rows(hidden, labels)
+    acc_rows = _resolve_dw_rows(dw_strategy, weight.shape[0], h2.shape[1], reduction)
+    loss_sum, token_loss, lse, _ = run_rows(h2, weight, bias, y, ignore_index=ignore_index,
+                                            label_smoothing=float(label_smoothing), softcap=softcap,
+                                            z_loss=float(z_loss), temperature=1.0, chunk_size=chunk_size,
+                                            dw_acc_rows=acc_rows,
+                                            row_grads=bool(return_token_loss or reduction == "none"),
+                                            need_sum=False)
     loss = _reduce(loss_sum, token_loss, y, ignore_index, reduction, num_items_in_batch)
     if reduction == "none":
         loss = loss.view(shape)
     return _pack(loss, token_loss.view(shape), lse.view(shape), return_token_loss, return_lse)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared by the public functions here and in swift_liger.ops.logprobs
+# ---------------------------------------------------------------------------------------------------------------
+
+def autocast_inputs(hidden, weight, bias):
+    """Under autocast, cast hidden, weight and bias to the autocast dtype, as nn.Linear's GEMM would."""
+    if torch.is_tensor(hidden) and torch.is_tensor(weight) and torch.is_autocast_enabled(hidden.device.type) \
+            and hidden.is_floating_point():
+        dt = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dt), weight.to(dt)
+        bias = bias.to(dt) if torch.is_tensor(bias) else bias
+    return hidden, weight, bias
+
+
+def flat_rows(hidden: torch.Tensor, labels: torch.Tensor):
+    """hidden [..., H] -> [N, H]; labels [...] -> contiguous int32/int64 [N]."""
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    if y.dtype not in (torch.int64, torch.int32):
+        y = y.long()
+    return h2, y.contiguous()
+
+
+def run_rows(h2, weight, bias, y, *, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
+             dw_acc_rows, row_grads, need_sum):
+    """Pass 1 (and, when a gradient is wanted, the autograd Function): (loss_sum, token_loss, lse, logit_sum)."""
+    n, v = h2.shape[0], weight.shape[0]
+    c = chunk_size if chunk_size is not None else default_chunk_size(n, v, h2.element_size())
+    cap = float(softcap) if softcap is not None else 0.0
+    grad = torch.is_grad_enabled() and (h2.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    if grad:
+        return FusedLinearCrossEntropyFunction.apply(h2, weight, bias, y, ignore_index, label_smoothing, cap, z_loss,
+                                                     c, dw_acc_rows, row_grads, temperature, need_sum)
+    fwd = _common.compiled_or_eager("swift_liger::flce_forward", _flce_forward)
+    token_loss, lse, _, _, _, logit_sum = fwd(h2, weight, bias, y, ignore_index, label_smoothing, cap, z_loss,
+                                              temperature, c, 0, False, False, False, need_sum)
+    return token_loss.sum(), token_loss, lse, logit_sum
