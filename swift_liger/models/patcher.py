@@ -47,6 +47,7 @@ logger = logging.getLogger("swift_liger")
 
 STATE_ATTR = "_swift_liger_state"
 EMIT_HIDDEN_ATTR = "_swift_liger_emit_hidden"
+CALLS_ATTR = "_swift_liger_calls"   # on the patched lm_head: the patch state's call counters
 FUSIONS = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "cross_entropy", "rolling_cache", "compile_layers")
 
 
@@ -146,6 +147,11 @@ class _PatchState:
         self.rolling_cache: Optional[torch.nn.Module] = None  # model whose generate() got RollingKVCache
         self.ops: Dict[str, Callable] = {}
         self.head_loss: Optional[Callable] = None
+        # Counted, not configured: what the loss head really did since apply (or the last reset). Read through
+        # call_counts(); the ms-swift integration logs them after the first step and writes them to its record.
+        self.calls: Dict[str, int] = dict.fromkeys(LOSS_CALLS, 0)
+        self.hidden_mode = False   # models.head.emitting_hidden(): the forward returns hidden states as logits
+        self.emitted: Optional[torch.Tensor] = None   # the last hidden states returned that way
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         d = obj.__dict__
@@ -193,6 +199,24 @@ def get_report(model: torch.nn.Module) -> Optional[PatchReport]:
 
 def is_patched(model: torch.nn.Module) -> bool:
     return bool(_find_states(model))
+
+
+# What the loss head of a patched causal LM did, counted per call: our fused linear CE and our CE on logits (the
+# model's loss_function), fused log-probs for a trainer (models.head), and forwards where the patched lm_head
+# materialised logits (eval, generation, trainers that read outputs.logits).
+LOSS_CALLS = ("fused_linear_cross_entropy", "cross_entropy", "fused_linear_logprobs", "lm_head_logits")
+
+
+def call_counts(model: torch.nn.Module, reset: bool = False) -> Optional[Dict[str, int]]:
+    """The loss-head call counters of the patched model inside `model` (None when it is not patched)."""
+    states = _find_states(model)
+    if not states:
+        return None
+    calls = states[0][1].calls
+    out = dict(calls)
+    if reset:
+        calls.update(dict.fromkeys(calls, 0))
+    return out
 
 
 @contextlib.contextmanager
@@ -427,7 +451,10 @@ def _make_mlp_forward(gated_act: Callable, lora_fusion: bool = False) -> Callabl
 
 def _lm_head_forward(self, hidden_states):
     if getattr(self, EMIT_HIDDEN_ATTR, False):
-        return hidden_states  # fused_linear training step: the loss function applies the weight itself
+        return hidden_states  # fused_linear step or log-prob pass: the loss applies the weight itself
+    calls = self.__dict__.get(CALLS_ATTR)
+    if calls is not None:
+        calls["lm_head_logits"] += 1
     return type(self).forward(self, hidden_states)
 
 
@@ -546,6 +573,8 @@ def _causal_lm_forward(self, *args, **kwargs):
     # Call the class's function with self explicitly: dynamo in torch 2.11 cannot trace `function.__get__`.
     original = type(self).forward
     st = getattr(self, STATE_ATTR, None)
+    if st is not None and st.hidden_mode and head_is_ours(self, st):
+        return _forward_emitting_hidden(self, st, original, args, kwargs)
     if st is None or not _emit_hidden(self, st, args, kwargs):
         return original(self, *args, **kwargs)
     head = st.lm_head
@@ -557,6 +586,25 @@ def _causal_lm_forward(self, *args, **kwargs):
     return _drop_logits(out)
 
 
+def _forward_emitting_hidden(self, st: _PatchState, original: Callable, args: tuple, kwargs: dict):
+    """The unchanged HF forward with the lm_head skipped: ``logits`` holds the (logits_to_keep-sliced) final hidden
+    states, for a trainer that computes log-probs from them (models.head). Any mode, with or without grad."""
+    head = st.lm_head
+    head.__dict__[EMIT_HIDDEN_ATTR] = True
+    try:
+        out = original(self, *args, **kwargs)
+    finally:
+        head.__dict__[EMIT_HIDDEN_ATTR] = False
+    st.emitted = getattr(out, "logits", None)
+    return out
+
+
+def head_is_ours(self, st: _PatchState) -> bool:
+    """The lm_head the patch installed is still the one the model calls. PEFT (LoRA on lm_head, modules_to_save) or
+    the user may have replaced it since apply: then hidden-state shortcuts would be wrong."""
+    return st.lm_head is not None and self._modules.get(st.lm_head_name) is st.lm_head
+
+
 def _emit_hidden(self, st: _PatchState, args: tuple, kwargs: dict) -> bool:
     if not self.training or st.keep_logits or st.lm_head is None:
         return False
@@ -565,9 +613,7 @@ def _emit_hidden(self, st: _PatchState, args: tuple, kwargs: dict) -> bool:
         labels = args[st.labels_index]
     if labels is None:
         return False
-    # PEFT (LoRA on lm_head, modules_to_save) or the user may have replaced lm_head or loss_function since apply:
-    # then the hidden-state shortcut would be wrong, so materialise logits as usual.
-    if self._modules.get(st.lm_head_name) is not st.lm_head:
+    if not head_is_ours(self, st):   # materialise logits as usual
         return False
     return _ours(self.__dict__.get("_loss_function"), _causal_lm_loss)
 
@@ -598,9 +644,11 @@ def _causal_lm_loss(self, logits, labels, vocab_size=None, num_items_in_batch=No
     head = st.lm_head
     if head is not None and getattr(head, EMIT_HIDDEN_ATTR, False):
         hidden = logits.reshape(-1, logits.shape[-1])
+        st.calls["fused_linear_cross_entropy"] += 1
         if st.head_loss is not None:
             return st.head_loss(head, hidden, target, **options)
         return st.ops["fused_linear_cross_entropy"](hidden, head.weight, target, head.bias, **options)
+    st.calls["cross_entropy"] += 1
     return st.ops["cross_entropy"](logits.reshape(-1, logits.shape[-1]), target, **options)
 
 
@@ -880,6 +928,7 @@ def _patch_loss(root: torch.nn.Module, family: Family, config: LigerConfig, st: 
             st.head_loss = _load_head_loss()
             st.lm_head, st.lm_head_name, st.labels_index = head, family.lm_head, labels_index
             st.set(head, EMIT_HIDDEN_ATTR, False)
+            st.set(head, CALLS_ATTR, st.calls)
             _set_forward(st, head, _lm_head_forward)
             wrapper = functools.update_wrapper(
                 types.FunctionType(_causal_lm_forward.__code__, _causal_lm_forward.__globals__,

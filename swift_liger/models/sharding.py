@@ -45,6 +45,7 @@ __all__ = [
     "is_fsdp_module",
     "is_zero3_param",
     "lm_head_cross_entropy",
+    "lm_head_logprobs",
 ]
 
 
@@ -199,19 +200,32 @@ def call_through_module(module: torch.nn.Module, fn: Callable, *args, **kwargs):
             module.forward = previous
 
 
-def lm_head_cross_entropy(module: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **options):
-    """``fused_linear_cross_entropy(hidden, module.weight, labels, module.bias, **options)`` for a possibly
-    sharded head: through the module's forward when it is an FSDP2 unit or holds ZeRO-3 parameters that are not
-    gathered, else directly (DTensors that remain, e.g. tensor parallel, are gathered with full_tensor)."""
-    from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
-
+def _head_op(module: torch.nn.Module, op: Callable, hidden: torch.Tensor, labels: torch.Tensor, **options):
+    """``op(hidden, module.weight, labels, module.bias, **options)`` for a possibly sharded head: through the module's
+    forward when it is an FSDP2 unit or holds ZeRO-3 parameters that are not gathered, else directly (DTensors that
+    remain, e.g. tensor parallel, are gathered with full_tensor)."""
     def run(weight, bias, h, y):
         with gathered_lm_head(weight, h.dtype if h.is_floating_point() else None) as (w, _):
             with gathered_lm_head(bias) if bias is not None else contextlib.nullcontext((None, None)) as (b, _):
-                return fused_linear_cross_entropy(h, w, y, b, **options)
+                return op(h, w, y, b, **options)
 
     weight, bias = _weight_and_bias(module)
     zero_pending = any(is_zero3_param(p) and not _zero3_available(p) for p in (weight, bias) if p is not None)
     if is_fsdp_module(module) or zero_pending:
         return call_through_module(module, run, hidden, labels)
     return run(weight, bias, hidden, labels)
+
+
+def lm_head_cross_entropy(module: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **options):
+    """``fused_linear_cross_entropy(hidden, module.weight, labels, module.bias, **options)`` for a possibly sharded
+    head (see :func:`_head_op`)."""
+    from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+    return _head_op(module, fused_linear_cross_entropy, hidden, labels, **options)
+
+
+def lm_head_logprobs(module: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **options):
+    """``fused_linear_logprobs(hidden, module.weight, labels, module.bias, **options)`` for a possibly sharded head
+    (see :func:`_head_op`). With ``return_logit_sum`` the result is a LogprobsOutput, a tuple of tensors, which the
+    engines' output hooks walk like any tuple."""
+    from ..ops.logprobs import fused_linear_logprobs
+    return _head_op(module, fused_linear_logprobs, hidden, labels, **options)

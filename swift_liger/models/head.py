@@ -1,0 +1,95 @@
+"""Log-probs from a patched causal LM's hidden states, for trainers that would otherwise read ``outputs.logits``.
+
+Preference trainers (DPO, ORPO, CPO/SimPO, KTO) call the model without labels and run a log-softmax over the
+[rows, V] logits it returns. With a model patched with ``cross_entropy="fused_linear"``:
+
+    handle = head_for(model)                # None when it cannot apply (why_not(model) says why)
+    with handle.emitting_hidden():
+        out = model(**batch)                # the unchanged HF forward with the lm_head skipped:
+    hidden = handle.take(out.logits)        # out.logits holds the final hidden states [B, T, H]
+    res = handle.logprobs(hidden, labels, return_logit_sum=True)   # ops.logprobs, through the (sharded) lm_head
+
+``take`` returns None when the model materialised real logits (its lm_head was replaced since apply), so the
+caller runs its own code on them; it raises if the model emitted hidden states the caller did not hand back, so
+hidden states are never mistaken for logits. Every ``logprobs`` call is counted in the model's call counters.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+from . import patcher
+
+
+def _find(model: torch.nn.Module) -> Tuple[Optional[torch.nn.Module], Optional[patcher._PatchState], str]:
+    for root, st in patcher._find_states(model):
+        if st.lm_head is None:
+            return None, None, ("the model is not patched with cross_entropy=fused_linear "
+                                f"(cross_entropy={st.config.cross_entropy})")
+        if not patcher.head_is_ours(root, st):
+            return None, None, (f"{st.lm_head_name} was replaced after patching (LoRA or modules_to_save on "
+                                f"{st.lm_head_name}?), so the model computes its own logits")
+        cap = getattr(getattr(root, "config", None), "final_logit_softcapping", None)
+        if cap:
+            return None, None, ("the model softcaps its logits inside forward (final_logit_softcapping), which "
+                                "would apply to the hidden states")
+        return root, st, ""
+    return None, None, "the model is not patched by swift_liger"
+
+
+def why_not(model: torch.nn.Module) -> str:
+    """Why :func:`head_for` returns None for this model ("" when it does not)."""
+    return _find(model)[2]
+
+
+def head_for(model: torch.nn.Module) -> Optional["HeadHandle"]:
+    """A handle on the patched lm_head inside `model` (PEFT / DDP / DeepSpeed wrappers are looked through)."""
+    root, st, _ = _find(model)
+    return HeadHandle(root, st) if root is not None else None
+
+
+class HeadHandle:
+    def __init__(self, root: torch.nn.Module, st: patcher._PatchState):
+        self.root, self.st = root, st
+
+    @property
+    def head(self) -> torch.nn.Module:
+        return self.st.lm_head
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.st.lm_head.out_features)   # not weight.shape[0]: a ZeRO-3 partition has shape [0]
+
+    def usable(self) -> bool:
+        """Still applies now (the lm_head may be wrapped after the handle was made)."""
+        return patcher.head_is_ours(self.root, self.st)
+
+    @contextlib.contextmanager
+    def emitting_hidden(self) -> Iterator["HeadHandle"]:
+        st = self.st
+        before = st.hidden_mode
+        st.hidden_mode, st.emitted = True, None
+        try:
+            yield self
+        finally:
+            st.hidden_mode = before
+
+    def take(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
+        """The hidden states the model returned as ``logits`` (or a view of them), or None for real logits."""
+        emitted, self.st.emitted = self.st.emitted, None
+        if emitted is None:
+            return None
+        bases = [t for t in (emitted, emitted._base) if t is not None]
+        if logits is emitted or any(logits._base is t for t in bases):
+            return logits
+        raise RuntimeError("swift_liger: the model returned hidden states in place of logits, but the tensor handed "
+                           "to the log-prob computation is not (a view of) them; refusing to treat it as logits")
+
+    def logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, **options):
+        """ops.logprobs.fused_linear_logprobs(hidden, lm_head.weight, labels, lm_head.bias, **options), with the
+        head gathered when ZeRO-3 / FSDP2 shard it."""
+        from .sharding import lm_head_logprobs
+        self.st.calls["fused_linear_logprobs"] += 1
+        return lm_head_logprobs(self.st.lm_head, hidden, labels, **options)
