@@ -24,19 +24,20 @@ _BOOL_FLAG = {"nargs": "?", "const": True}  # `--liger_rope` alone means true; d
 FIELDS = (
     ("use_liger", bool, False, "Patch the model with swift_liger's Triton kernels after it is loaded and before the "
                                "tuner wraps it (default preset: every fusion on)."),
-    ("liger_config", Optional[str], None, "Preset name (default, minimal, off, keep_logits) or path to a YAML of "
-                                          "LigerConfig keys; liger_* flags override it."),
+    ("liger_config", Optional[str], None, "Preset name (default, minimal, off, keep_logits, compiled) or path to a "
+                                          "YAML of LigerConfig keys; liger_* flags override it."),
     ("liger_rms_norm", Optional[bool], None, "Triton RMSNorm (default from the preset)."),
     ("liger_rope", Optional[bool], None, "One-launch q+k rotary embedding (default from the preset)."),
     ("liger_swiglu", Optional[bool], None, "Fused SwiGLU/GeGLU MLP activation (default from the preset)."),
-    ("liger_cross_entropy", Optional[str], None, "fused_linear (loss from hidden states, no logits), fused (Triton "
-                                                 "CE on logits) or off (default from the preset)."),
+    ("liger_cross_entropy", Optional[str], None, "fused_linear (the loss, or for rlhf dpo/orpo/cpo/simpo/kto the "
+                                                 "log-probs, from hidden states: no logits), fused (Triton CE on "
+                                                 "logits) or off (default from the preset)."),
     ("liger_qk_norm_rope", Optional[bool], None, "Qwen3-style q_norm/k_norm fused with the rotation."),
     ("liger_strict", Optional[bool], None, "Unsupported model type is an error instead of a warning."),
     ("liger_compile_layers", Optional[bool], None, "torch.compile each decoder layer (our ops stay single custom-op "
                                                    "nodes inside); first steps pay the compile time."),
     ("liger_lora_fusion", Optional[bool], None, "PEFT LoRA projections (MLP, attention) without PEFT's input "
-                                                "copies (experimental, off by default)."),
+                                                "copies (default from the preset: on, off in minimal/off)."),
     ("liger_rolling_cache", Optional[str], None, 'RollingKVCache for generation: "window,sinks" or '
                                                  '{"window": W, "sinks": S}.'),
     ("liger_metrics", bool, True, "Log step_time(s), tokens/s, peak memory and MFU every logging step (with or "
@@ -237,11 +238,30 @@ def validate(args) -> None:
         pass
 
 
+# rlhf types whose trainer takes its log-probs from hidden states with cross_entropy=fused_linear (preference.py);
+# simpo is in the list as written on the command line, ms-swift runs it as cpo
+PREFERENCE_RLHF = ("dpo", "orpo", "cpo", "simpo", "kto")
+
+
+def preference_fused(args, cfg) -> bool:
+    """The preference trainer computes its log-probs from hidden states (ops.logprobs), never from [rows, V] logits."""
+    return getattr(args, "rlhf_type", None) in PREFERENCE_RLHF and cfg.cross_entropy == "fused_linear"
+
+
 def cross_entropy_fallback_reasons(args) -> list:
     """Why labels would not reach the model, making fused_linear pointless (ms-swift pops labels and computes the
-    loss from outputs.logits itself in these cases; see Seq2SeqTrainer.compute_loss)."""
+    loss from outputs.logits itself in these cases; see Seq2SeqTrainer.compute_loss). Preference rlhf types take
+    fused_linear as log-probs from hidden states and fall back only for sequence parallel and non-causal tasks."""
     reasons = []
     rlhf_type = getattr(args, "rlhf_type", None)
+    if rlhf_type in PREFERENCE_RLHF:
+        if (getattr(args, "sequence_parallel_size", 1) or 1) > 1:
+            reasons.append(f"sequence_parallel_size={args.sequence_parallel_size} (log-probs are gathered across "
+                           "ranks from logits)")
+        task_type = getattr(args, "task_type", "causal_lm")
+        if task_type not in (None, "causal_lm"):
+            reasons.append(f"task_type={task_type} has no language-model head")
+        return reasons
     if rlhf_type:
         reasons.append(f"rlhf_type={rlhf_type} computes its loss from logits (labels never reach the model)")
     task_type = getattr(args, "task_type", "causal_lm")
@@ -276,9 +296,17 @@ def finalize(args) -> None:
     cfg = state["config"]
     if cfg.cross_entropy == "fused_linear":
         reasons = cross_entropy_fallback_reasons(args)
-        if reasons:
+        rlhf_type = getattr(args, "rlhf_type", None)
+        if reasons and rlhf_type in PREFERENCE_RLHF:   # its trainer never calls the model's loss: nothing to fuse
+            state["config"] = dataclasses.replace(cfg, cross_entropy="off")
+            state["notes"].append(f"cross_entropy fused_linear -> off: the {rlhf_type} trainer computes log-probs "
+                                  "from logits here: " + "; ".join(reasons))
+        elif reasons:
             state["config"] = dataclasses.replace(cfg, cross_entropy="fused")
             state["notes"].append("cross_entropy fused_linear -> fused: " + "; ".join(reasons))
+        elif rlhf_type in PREFERENCE_RLHF:
+            state["notes"].append(f"cross_entropy=fused_linear: the {rlhf_type} trainer takes its log-probs from "
+                                  "hidden states (swift_liger.ops.logprobs), for the policy and the reference pass")
 
 
 def resolved(args):

@@ -5,7 +5,9 @@
                                  it (sft, pt, rlhf policy, PPO value model), on every rank.
 * swift.pipelines.train.rlhf -> side models (ref, reward, teacher) are patched before their adapters load, with
                                  the loss fusion off (their loss is never used).
-* swift.pipelines.train.sft  -> SwiftSft.train attaches the per-step metrics to the trainer.
+* swift.pipelines.train.sft  -> SwiftSft.train attaches the per-step metrics and the runtime record (runtime.py) to
+                                 the trainer; TrainerFactory.get_trainer_cls hands dpo/orpo/cpo/simpo/kto runs the
+                                 same trainer with its log-prob seam on hidden states (preference.py).
 
 A missing ms-swift attribute is an ImportError naming it: silently skipping would hand `--use_liger` back to
 ms-swift's `--use_liger_kernel` prefix match. SWIFT_LIGER_DISABLE_HOOK=1 turns all of this off.
@@ -18,6 +20,7 @@ import json
 import os
 import warnings
 import weakref
+from typing import Optional
 
 SUPPORTED_SWIFT = "4.6."
 SIDE_ROLES = ("ref", "reward", "teacher")
@@ -76,14 +79,17 @@ def patch_sft_args(module) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _config_for(args, role):
-    from .arguments import finalize, resolved, validate
+    from .arguments import finalize, preference_fused, resolved, validate
     res = resolved(args)
     if res is None:  # args built without __post_init__ (e.g. copied); resolve now, same rules
         validate(args)
         finalize(args)
         res = resolved(args)
     cfg, notes = res
-    if role in SIDE_ROLES and cfg.cross_entropy != "off":
+    if role == "ref" and preference_fused(args, cfg):
+        notes = [n for n in notes if not n.startswith("cross_entropy")]
+        notes.append("ref model: cross_entropy=fused_linear for the reference log-probs from hidden states")
+    elif role in SIDE_ROLES and cfg.cross_entropy != "off":
         cfg = dataclasses.replace(cfg, cross_entropy="off")
         notes = [n for n in notes if not n.startswith("cross_entropy")]  # the policy's fallback is not theirs
         notes.append(f"{role} model: cross_entropy off (its loss is never computed)")
@@ -114,7 +120,7 @@ def patch_model(args, model, role: str):
         logger.info(f"swift_liger: patched the {role} model{where}:\n{report}")
         if not same:
             logger.warning(f"swift_liger: the ranks patched the {role} model differently: {ranks}")
-        if role == "policy" and cfg.cross_entropy == "fused_linear":
+        if role == "policy" and cfg.cross_entropy == "fused_linear" and not getattr(args, "rlhf_type", None):
             logger.info("swift_liger: cross_entropy=fused_linear computes the loss from hidden states, so the model "
                         "returns no logits in training and ms-swift logs no token_acc (use --liger_cross_entropy "
                         "fused or --liger_config keep_logits to keep it)")
@@ -161,6 +167,10 @@ def _save_record(args, role, cfg, notes, report, ranks):
     record["models"][role] = {"config": cfg.to_dict(), "notes": notes, "report": _report_dict(report), "ranks": ranks}
     if role == "policy":
         record["config"], record["notes"] = cfg.to_dict(), notes
+    _write_record(output_dir, record)
+
+
+def _write_record(output_dir, record) -> None:
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, PATCH_FILE)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -229,37 +239,30 @@ def patch_rlhf_pipeline(module) -> None:
 # swift.pipelines.train.sft
 # ---------------------------------------------------------------------------------------------------------------
 
-def _lora_fusion_check_class():
-    from transformers import TrainerCallback
-
-    from ..models import patcher
-
-    class LoraFusionCheck(TrainerCallback):
-        """After the first step, say how many LoRA projection calls lora_fusion took (it falls back to PEFT's
-        forward per call, silently otherwise: QLoRA, DoRA, merged adapters, ...)."""
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            patcher.LORA_CALLS.update(fused=0, peft=0)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step != 1 or not _is_master():
-                return
-            fused, peft = patcher.LORA_CALLS["fused"], patcher.LORA_CALLS["peft"]
-            if not fused and not peft:      # no LoRA, or only compiled layers (PEFT traced, not counted)
-                return
-            msg = (f"swift_liger: lora_fusion in the first step: {fused} LoRA projection calls through "
-                   f"ops.lora_linear, {peft} through PEFT's forward")
-            if peft:
-                msg += (" (lora_fusion takes plain LoRA on nn.Linear layers; QLoRA, DoRA, merged, disabled (a "
-                        "DPO reference pass) or several active adapters run PEFT's own forward)")
-            _logger().info(msg)
-
-    return LoraFusionCheck
-
-
 def patch_sft_pipeline(module) -> None:
     sft_cls = _require(module, "SwiftSft", "swift.pipelines.train.sft")
     orig_train = _require(sft_cls, "train", "swift.pipelines.train.sft.SwiftSft")
+    factory = _require(module, "TrainerFactory", "swift.pipelines.train.sft")
+    raw = factory.__dict__.get("get_trainer_cls")
+    if not isinstance(raw, classmethod):
+        raise ImportError("swift_liger: swift.trainers.TrainerFactory.get_trainer_cls is not a classmethod; "
+                          f"unsupported ms-swift {_swift_version()} (set SWIFT_LIGER_DISABLE_HOOK=1 to bypass)")
+    orig_get = raw.__func__
+
+    @functools.wraps(orig_get)
+    def get_trainer_cls(cls, args, *a, **kw):
+        trainer_cls = orig_get(cls, args, *a, **kw)
+        if getattr(args, "use_liger", False):
+            from .arguments import preference_fused
+            if preference_fused(args, _config_for(args, "policy")[0]):
+                from .preference import SEAMS, trainer_class
+                if trainer_cls.__name__ not in SEAMS:
+                    raise RuntimeError(f"swift_liger: rlhf_type={args.rlhf_type} runs {trainer_cls.__name__}, which "
+                                       f"has no log-prob seam here (known: {', '.join(SEAMS)})")
+                trainer_cls = trainer_class(trainer_cls)
+        return trainer_cls
+
+    factory.get_trainer_cls = classmethod(get_trainer_cls)
 
     @functools.wraps(orig_train)
     def train(self, trainer):
@@ -267,8 +270,24 @@ def patch_sft_pipeline(module) -> None:
         if getattr(args, "use_liger", False) or getattr(args, "liger_metrics", False):
             from .metrics import attach
             attach(trainer)
-        if getattr(args, "use_liger", False) and _config_for(args, "policy")[0].lora_fusion:
-            trainer.add_callback(_lora_fusion_check_class()())
+        if getattr(args, "use_liger", False):
+            from .runtime import RuntimeRecord
+            trainer.add_callback(RuntimeRecord(trainer, args, record_path(args)))
         return orig_train(self, trainer)
 
     sft_cls.train = train
+
+
+def record_path(args) -> Optional[str]:
+    output_dir = getattr(args, "output_dir", None)
+    return os.path.join(output_dir, PATCH_FILE) if output_dir else None
+
+
+def update_record(args, key, value) -> None:
+    """Add `key: value` to this run's liger_patch.json (rank 0; the patch-time content stays as it is)."""
+    output_dir = getattr(args, "output_dir", None)
+    record = _records.get(output_dir)
+    if record is None:
+        return
+    record[key] = value
+    _write_record(output_dir, record)

@@ -10,7 +10,7 @@ Preference trainers (DPO, ORPO, CPO/SimPO, KTO) call the model without labels an
     res = handle.logprobs(hidden, labels, return_logit_sum=True)   # ops.logprobs, through the (sharded) lm_head
 
 ``take`` returns None when the model materialised real logits (its lm_head was replaced since apply), so the
-caller runs its own code on them; it raises if the model emitted hidden states the caller did not hand back, so
+caller runs its own code on them; it raises when what the caller hands back cannot be those hidden states, so
 hidden states are never mistaken for logits. Every ``logprobs`` call is counted in the model's call counters.
 """
 from __future__ import annotations
@@ -77,15 +77,22 @@ class HeadHandle:
             st.hidden_mode = before
 
     def take(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
-        """The hidden states the model returned as ``logits`` (or a view of them), or None for real logits."""
+        """The hidden states the model returned as ``logits``, or None when they are real logits.
+
+        Returns the model's own tensor (its dtype, its autograd graph): ``logits`` may be a copy of it, e.g. the
+        fp32 copy accelerate's mixed-precision wrapper makes of every output, or a suffix of it along the sequence
+        (the ``[:, -T:]`` trainers take when the model returns more positions than labels)."""
         emitted, self.st.emitted = self.st.emitted, None
         if emitted is None:
             return None
-        bases = [t for t in (emitted, emitted._base) if t is not None]
-        if logits is emitted or any(logits._base is t for t in bases):
-            return logits
-        raise RuntimeError("swift_liger: the model returned hidden states in place of logits, but the tensor handed "
-                           "to the log-prob computation is not (a view of) them; refusing to treat it as logits")
+        if logits is emitted:
+            return emitted
+        if (torch.is_tensor(logits) and logits.dim() == emitted.dim() >= 2 and logits.shape[0] == emitted.shape[0]
+                and logits.shape[2:] == emitted.shape[2:] and logits.shape[1] <= emitted.shape[1]):
+            return emitted if logits.shape[1] == emitted.shape[1] else emitted[:, emitted.shape[1] - logits.shape[1]:]
+        raise RuntimeError(f"swift_liger: the model returned hidden states {tuple(emitted.shape)} in place of logits, "
+                           f"but the log-prob computation got a tensor of shape {tuple(logits.shape)}; refusing to "
+                           "treat it as logits")
 
     def logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, **options):
         """ops.logprobs.fused_linear_logprobs(hidden, lm_head.weight, labels, lm_head.bias, **options), with the

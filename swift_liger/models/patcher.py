@@ -207,15 +207,18 @@ def is_patched(model: torch.nn.Module) -> bool:
 LOSS_CALLS = ("fused_linear_cross_entropy", "cross_entropy", "fused_linear_logprobs", "lm_head_logits")
 
 
-def call_counts(model: torch.nn.Module, reset: bool = False) -> Optional[Dict[str, int]]:
-    """The loss-head call counters of the patched model inside `model` (None when it is not patched)."""
+def call_counts(model: torch.nn.Module, reset: bool = False) -> Optional[Dict[str, Any]]:
+    """The loss-head call counters of the patched model inside `model` (None when it is not patched), with its
+    cross_entropy mode. lm_head_logits is None when the lm_head is not patched (mode fused or off): not counted."""
     states = _find_states(model)
     if not states:
         return None
-    calls = states[0][1].calls
-    out = dict(calls)
+    st = states[0][1]
+    out: Dict[str, Any] = {"cross_entropy_mode": st.report.cross_entropy_mode, **st.calls}
+    if st.lm_head is None:
+        out["lm_head_logits"] = None
     if reset:
-        calls.update(dict.fromkeys(calls, 0))
+        st.calls.update(dict.fromkeys(st.calls, 0))
     return out
 
 

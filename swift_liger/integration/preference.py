@@ -1,0 +1,214 @@
+"""`swift rlhf --rlhf_type dpo|orpo|cpo|simpo|kto --use_liger`: the trainers' log-probs from hidden states.
+
+ms-swift's preference trainers call the model without labels and log-softmax the [rows, V] logits it returns. With
+``cross_entropy=fused_linear`` (the default) `TrainerFactory.get_trainer_cls` hands ms-swift a subclass of its own
+trainer, same name, with one mixin below in front. Each overrides the seam where that trainer turns logits into
+log-probs; the loss code (every DPO loss_type and their weights, rpo_alpha, ld_alpha, padding-free sums, ORPO's
+odds ratio, CPO/SimPO's gamma and length normalisation, KTO's KL term) is ms-swift's and trl's, unchanged:
+
+* DPO, KTO: `concatenated_forward` / `forward` run inside `HeadHandle.emitting_hidden()` (the model returns its final
+  hidden states as logits) and `get_per_token_logps` (ms-swift's RLHFTrainerMixin) computes what it computes from
+  logits (per-token log p, masked; per-position mean or sum of logits, masked; the mask) with ops.logprobs.
+* ORPO, CPO/SimPO: trl's `concatenated_forward` reads the logits in three places, so it is replaced whole by
+  `_PairSeam.concatenated_forward`, which returns trl's five values from one ops.logprobs call: sequence log p
+  (sum or mean), the chosen NLL, and, for the logits/chosen|rejected metrics, per-position logit means (their mean
+  equals the mean over the full [rows, T, V] logits).
+
+Applies to the policy and to the reference pass (the separate ref model of full fine-tuning, patched too; or the
+adapter-disabled policy of LoRA). Where it cannot apply (lm_head wrapped by LoRA / modules_to_save, sequence
+parallel, an unpatched model) the trainer's own code runs on real logits. Every pass is counted, by path, in
+``trainer.liger_calls``; the integration logs and records those counts (runtime.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..models.head import HeadHandle, head_for, why_not
+
+# ms-swift rlhf_type (simpo runs as cpo) -> ms-swift trainer class name
+TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer", "cpo": "CPOTrainer"}
+RLHF_TYPES = ("dpo", "orpo", "cpo", "simpo", "kto")   # as the user writes --rlhf_type
+IGNORE = -100
+PATHS = ("fused_linear_logprobs", "logits")   # log-probs from hidden states / from materialised logits
+
+
+class _Seam:
+    """Handles per model, call counts per path, and the masked per-token log-probs ms-swift's seam returns."""
+
+    def _liger_state(self) -> dict:
+        st = self.__dict__.get("_liger")
+        if st is None:
+            st = self.__dict__["_liger"] = {"handles": {}, "active": [], "reasons": {}}
+            self.liger_calls = {f"{path}{suffix}": 0 for path in PATHS for suffix in ("", "_no_grad")}
+        return st
+
+    def _liger_handle(self, model) -> Optional[HeadHandle]:
+        st = self._liger_state()
+        entry = st["handles"].get(id(model))
+        if entry is None or entry[0] is not model:
+            handle, reason = head_for(model), ""
+            if handle is None:
+                reason = why_not(model)
+            elif getattr(self, "is_encoder_decoder", False):
+                handle, reason = None, "encoder-decoder model"
+            elif getattr(getattr(self, "template", None), "sequence_parallel_size", 1) > 1:
+                handle, reason = None, "sequence parallel gathers log-probs across ranks from logits"
+            entry = st["handles"][id(model)] = (model, handle, reason)
+        model, handle, reason = entry
+        if handle is not None and not handle.usable():
+            handle, reason = None, why_not(model)
+        if reason:
+            st["reasons"][reason] = st["reasons"].get(reason, 0) + 1
+        return handle
+
+    def _liger_count(self, path: str) -> None:
+        self._liger_state()
+        self.liger_calls[path + ("" if torch.is_grad_enabled() else "_no_grad")] += 1
+
+    @contextlib.contextmanager
+    def _liger_hidden(self, model):
+        handle = self._liger_handle(model)
+        active = self._liger_state()["active"]
+        if handle is None:
+            active.append(None)
+            try:
+                yield None
+            finally:
+                active.pop()
+            return
+        with handle.emitting_hidden():
+            active.append(handle)
+            try:
+                yield handle
+            finally:
+                active.pop()
+
+    def get_per_token_logps(self, logits, labels, label_pad_token_id=-100, reduction="mean"):
+        active = self._liger_state()["active"]
+        handle = active[-1] if active else None
+        hidden = handle.take(logits) if handle is not None else None
+        if hidden is None:
+            self._liger_count("logits")
+            return super().get_per_token_logps(logits, labels, label_pad_token_id=label_pad_token_id,
+                                               reduction=reduction)
+        if hidden.shape[:-1] != labels.shape:
+            raise ValueError(f"Logits (batch and sequence length dim) {tuple(hidden.shape[:-1])} and labels must "
+                             f"have the same shape {tuple(labels.shape)}")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"Invalid reduction: {reduction}")
+        loss_mask = labels != label_pad_token_id
+        res = handle.logprobs(hidden, labels.masked_fill(~loss_mask, IGNORE), return_logit_sum=True)
+        reduced = res.logit_sum if reduction == "sum" else res.logit_sum / handle.vocab_size
+        self._liger_count("fused_linear_logprobs")
+        return res.logps, reduced.masked_fill(~loss_mask, 0.0), loss_mask
+
+
+class DPOSeam(_Seam):
+    def concatenated_forward(self, model, batch, *args, **kwargs):
+        with self._liger_hidden(model):
+            return super().concatenated_forward(model, batch, *args, **kwargs)
+
+
+class KTOSeam(_Seam):
+    def forward(self, model, batch, *args, **kwargs):   # the completion pass and the KL pass
+        with self._liger_hidden(model):
+            return super().forward(model, batch, *args, **kwargs)
+
+
+class _PairSeam(_Seam):
+    """trl's ORPO/CPO concatenated_forward from one ops.logprobs call over the concatenated chosen+rejected rows."""
+
+    average_log_prob = True
+    logits_metric_positions = slice(None)
+
+    def _liger_nll_mask(self, mask, batch) -> Optional[torch.Tensor]:
+        return mask
+
+    def concatenated_forward(self, model, batch, *args, **kwargs):
+        handle = self._liger_handle(model)
+        if handle is None:
+            self._liger_count("logits")
+            return super().concatenated_forward(model, batch, *args, **kwargs)
+        # the model call of ms-swift's RLHFTrainerMixin.concatenated_forward
+        model_kwargs = dict(batch)
+        labels = model_kwargs.pop("labels")
+        if self.aux_loss_enabled:
+            model_kwargs["output_router_logits"] = True
+        with handle.emitting_hidden():
+            outputs = model(**model_kwargs, use_cache=False)
+            hidden = handle.take(outputs.logits)
+        if hidden is None:   # the lm_head stood aside during the call: the trainer's own code, on real logits
+            self._liger_count("logits")
+            return super().concatenated_forward(model, batch, *args, **kwargs)
+        if hidden.shape[1] != labels.shape[1]:
+            hidden = hidden[:, -labels.shape[1]:]
+        target = F.pad(labels[:, 1:], (0, 1), value=IGNORE)   # position t predicts token t+1 (trl's shift)
+        res = handle.logprobs(hidden, target, return_logit_sum=True)
+        self._liger_count("fused_linear_logprobs")
+        mask = target != IGNORE
+        logps = res.logps.sum(-1)
+        if self.average_log_prob:
+            logps = logps / mask.sum(-1)
+        n = labels.shape[0] // 2
+        nll_mask = self._liger_nll_mask(mask, batch)
+        if nll_mask is None:
+            nll = torch.tensor(0.0).to(self.accelerator.device)
+        else:   # nn.CrossEntropyLoss() over the chosen rows: mean over their counted tokens
+            nll_mask = nll_mask[:n]
+            nll = -(res.logps[:n] * nll_mask).sum() / nll_mask.sum()
+        mean_logits = (res.logit_sum / handle.vocab_size)[:, self.logits_metric_positions]
+        out = (logps[:n], logps[n:], mean_logits[:n], mean_logits[n:], nll)
+        if self.aux_loss_enabled:
+            out += (outputs.aux_loss,)
+        return out
+
+
+class ORPOSeam(_PairSeam):
+    # trl ORPO: mean log p per sequence; NLL over the chosen rows where attention_mask == 1; logits metrics over
+    # positions [:-1]
+    average_log_prob = True
+    logits_metric_positions = slice(None, -1)
+
+    def _liger_nll_mask(self, mask, batch):
+        attention = batch.get("attention_mask")
+        if attention is None:
+            return mask
+        return mask & F.pad(attention[:, 1:] == 1, (0, 1), value=False)
+
+
+class CPOSeam(_PairSeam):
+    # trl CPO: mean log p for loss_type ipo/simpo, else the sum; NLL only when cpo_alpha != 0; logits metrics over
+    # every position
+    logits_metric_positions = slice(None)
+
+    @property
+    def average_log_prob(self):
+        return self.loss_type in ("ipo", "simpo")
+
+    def _liger_nll_mask(self, mask, batch):
+        return None if self.cpo_alpha == 0 else mask
+
+
+SEAMS = {"DPOTrainer": DPOSeam, "KTOTrainer": KTOSeam, "ORPOTrainer": ORPOSeam, "CPOTrainer": CPOSeam}
+
+
+@functools.lru_cache(maxsize=None)
+def trainer_class(base: type) -> type:
+    """`base` (an ms-swift preference trainer class) with its seam mixin in front. The subclass keeps the base's
+    name: ms-swift's RLHFTrainerMixin branches on `self.__class__.__name__ == 'ORPOTrainer'`."""
+    seam = SEAMS[base.__name__]
+    cls = type(base.__name__, (seam, base), {"__module__": __name__, "__qualname__": base.__qualname__,
+                                             "__doc__": base.__doc__})
+    cls._swift_liger_seam = seam
+    return cls
+
+
+def fallback_reasons(trainer) -> Dict[str, int]:
+    """Why passes took the trainer's own path on real logits: reason -> number of passes."""
+    st = trainer.__dict__.get("_liger")
+    return dict(st["reasons"]) if st else {}

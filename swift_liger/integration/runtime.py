@@ -1,0 +1,111 @@
+"""What the fusions did, counted while training: logged after the first optimizer step, recorded in liger_patch.json.
+
+The patch report says what was installed; this says what ran. Sources:
+* each patched model's loss-head counters (models.patcher.call_counts): our fused linear CE and CE calls (the
+  model's own loss), fused log-prob passes, and forwards where its lm_head materialised [rows, V] logits;
+* a preference trainer's log-prob passes by path (preference.py): from hidden states or from real logits, with
+  gradient (the policy) or without (the reference pass, KTO's KL pass, eval);
+* lora_fusion's LoRA projection calls: through ops.lora_linear or PEFT's own forward.
+"liger_patch.json" gets ``runtime: {"first_step": {...}, "total": {...}}``; "total" is written at the end of training.
+"""
+from __future__ import annotations
+
+from transformers import TrainerCallback
+
+from ..models import patcher
+
+
+def _models(trainer):
+    out = [("policy", trainer.model)]
+    ref = getattr(trainer, "ref_model", None)
+    if ref is not None:
+        out.append(("ref", ref))
+    return out
+
+
+def snapshot(trainer) -> dict:
+    out = {}
+    for role, model in _models(trainer):
+        counts = patcher.call_counts(model)
+        if counts is not None:
+            out[role] = counts
+    calls = getattr(trainer, "liger_calls", None)
+    if calls is not None:
+        from .preference import fallback_reasons
+        out["trainer"] = {"class": type(trainer).__name__, "log_prob_passes": dict(calls),
+                          "logits_fallback_reasons": fallback_reasons(trainer)}
+    if patcher.LORA_CALLS["fused"] or patcher.LORA_CALLS["peft"]:
+        out["lora_fusion"] = {"ops.lora_linear": patcher.LORA_CALLS["fused"], "peft": patcher.LORA_CALLS["peft"]}
+    return out
+
+
+def describe(snap: dict, when: str = "in the first step") -> list:
+    """Log lines for a snapshot (what a user reads after the first step)."""
+    lines = []
+    trainer = snap.get("trainer")
+    if trainer:
+        p = trainer["log_prob_passes"]
+        fused, stock = p["fused_linear_logprobs"], p["logits"]
+        fused_ng, stock_ng = p["fused_linear_logprobs_no_grad"], p["logits_no_grad"]
+        line = (f"{when} {trainer['class']} took {fused + fused_ng} log-prob passes from hidden states (ops.logprobs, no "
+                f"[tokens, vocab] logits; {fused} with gradient, {fused_ng} without) and {stock + stock_ng} from "
+                f"materialised logits")
+        if trainer["logits_fallback_reasons"]:
+            line += " because " + "; ".join(trainer["logits_fallback_reasons"])
+        lines.append(line)
+    for role in ("policy", "ref"):
+        c = snap.get(role)
+        if c is None or c["cross_entropy_mode"] == "off":
+            continue
+        ran = [f"{k} {c[k]}" for k in ("fused_linear_cross_entropy", "cross_entropy", "fused_linear_logprobs") if c[k]]
+        if ran:
+            line = f"{when} the {role} model's loss head ran " + ", ".join(ran)
+        else:
+            line = (f"{when} the {role} model's loss head (cross_entropy={c['cross_entropy_mode']}) ran none of "
+                    "swift_liger's losses: the trainer computed its loss from the logits itself")
+        if c["lm_head_logits"] is not None:
+            line += f"; its lm_head materialised logits {c['lm_head_logits']} times"
+        lines.append(line)
+    lora = snap.get("lora_fusion")
+    if lora:
+        line = (f"lora_fusion {when}: {lora['ops.lora_linear']} LoRA projection calls through ops.lora_linear, "
+                f"{lora['peft']} through PEFT's forward")
+        if lora["peft"]:
+            line += (" (lora_fusion takes plain LoRA on nn.Linear layers; QLoRA, DoRA, merged, disabled (a DPO "
+                     "reference pass) or several active adapters run PEFT's own forward)")
+        lines.append(line)
+    return lines
+
+
+class RuntimeRecord(TrainerCallback):
+    def __init__(self, trainer, args, path):
+        self.trainer, self.args, self.path = trainer, args, path
+        self.first = None
+
+    def _master(self):
+        from swift.utils import is_master
+        return is_master()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        patcher.LORA_CALLS.update(fused=0, peft=0)
+        for _, model in _models(self.trainer):
+            patcher.call_counts(model, reset=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != 1 or self.first is not None or not self._master():
+            return
+        from swift.utils import get_logger
+
+        from .swift_patches import update_record
+        self.first = snapshot(self.trainer)
+        logger = get_logger()
+        for line in describe(self.first):
+            logger.info(f"swift_liger: {line}")
+        update_record(self.args, "runtime", {"first_step": self.first})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not self._master():
+            return
+        from .swift_patches import update_record
+        update_record(self.args, "runtime", {"first_step": self.first, "total": snapshot(self.trainer),
+                                             "optimizer_steps": state.global_step})
