@@ -5,8 +5,9 @@ the integration tests and `examples/sft_tiny_cpu.sh` can run the real `swift` CL
 
     python -m swift_liger.testing.tiny OUTDIR [--arch qwen3|llama]      # or: swift-liger tiny OUTDIR
 
-writes OUTDIR/model/ (config, safetensors weights, tokenizer), OUTDIR/sft.jsonl ({"messages": [...]}) and
-OUTDIR/pref.jsonl (plus "rejected_response"), and prints the matching ms-swift flags.
+writes OUTDIR/model/ (config, safetensors weights, tokenizer), OUTDIR/sft.jsonl ({"messages": [...]}),
+OUTDIR/pref.jsonl (plus "rejected_response": dpo, orpo, cpo, simpo) and OUTDIR/kto.jsonl (plus "label": true/false),
+and prints the matching ms-swift flags.
 """
 from __future__ import annotations
 
@@ -128,6 +129,17 @@ def pref_rows(spec: TinySpec = TinySpec()):
     return [{"messages": _chat(*text.qa()), "rejected_response": text.sentence()} for _ in range(spec.pref_rows)]
 
 
+def kto_rows(spec: TinySpec = TinySpec()):
+    """Unpaired rows for KTO: a correct answer labelled true, a random sentence labelled false, alternating."""
+    text = _Text(spec.seed + 4)
+    rows = []
+    for i in range(spec.pref_rows):
+        q, a = text.qa()
+        good = i % 2 == 0
+        rows.append({"messages": _chat(q, a if good else text.sentence()), "label": good})
+    return rows
+
+
 def write_jsonl(path, rows):
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -145,6 +157,7 @@ def build(outdir: str, arch: str = "qwen3", **overrides) -> dict:
         "model": model_dir,
         "sft": os.path.join(outdir, "sft.jsonl"),
         "pref": os.path.join(outdir, "pref.jsonl"),
+        "kto": os.path.join(outdir, "kto.jsonl"),
         "swift_flags": ["--model", model_dir, *SWIFT_FLAGS[arch]],
         "spec": spec.__dict__,
     }
@@ -159,6 +172,7 @@ def build(outdir: str, arch: str = "qwen3", **overrides) -> dict:
     tokenizer.save_pretrained(model_dir)
     write_jsonl(info["sft"], sft_rows(spec))
     write_jsonl(info["pref"], pref_rows(spec))
+    write_jsonl(info["kto"], kto_rows(spec))
     info["params"] = sum(p.numel() for p in model.parameters())
     with open(stamp, "w") as f:
         json.dump(info, f, indent=2)

@@ -150,8 +150,9 @@ def test_fields_injected_into_dataclass_and_subclass(fake_swift):
     assert res["rlhf"] == ["model", "use_liger_kernel"] + ours + ["rlhf_type"]
     assert res["events"][:2] == [["post_init", True], ["post_init", True]]  # fields set before __post_init__
     assert res["a"]["rope"] is False and res["a"]["cross_entropy"] == "off" and res["a"]["rms_norm"] is True
-    assert res["b"]["swiglu"] is False and res["b"]["cross_entropy"] == "fused"  # rlhf: labels never reach model
-    assert "rlhf_type=dpo" in res["b_notes"][0]
+    # dpo: the trainer takes its log-probs from hidden states, so fused_linear stays
+    assert res["b"]["swiglu"] is False and res["b"]["cross_entropy"] == "fused_linear"
+    assert "dpo trainer takes its log-probs from hidden states" in res["b_notes"][0]
     assert res["default"] is False
     assert "pass only one" in res["errors"][0]
     assert "without --use_liger" in res["errors"][1]

@@ -1,11 +1,11 @@
-"""End-to-end: the real `swift sft` / `swift rlhf` CLI on the tiny offline models, patched runs executing the real
-Triton kernels in Triton's interpreter. Eight CLI runs in all, two at a time, shared by the tests below.
+"""End-to-end: the real `swift sft` CLI on the tiny offline models, patched runs executing the real Triton kernels
+in Triton's interpreter. Five CLI runs in all, two at a time, shared by the tests below (`swift rlhf`:
+test_swift_rlhf.py).
 """
 from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -26,13 +26,10 @@ SMALL = ["--per_device_train_batch_size", "1", "--max_length", "64"]
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
+def runs(tiny_qwen3, tmp_path_factory):
     root = tmp_path_factory.mktemp("swift_runs")
     sft = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], "--tuner_type", "lora", *CPU_FLAGS, *SMALL,
            "--learning_rate", "2e-3"]
-    # DPO with LoRA: no separate reference model; the reference pass is the policy with its adapters disabled
-    dpo_lora = ["--rlhf_type", "dpo", *tiny_llama["swift_flags"], "--dataset", tiny_llama["pref"], "--tuner_type",
-                "lora", *CPU_FLAGS, *SMALL, "--max_steps", "3", "--report_to", "none", "--save_strategy", "no"]
     bad_preset = root / "bad_preset.yaml"
     bad_preset.write_text("rms_norm: true\nfused_everything: true\n")
     yaml_cfg = root / "minimal_plus_swiglu.yaml"
@@ -40,12 +37,7 @@ def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
     specs = {  # longest first: the two patched multi-step runs
         "liger": ("sft", sft + ["--max_steps", str(STEPS), "--use_liger", "--report_to", "tensorboard",
                                 "--save_strategy", "steps", "--save_steps", str(STEPS), "--save_only_model", "true"]),
-        "dpo": ("rlhf", ["--rlhf_type", "dpo", *tiny_llama["swift_flags"], "--dataset", tiny_llama["pref"],
-                         "--tuner_type", "full", *CPU_FLAGS, *SMALL, "--max_steps", "2", "--use_liger",
-                         "--report_to", "none", "--save_strategy", "no"]),
         "base": ("sft", sft + ["--max_steps", str(STEPS), "--report_to", "none", "--save_strategy", "no"]),
-        "dpo_lora": ("rlhf", dpo_lora + ["--use_liger"]),
-        "dpo_lora_base": ("rlhf", dpo_lora),
         "yaml": ("sft", [str(yaml_cfg), *sft, "--max_steps", "2", "--report_to", "none", "--save_strategy", "no"]),
         "kernel_clash": ("sft", sft + ["--max_steps", "1", "--use_liger", "--use_liger_kernel", "true"]),
         "bad_preset": ("sft", sft + ["--max_steps", "1", "--use_liger", "--liger_config", str(bad_preset)]),
@@ -71,6 +63,10 @@ def test_patch_record_log_and_metrics(runs):
     report = record["models"]["policy"]["report"]
     assert all(report["patched"][f] > 0 for f in FUSIONS), report
     assert report["cross_entropy_mode"] == "fused_linear" and set(record["models"]) == {"policy"}
+    # counted, not configured: the fused linear CE ran every micro-batch, no lm_head logits were materialised
+    total = record["runtime"]["total"]["policy"]
+    assert total["fused_linear_cross_entropy"] == STEPS and total["lm_head_logits"] == 0, total
+    assert total["cross_entropy"] == total["fused_linear_logprobs"] == 0, total
     assert liger.log.count("swift_liger: patched the policy model") == 1
     # lora_fusion (on by default) took every LoRA projection call of the first step
     fusion = re.search(r"lora_fusion in the first step: (\d+) LoRA projection calls through ops.lora_linear, "
@@ -151,33 +147,6 @@ def test_bad_flags_fail_before_the_model_loads(runs, name, message):
     assert message in run.log
     assert "model_info" not in run.log and "Loading weights" not in run.log  # failed while parsing arguments
     assert run.seconds < 120
-
-
-def test_dpo_patches_policy_and_reference_model(runs):
-    dpo = runs["dpo"].check()
-    record = dpo.patch_record()
-    assert set(record["models"]) == {"policy", "ref"}
-    policy, ref = record["models"]["policy"], record["models"]["ref"]
-    assert policy["config"]["cross_entropy"] == "fused" and "rlhf_type=dpo" in policy["notes"][0]
-    assert ref["config"]["cross_entropy"] == "off"
-    assert ref["notes"] == ["ref model: cross_entropy off (its loss is never computed)"]
-    for entry in (policy, ref):
-        assert entry["report"]["model_type"] == "llama"
-        assert all(entry["report"]["patched"][f] > 0 for f in ("rms_norm", "rope", "swiglu")), entry
-    rows = dpo.steps()
-    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["tokens/s"] > 0 for r in rows)
-
-
-def test_dpo_lora_patched_losses_match_unpatched(runs):
-    """`swift rlhf --rlhf_type dpo --tuner_type lora --use_liger`: per-step DPO losses as without the plugin;
-    lora_fusion takes the policy's LoRA projections, the reference pass (adapters disabled) runs PEFT's."""
-    base, liger = runs["dpo_lora_base"].check().steps(), runs["dpo_lora"].check().steps()
-    assert len(base) == len(liger) == 3
-    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(base, liger)]
-    assert max(diffs) <= 1e-5, diffs
-    fusion = re.search(r"lora_fusion in the first step: (\d+) LoRA projection calls through ops.lora_linear",
-                       runs["dpo_lora"].log)
-    assert fusion and int(fusion.group(1)) > 0, fusion
 
 
 def test_plot_overlays_two_runs(runs, tmp_path):

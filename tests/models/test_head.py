@@ -110,12 +110,22 @@ def test_not_applicable_reasons():
     assert H.head_for(model) is None and "cross_entropy=fused" in H.why_not(model)
 
 
-def test_foreign_tensor_is_refused():
+def test_take_returns_the_models_own_tensor():
+    """accelerate's mixed-precision wrapper hands the trainer an fp32 copy of every output: take() gives back the
+    model's tensor (dtype, graph), also for the suffix trainers slice; anything else is refused."""
     model = build("llama")
     swift_liger.apply(model, **{**ALL_OFF, "cross_entropy": "fused_linear"})
     handle = H.head_for(model)
     ids, _ = batch()
-    with handle.emitting_hidden():
-        out = model(input_ids=ids)
-    with pytest.raises(RuntimeError, match="not \\(a view of\\) them"):
-        handle.take(out.logits.clone())
+    for transform in (lambda t: t.to(torch.float64), lambda t: t[:, 3:], lambda t: t.double()[:, 2:]):
+        with handle.emitting_hidden():
+            out = model(input_ids=ids)
+        emitted = model.__dict__[P.STATE_ATTR].emitted
+        got = handle.take(transform(out.logits))
+        assert got.dtype == emitted.dtype and got.grad_fn is not None
+        assert got.shape == transform(out.logits).shape and torch.equal(got, emitted[:, emitted.shape[1] - got.shape[1]:])
+    for bad in (lambda t: t[:1], lambda t: t[..., :-1], lambda t: t.reshape(-1, t.shape[-1])):
+        with handle.emitting_hidden():
+            out = model(input_ids=ids)
+        with pytest.raises(RuntimeError, match="refusing to treat it as logits"):
+            handle.take(bad(out.logits))

@@ -1,0 +1,127 @@
+"""integration/preference.py and runtime.py in-process: the log-prob seam against ms-swift's own implementation
+(padded and packed shapes), the trainer subclasses, the fallback to real logits, and what the first-step log says."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+import swift_liger
+from swift_liger.integration import preference, runtime
+from swift_liger.integration.arguments import cross_entropy_fallback_reasons, preference_fused
+from swift_liger.config import LigerConfig
+from swift_liger.models import patcher
+
+pytest.importorskip("swift")
+from swift.rlhf_trainers.rlhf_mixin import RLHFTrainerMixin  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
+from test_patcher import ALL_OFF, VOCAB, build  # noqa: E402  (tests/models: the tiny random models)
+
+
+class _Base:
+    """The two pieces of ms-swift's DPOTrainer the seam sits between: its model call and RLHFTrainerMixin's
+    get_per_token_logps."""
+    get_per_token_logps = RLHFTrainerMixin.get_per_token_logps
+    is_encoder_decoder = False
+
+    def __init__(self, sp=1):
+        self.template = types.SimpleNamespace(sequence_parallel_size=sp)
+
+    def concatenated_forward(self, model, batch):
+        logits = model(input_ids=batch["input_ids"]).logits
+        labels = torch.roll(batch["labels"], shifts=-1, dims=1)
+        return self.get_per_token_logps(logits, labels, reduction=batch.get("reduction", "mean"))
+
+
+class _Trainer(preference.DPOSeam, _Base):
+    pass
+
+
+def _models():
+    stock = build("llama")
+    patched = copy.deepcopy(stock)
+    swift_liger.apply(patched, **{**ALL_OFF, "cross_entropy": "fused_linear"})
+    return stock, patched
+
+
+def _batch(shape, reduction="mean"):
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(2, VOCAB, shape, generator=gen)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[..., -2:] = -100
+    return {"input_ids": ids, "labels": labels, "reduction": reduction}
+
+
+@pytest.mark.parametrize("shape", [(2, 9), (1, 17)], ids=["padded_pair", "packed_row"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_seam_equals_ms_swift_on_real_logits(shape, reduction):
+    stock, patched = _models()
+    batch = _batch(shape, reduction)
+    expected = _Base().concatenated_forward(stock, batch)
+    trainer = _Trainer()
+    got = trainer.concatenated_forward(patched, batch)
+    for name, e, g in zip(("per_token_logps", "reduced_logits", "loss_mask"), expected, got):
+        assert g.shape == e.shape, name
+        torch.testing.assert_close(g.to(e.dtype), e, atol=2e-5, rtol=2e-5, msg=name)
+    assert trainer.liger_calls["fused_linear_logprobs"] == 1 and trainer.liger_calls["logits"] == 0
+    with torch.no_grad():
+        trainer.concatenated_forward(patched, batch)
+    assert trainer.liger_calls["fused_linear_logprobs_no_grad"] == 1
+    assert patcher.call_counts(patched)["lm_head_logits"] == 0
+
+
+def test_falls_back_to_real_logits_and_says_why():
+    stock, patched = _models()
+    batch = _batch((2, 9))
+    trainer = _Trainer()
+    got = trainer.concatenated_forward(stock, batch)   # an unpatched model: ms-swift's own code on its logits
+    expected = _Base().concatenated_forward(stock, batch)
+    torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
+    assert trainer.liger_calls["logits"] == 1 and trainer.liger_calls["fused_linear_logprobs"] == 0
+    assert any("not patched" in r for r in preference.fallback_reasons(trainer))
+    sp = _Trainer(sp=2)   # sequence parallel gathers log-probs from logits across ranks: left to ms-swift
+    assert sp._liger_handle(patched) is None
+    assert any("sequence parallel" in r for r in preference.fallback_reasons(sp))
+
+
+def test_trainer_class_keeps_the_name_ms_swift_branches_on():
+    class ORPOTrainer:
+        pass
+    cls = preference.trainer_class(ORPOTrainer)
+    assert cls.__name__ == "ORPOTrainer" and issubclass(cls, ORPOTrainer) and issubclass(cls, preference.ORPOSeam)
+    assert preference.trainer_class(ORPOTrainer) is cls
+
+
+def test_config_resolution_per_rlhf_type():
+    cfg = LigerConfig()
+    for rlhf_type in preference.RLHF_TYPES:
+        args = types.SimpleNamespace(rlhf_type=rlhf_type, sequence_parallel_size=1, task_type="causal_lm")
+        assert preference_fused(args, cfg) and cross_entropy_fallback_reasons(args) == []
+    sp = types.SimpleNamespace(rlhf_type="dpo", sequence_parallel_size=2, task_type="causal_lm")
+    assert "sequence_parallel_size=2" in cross_entropy_fallback_reasons(sp)[0]
+    grpo = types.SimpleNamespace(rlhf_type="grpo", sequence_parallel_size=1, task_type="causal_lm")
+    assert not preference_fused(grpo, cfg) and "rlhf_type=grpo" in cross_entropy_fallback_reasons(grpo)[0]
+    assert not preference_fused(types.SimpleNamespace(rlhf_type="dpo"), LigerConfig(cross_entropy="fused"))
+
+
+def test_first_step_lines_say_what_ran():
+    snap = {"trainer": {"class": "DPOTrainer", "logits_fallback_reasons": {},
+                        "log_prob_passes": {"fused_linear_logprobs": 16, "fused_linear_logprobs_no_grad": 16,
+                                            "logits": 0, "logits_no_grad": 0}},
+            "policy": {"cross_entropy_mode": "fused_linear", "fused_linear_cross_entropy": 0, "cross_entropy": 0,
+                       "fused_linear_logprobs": 32, "lm_head_logits": 0},
+            "ref": {"cross_entropy_mode": "fused", "fused_linear_cross_entropy": 0, "cross_entropy": 0,
+                    "fused_linear_logprobs": 0, "lm_head_logits": None}}
+    lines = runtime.describe(snap)
+    assert lines[0].startswith("in the first step DPOTrainer took 32 log-prob passes from hidden states")
+    assert "16 with gradient, 16 without) and 0 from materialised logits" in lines[0]
+    assert lines[1] == ("in the first step the policy model's loss head ran fused_linear_logprobs 32; its lm_head "
+                        "materialised logits 0 times")
+    # installed but never called: said so, and no lm_head count where the head is not patched
+    assert "(cross_entropy=fused) ran none of swift_liger's losses" in lines[2] and "lm_head" not in lines[2]

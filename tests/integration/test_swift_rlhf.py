@@ -1,0 +1,152 @@
+"""End-to-end: the real `swift rlhf` CLI (dpo, orpo, cpo, simpo, kto; LoRA and full fine-tuning) on the tiny
+offline models, patched (--use_liger: log-probs from hidden states) against unpatched, 5 optimizer steps of 2
+micro-batches each. Every logged metric must agree; a probe outside swift_liger (probe/sitecustomize.py) counts the
+[rows, V] logits any lm_head materialised.
+
+Two runs use the real Triton kernels through the interpreter (dpo LoRA, kto LoRA); the rest the CPU reference
+backend users without CUDA run (SWIFT_LIGER_BACKEND=torch), so the trainer plumbing is covered at CPU speed.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from swift_runner import CPU_FLAGS, run_swift, swift_env
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+SMALL = ["--per_device_train_batch_size", "1", "--max_length", "64", "--gradient_accumulation_steps", "2",
+         "--max_steps", str(STEPS), "--report_to", "none", "--learning_rate", "1e-4"]
+PROBE = os.path.join(os.path.dirname(__file__), "probe")
+# timing and process metrics differ between runs by nature; everything else ms-swift logs must agree
+NOT_COMPARED = {"step_time(s)", "tokens/s", "rss(GiB)", "elapsed_time", "remaining_time", "train_speed(s/it)",
+                "memory(GiB)", "global_step/max_steps", "peak_alloc(GiB)", "peak_reserved(GiB)"}
+# name: (model fixture, dataset key, flags, backend of the patched run)
+CASES = {
+    "dpo_lora": ("llama", "pref", ["--rlhf_type", "dpo", "--tuner_type", "lora", "--save_strategy", "steps",
+                                   "--save_steps", str(STEPS), "--save_only_model", "true"], "triton"),
+    "dpo_full_ipo": ("qwen3", "pref", ["--rlhf_type", "dpo", "--tuner_type", "full", "--loss_type", "ipo"], "torch"),
+    "dpo_lora_mix": ("llama", "pref", ["--rlhf_type", "dpo", "--tuner_type", "lora", "--loss_type", "sigmoid",
+                                       "bco_pair", "--loss_weights", "0.7", "0.3", "--rpo_alpha", "0.5"], "torch"),
+    "dpo_full_ld": ("llama", "pref", ["--rlhf_type", "dpo", "--tuner_type", "full", "--ld_alpha", "0.5",
+                                      "--rpo_alpha", "0.2"], "torch"),
+    "orpo_lora": ("llama", "pref", ["--rlhf_type", "orpo", "--tuner_type", "lora"], "torch"),
+    "orpo_full": ("qwen3", "pref", ["--rlhf_type", "orpo", "--tuner_type", "full"], "torch"),
+    "cpo_full": ("qwen3", "pref", ["--rlhf_type", "cpo", "--tuner_type", "full", "--cpo_alpha", "0.5"], "torch"),
+    "simpo_lora": ("llama", "pref", ["--rlhf_type", "simpo", "--tuner_type", "lora"], "torch"),
+    "kto_lora": ("llama", "kto", ["--rlhf_type", "kto", "--tuner_type", "lora"], "triton"),
+    "kto_full": ("qwen3", "kto", ["--rlhf_type", "kto", "--tuner_type", "full"], "torch"),
+}
+
+
+def _vocab(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("rlhf_runs")
+    models = {"llama": tiny_llama, "qwen3": tiny_qwen3}
+    specs = {}
+    for name, (arch, data, flags, backend) in CASES.items():
+        tiny = models[arch]
+        argv = [*tiny["swift_flags"], "--dataset", tiny[data], *CPU_FLAGS, *SMALL, *flags]
+        if "--save_strategy" not in flags:
+            argv += ["--save_strategy", "no"]
+        for patched in (False, True):
+            run_name = f"{name}_{'liger' if patched else 'base'}"
+            env = swift_env(PYTHONPATH=os.pathsep.join(p for p in (PROBE, os.environ.get("PYTHONPATH")) if p),
+                            SWIFT_LIGER_PROBE_VOCAB=_vocab(tiny["model"]),
+                            SWIFT_LIGER_PROBE_OUT=str(root / f"{run_name}.probe"))
+            if patched and backend == "torch":
+                env["SWIFT_LIGER_BACKEND"] = "torch"
+                env.pop("TRITON_INTERPRET", None)
+            specs[run_name] = (argv + (["--use_liger"] if patched else []), env)
+    order = sorted(specs, key=lambda n: (CASES[n.rsplit("_", 1)[0]][3] != "triton", n))   # slow ones first
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {n: pool.submit(run_swift, "rlhf", specs[n][0], str(root / n), specs[n][1]) for n in order}
+        results = {n: f.result() for n, f in futures.items()}
+    for name, run in results.items():   # one probe file per process (the CLI launcher and its training child)
+        seen = [json.loads(p.read_text()) for p in root.glob(f"{name}.probe.*.json")]
+        run.probe = {"processes": len(seen), "lm_head_logits": sum(s["lm_head_logits"] for s in seen),
+                     "max_rows": max((s["max_rows"] for s in seen), default=0)}
+    return results
+
+
+def _close(a, b, atol=1e-5, rtol=1e-4):
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=atol) or (math.isnan(a) and math.isnan(b))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_losses_and_every_metric_match_unpatched(runs, case):
+    base, liger = runs[f"{case}_base"].check().steps(), runs[f"{case}_liger"].check().steps()
+    assert [r["step"] for r in base] == [r["step"] for r in liger] == list(range(1, STEPS + 1))
+    compared = set()
+    for a, b in zip(base, liger):
+        keys = {k for k, v in a.items() if isinstance(v, (int, float)) and k not in NOT_COMPARED}
+        assert keys == {k for k, v in b.items() if isinstance(v, (int, float)) and k not in NOT_COMPARED}, (a, b)
+        bad = {k: (a[k], b[k]) for k in keys if not _close(a[k], b[k])}
+        assert not bad, f"step {a['step']}: {bad}"
+        compared |= keys
+    expected = {"loss", "grad_norm", "rewards/chosen", "logps/chosen", "logits/chosen", "epoch"}
+    assert expected <= compared, compared
+    assert base[0]["loss"] != base[-1]["loss"]   # it trained
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_no_logits_materialised_and_the_record_says_so(runs, case):
+    base, liger = runs[f"{case}_base"].check(), runs[f"{case}_liger"].check()
+    assert base.probe["processes"] >= 1 and base.probe["lm_head_logits"] > 0, base.probe   # the stock path's logits
+    assert liger.probe["lm_head_logits"] == 0, liger.probe    # ... and none in the patched run
+    record = liger.patch_record()
+    runtime = record["runtime"]
+    total = runtime["total"]
+    passes = total["trainer"]["log_prob_passes"]
+    assert passes["fused_linear_logprobs"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
+    assert total["policy"]["lm_head_logits"] == 0 and total["policy"]["fused_linear_logprobs"] > 0, total
+    assert runtime["optimizer_steps"] == STEPS
+    full_ref = "full" in case and not case.startswith(("orpo", "cpo"))   # dpo/kto full fine-tuning: a ref model
+    assert set(record["models"]) == ({"policy", "ref"} if full_ref else {"policy"})
+    if full_ref:
+        assert total["ref"]["fused_linear_logprobs"] > 0 and total["ref"]["lm_head_logits"] == 0
+        assert record["models"]["ref"]["config"]["cross_entropy"] == "fused_linear"
+    assert "log-prob passes from hidden states" in liger.log and "and 0 from materialised logits" in liger.log
+    if case == "dpo_lora":   # lora_fusion takes the policy's projections; the reference pass runs PEFT's
+        assert total["lora_fusion"]["ops.lora_linear"] > 0 and total["lora_fusion"]["peft"] > 0, total
+
+
+def test_adapter_from_patched_dpo_loads_into_unpatched_model(runs, tiny_llama):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import swift_liger
+
+    (ckpt,) = glob.glob(os.path.join(runs["dpo_lora_liger"].check().run_dir, f"checkpoint-{STEPS}"))
+    (base_ckpt,) = glob.glob(os.path.join(runs["dpo_lora_base"].check().run_dir, f"checkpoint-{STEPS}"))
+    keys = load_file(os.path.join(ckpt, "adapter_model.safetensors"))
+    base_keys = load_file(os.path.join(base_ckpt, "adapter_model.safetensors"))
+    assert keys.keys() == base_keys.keys() and all("lora_" in k and "liger" not in k for k in keys)
+    assert all(keys[k].shape == base_keys[k].shape and keys[k].dtype == base_keys[k].dtype for k in keys)
+
+    ids = torch.tensor([[5, 17, 200, 33, 1024, 7, 99, 400, 12, 3, 800, 61]])
+    logits = []
+    for patch in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama["model"], dtype=torch.float32)
+        if patch:
+            swift_liger.apply(model)
+        model = PeftModel.from_pretrained(model, ckpt).eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama["model"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert not torch.allclose(plain(input_ids=ids).logits, logits[0])   # the adapter trained
