@@ -6,6 +6,8 @@
 # mem:     what is alive at the training-step peak, ours vs Liger-Kernel (2 layers, tools/mem_peak.py)
 # e2e:     Llama-3-8B-shaped LoRA loop, 32 layers (E2E_VARIANTS, default swift_liger,liger)
 # tinysft: tiny `swift sft` in bf16: stock, --use_liger, --use_liger + lora_fusion; per-step losses side by side
+# tinyrlhf: tiny `swift rlhf` (dpo bf16 + fp32, orpo, kto; LoRA): stock vs --use_liger, every logged metric compared
+# logprobs: the preference-loss head op benchmark (python -m swift_liger.bench logprobs)
 # rolling: RollingKVCache decode benchmark (ROLLING_ARGS)
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/bench"
@@ -65,6 +67,54 @@ for i, a in enumerate(rows["stock"]):
     print("  ".join(line))
 PY
     ;;
+  tinyrlhf)
+    stamp tinyrlhf
+    python3 -m swift_liger.cli tiny /tmp/tinyl --arch llama >/dev/null 2>&1
+    F="--model /tmp/tinyl/model --model_type llama --template chatml --tuner_type lora --check_model false
+       --gradient_accumulation_steps 2 --dataloader_num_workers 0 --max_steps 10 --logging_steps 1 --max_length 256
+       --per_device_train_batch_size 4 --save_strategy no --report_to none --seed 42 --learning_rate 1e-4
+       --liger_metrics true"
+    for spec in dpo:bfloat16 dpo:float32 orpo:float32 kto:float32; do
+      t=${spec%%:*}; dt=${spec##*:}; data=/tmp/tinyl/pref.jsonl; [ "$t" = kto ] && data=/tmp/tinyl/kto.jsonl
+      prec="--torch_dtype $dt"; [ "$dt" = float32 ] && prec="$prec --bf16 false --fp16 false"
+      for d in stock liger; do
+        extra=""; [ "$d" = liger ] && extra="--use_liger"
+        timeout 90 swift rlhf --rlhf_type "$t" $F $prec --dataset $data --output_dir /tmp/or_${t}_${dt}_$d $extra \
+          >"/tmp/or_${t}_${dt}_$d.log" 2>&1; echo "$t $dt $d rc $?"
+      done
+    done
+    grep -h "log-prob passes" /tmp/or_*_liger.log | cut -c1-200
+    python3 - <<'PY'
+import glob, json, os
+out = os.environ.get("OUT", ".out")
+skip = {"elapsed_time", "remaining_time", "train_speed(s/it)", "step_time(s)", "tokens/s", "rss(GiB)", "memory(GiB)",
+        "global_step/max_steps", "peak_alloc(GiB)", "peak_reserved(GiB)", "MFU"}
+def rows(name):
+    paths = glob.glob(f"/tmp/or_{name}/v*/logging.jsonl")
+    return [r for r in map(json.loads, open(paths[0])) if "loss" in r and "global_step/max_steps" in r] if paths else []
+summary = {}
+for spec in ("dpo_bfloat16", "dpo_float32", "orpo_float32", "kto_float32"):
+    a, b = rows(f"{spec}_stock"), rows(f"{spec}_liger")
+    worst = {}
+    for ra, rb in zip(a, b):
+        for k, v in ra.items():
+            if k in skip or not isinstance(v, (int, float)) or not isinstance(rb.get(k), (int, float)):
+                continue
+            rel = abs(v - rb[k]) / max(abs(v), 1e-6)
+            worst[k] = max(worst.get(k, 0.0), rel)
+    summary[spec] = {"steps": [len(a), len(b)], "max_rel_diff": worst,
+                     "loss_stock": [r["loss"] for r in a], "loss_liger": [r["loss"] for r in b],
+                     "peak_alloc_stock": max((r.get("peak_alloc(GiB)", 0) for r in a), default=None),
+                     "peak_alloc_liger": max((r.get("peak_alloc(GiB)", 0) for r in b), default=None)}
+    print(spec, "steps", len(a), len(b), "max rel diff: loss %.2e," % worst.get("loss", float("nan")),
+          "worst metric %s %.2e" % max(worst.items(), key=lambda kv: kv[1]) if worst else "")
+json.dump(summary, open(f"{out}/tiny_rlhf_h200.json", "w"), indent=1)
+PY
+    ;;
+  logprobs)
+    stamp "bench logprobs"
+    timeout 240 python3 -m swift_liger.bench logprobs --out "$OUT/bench" --rep-ms 300 2>&1 | grep -E " ms |failed" \
+      | cut -c1-140 ;;
   rolling)
     stamp rolling
     timeout "${ROLLING_TIMEOUT:-240}" python3 -m swift_liger.bench.rolling_cache --out "$OUT/bench" ${ROLLING_ARGS:-} \

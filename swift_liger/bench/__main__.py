@@ -1,4 +1,4 @@
-"""python -m swift_liger.bench {kernels,loss_head,attention,all} [--out docs/benchmarks] [--only OP]
+"""python -m swift_liger.bench {kernels,loss_head,logprobs,attention,all} [--out docs/benchmarks] [--only OP]
 
 Times every op forward+backward beside eager PyTorch, torch.compile and Liger-Kernel / Cut Cross-Entropy when
 importable, in one process, and writes JSON + markdown under --out. Needs a CUDA GPU.
@@ -13,6 +13,7 @@ from .kernels import SUITES
 
 TITLES = {"kernels": "Kernel benchmarks: RMSNorm, SwiGLU/GeGLU, RoPE, cross-entropy",
           "loss_head": "Loss head: fused linear cross-entropy (Llama-3-8B head)",
+          "logprobs": "Preference-loss head: per-token log-probs from hidden states (DPO pair, 2 x 4096 tokens)",
           "attention": "Fused QK-RMSNorm + RoPE (Qwen3-8B shapes)"}
 
 

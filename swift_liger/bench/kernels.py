@@ -186,8 +186,43 @@ def flce_cases() -> List[Case]:
     return cases
 
 
+def logprobs_cases() -> List[Case]:
+    """Per-token log p of the labels from hidden states (a DPO pair: [2, T, H]), W frozen (LoRA) and trainable.
+    eager = what ms-swift's preference trainers run: lm_head logits in bf16, then trl's selective_log_softmax
+    (per-row bf16 log_softmax); torch.compile = our fp32 reference (logits.float(), log_softmax, gather) compiled."""
+    ops = importlib.import_module("swift_liger.ops.logprobs")
+    selective = _try_import("trl.trainer.utils.selective_log_softmax")
+    cases = []
+    for (h, v), train_w in [((3584, 152064), False), ((3584, 152064), True), ((4096, 128256), False)]:
+        b, t = 2, 4096
+
+        def make(h=h, v=v, train_w=train_w):
+            hid = (torch.randn(b, t, h, device="cuda", dtype=BF16) * 0.5).requires_grad_()
+            w = (torch.randn(v, h, device="cuda", dtype=BF16) * 0.02).requires_grad_(train_w)
+            labels = torch.randint(0, v, (b, t), device="cuda")
+            labels[:, : t // 4] = -100   # the prompt
+            return {"h": hid, "w": w, "labels": labels}
+
+        def stock(i):
+            logits = torch.nn.functional.linear(i["h"], i["w"])
+            mask = i["labels"] != -100
+            logps = selective(logits, i["labels"].clamp_min(0))
+            return torch.where(mask, logps.float(), 0.0)   # fp32 like ours: the peers share output grads
+
+        reference = lambda i: ops.fused_linear_logprobs_reference(i["h"], i["w"], i["labels"])
+        impls = {"eager": stock if selective is not None else reference,
+                 "torch.compile": lambda i, f=reference: _compiled(f)(i),
+                 "swift_liger": lambda i: ops.fused_linear_logprobs(i["h"], i["w"], i["labels"])}
+        n = b * t
+        cases.append(Case("logprobs", f"2x{t} H{h} V{v} W {'trainable' if train_w else 'frozen'}", make, impls,
+                          min_flops=(3 if train_w else 2) * 2 * n * h * v,
+                          grad_bytes=(n * h + (v * h if train_w else 0)) * E))
+    return cases
+
+
 SUITES = {
     "kernels": [rms_norm_cases, swiglu_cases, rope_cases, cross_entropy_cases],
     "loss_head": [flce_cases],
+    "logprobs": [logprobs_cases],
     "attention": [qk_norm_rope_cases],
 }

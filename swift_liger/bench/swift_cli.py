@@ -1,15 +1,18 @@
-"""The real `swift sft` CLI on a random-init Llama-3-8B-shaped model: plain vs --use_liger vs --use_liger_kernel.
+"""The real `swift sft` / `swift rlhf` CLI on a random-init model: plain vs --use_liger vs --use_liger_kernel.
 
-    python -m swift_liger.bench.swift_cli build OUTDIR [--layers 32 ... --seq 8192 --rows 64 --device cuda]
+    python -m swift_liger.bench.swift_cli build OUTDIR [--shape llama3-8b|qwen2.5-7b|qwen2.5-1.5b --seq 8192]
     python -m swift_liger.bench.swift_cli run OUTDIR/model OUTDIR/sft.jsonl --variant swift_liger --out DIR
+    python -m swift_liger.bench.swift_cli run OUTDIR/model OUTDIR/pref.jsonl --task dpo --variant plain --out DIR
     python -m swift_liger.bench.swift_cli report DIR --out docs/benchmarks --name swift_cli_llama3_8b_lora
 
-`build` writes OUTDIR/model (Llama-3-8B config, random init in bf16 on the device, safetensors, plus an offline
-ChatML BPE tokenizer from swift_liger.testing.tiny) and OUTDIR/sft.jsonl, whose rows encode to just under --seq tokens
-with ms-swift's chatml template (ms-swift's default truncation_strategy 'delete' drops longer rows).
+`build` writes OUTDIR/model (the shape's config, random init in bf16 on the device, safetensors, plus an offline
+ChatML BPE tokenizer from swift_liger.testing.tiny), OUTDIR/sft.jsonl, whose rows encode to just under --seq tokens
+with ms-swift's chat template (ms-swift's default truncation_strategy 'delete' drops longer rows), and
+OUTDIR/pref.jsonl: a prompt of --prompt-frac of --seq and a chosen and a rejected response that each fill the rest,
+so chosen and rejected sequences are each just under --seq tokens (a pair is 2 x --seq).
 
-`run` launches `python -m swift.cli.main sft` (LoRA r=16 on all linears, bf16, SDPA, gradient checkpointing,
-batch 1, one row = one step) and reads the run's logging.jsonl. The per-step step_time(s) / tokens/s /
+`run` launches `python -m swift.cli.main sft` (or `rlhf --rlhf_type TASK`; LoRA r=16 on all linears or --tuner
+full, bf16, SDPA, gradient checkpointing, batch 1, one row = one micro-batch) and reads the run's logging.jsonl. The per-step step_time(s) / tokens/s /
 peak_alloc(GiB) / peak_reserved(GiB) columns come from swift_liger's metrics callback, which the import hook attaches
 to every `swift sft` run (--liger_metrics, default true, no --use_liger needed), so all variants log the same fields.
 tokens/s of a run = median over the measured steps (after --warmup); peak memory = max over all steps.
@@ -41,7 +44,14 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                   "swift_liger_no_lora_fusion": "`--use_liger --liger_lora_fusion false`",
                   "swift_liger_compiled": "`--use_liger --liger_compile_layers true`",
                   "liger_kernel": "`--use_liger_kernel true` (liger-kernel)"}
-SWIFT_MODEL_FLAGS = ["--model_type", "llama", "--template", "chatml"]
+SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
+                     "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
+SHAPES = {   # model_type, layers, hidden, intermediate, heads, kv_heads, vocab, tied embeddings
+    "llama3-8b": ("llama", 32, 4096, 14336, 32, 8, 128256, False),
+    "qwen2.5-7b": ("qwen2", 28, 3584, 18944, 28, 4, 152064, False),
+    "qwen2.5-1.5b": ("qwen2", 28, 1536, 8960, 12, 2, 151936, True),
+}
+TASKS = ("sft", "dpo", "orpo", "cpo", "simpo", "kto")
 CPU_FLAGS = ["--torch_dtype", "float32", "--bf16", "false", "--fp16", "false"]
 # Room left under --seq for the chat template's tokens and BPE boundary effects; rows stay under max_length.
 SEQ_MARGIN = 64
@@ -90,9 +100,15 @@ def _row_lengths(tokenizer, rows):
 
 def build(args) -> dict:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from ..testing import tiny
+
+    arch, layers, hidden, inter, heads, kv, vocab, tied = SHAPES[args.shape]
+    for key, value in (("layers", layers), ("hidden", hidden), ("intermediate", inter), ("heads", heads),
+                       ("kv_heads", kv), ("vocab", vocab)):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
     t0 = time.time()
     os.makedirs(args.outdir, exist_ok=True)
@@ -118,21 +134,39 @@ def build(args) -> dict:
     lengths = _row_lengths(tokenizer, rows)
     if max(lengths) > args.seq - 8:
         raise SystemExit(f"rows too long for --seq {args.seq}: max {max(lengths)} tokens")
+    if arch != "llama":   # the qwen template adds a default system turn
+        overhead += len(tokenizer.encode("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n",
+                                         add_special_tokens=False))
+        budget = args.seq - SEQ_MARGIN - overhead
     sft = os.path.join(args.outdir, "sft.jsonl")
     tiny.write_jsonl(sft, rows)
+    # preference pairs: one prompt, a chosen and a rejected answer, each sequence just under --seq tokens
+    prompt_budget = int(budget * args.prompt_frac)
+    pairs = []
+    for _ in range(args.pref_rows):
+        q = _fill(text, tokenizer, prompt_budget)
+        rest = budget - len(tokenizer.encode(q, add_special_tokens=False))
+        pairs.append({"messages": tiny._chat(q, _fill(text, tokenizer, rest)),
+                      "rejected_response": _fill(text, tokenizer, rest)})
+    pref = os.path.join(args.outdir, "pref.jsonl")
+    tiny.write_jsonl(pref, pairs)
+    pref_lengths = _row_lengths(tokenizer, [{"messages": r["messages"]} for r in pairs]) + _row_lengths(
+        tokenizer, [{"messages": tiny._chat(r["messages"][0]["content"], r["rejected_response"])} for r in pairs])
     t_data = time.time() - t0 - t_tok
 
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.seq, 8192),
-                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
-                      bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+    extra = dict(rope_theta=500000.0, rms_norm_eps=1e-5) if arch == "llama" else dict(rope_theta=1e6,
+                                                                                       rms_norm_eps=1e-6)
+    cfg = AutoConfig.for_model(arch, vocab_size=args.vocab, hidden_size=args.hidden,
+                               intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                               num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                               max_position_embeddings=max(args.seq, 32768), tie_word_embeddings=tied,
+                               hidden_act="silu", bos_token_id=None, eos_token_id=eos, pad_token_id=pad, **extra)
     torch.manual_seed(args.seed)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(args.device):  # every parameter born on the device in bf16: init is a few kernels each
-            model = LlamaForCausalLM(cfg)
+            model = AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(prev)
     model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=None,
@@ -145,12 +179,16 @@ def build(args) -> dict:
     tokenizer.save_pretrained(model_dir)
     del model
     t_save = time.time() - t0 - t_tok - t_data - t_init
-    info = {"model": model_dir, "sft": sft, "swift_flags": ["--model", model_dir, *SWIFT_MODEL_FLAGS,
-                                                            "--dataset", sft],
-            "params": params, "config": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads",
-                                                                       "kv_heads", "vocab", "seq", "rows", "seed")},
+    info = {"model": model_dir, "sft": sft, "pref": pref,
+            "swift_flags": ["--model", model_dir, *SWIFT_MODEL_FLAGS[arch], "--dataset", sft],
+            "params": params, "config": {"shape": args.shape, "model_type": arch, "tied": tied,
+                                         **{k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads",
+                                                                          "kv_heads", "vocab", "seq", "rows",
+                                                                          "pref_rows", "prompt_frac", "seed")}},
             "tokenizer_vocab": len(tokenizer), "eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None,
             "row_tokens": {"min": min(lengths), "max": max(lengths), "mean": round(sum(lengths) / len(lengths), 1)},
+            "pref_sequence_tokens": {"min": min(pref_lengths), "max": max(pref_lengths),
+                                     "mean": round(sum(pref_lengths) / len(pref_lengths), 1)},
             "seconds": {"tokenizer": round(t_tok, 1), "dataset": round(t_data, 1), "init": round(t_init, 1),
                         "save": round(t_save, 1), "total": round(time.time() - t0, 1)}}
     with open(os.path.join(args.outdir, "build.json"), "w") as f:
@@ -162,12 +200,20 @@ def build(args) -> dict:
 # run
 # ---------------------------------------------------------------------------------------------------------------
 
-def swift_command(model, dataset, variant, output_dir, seq, steps, extra=(), python=None) -> list:
-    return [python or sys.executable, "-m", "swift.cli.main", "sft",
-            "--model", model, *SWIFT_MODEL_FLAGS, "--dataset", dataset,
-            "--tuner_type", "lora", "--target_modules", "all-linear", "--lora_rank", "16", "--lora_alpha", "32",
+def _model_flags(model) -> list:
+    with open(os.path.join(model, "config.json")) as f:
+        return SWIFT_MODEL_FLAGS[json.load(f)["model_type"]]
+
+
+def swift_command(model, dataset, variant, output_dir, seq, steps, extra=(), python=None, task="sft",
+                  tuner="lora", grad_accum=1) -> list:
+    sub = ["sft"] if task == "sft" else ["rlhf", "--rlhf_type", task]
+    tuner_flags = ["--tuner_type", "full"] if tuner == "full" else [
+        "--tuner_type", "lora", "--target_modules", "all-linear", "--lora_rank", "16", "--lora_alpha", "32"]
+    return [python or sys.executable, "-m", "swift.cli.main", *sub,
+            "--model", model, *_model_flags(model), "--dataset", dataset, *tuner_flags,
             "--torch_dtype", "bfloat16", "--attn_impl", "sdpa", "--gradient_checkpointing", "true",
-            "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
+            "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", str(grad_accum),
             "--max_length", str(seq), "--max_steps", str(steps), "--logging_steps", "1",
             "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0",
             "--dataset_num_proc", "1", "--check_model", "false", "--learning_rate", "1e-5", "--seed", "42",
@@ -263,15 +309,22 @@ def _last_flag(cmd, flag):
     return vals[-1] if vals else None
 
 
+def stem(task: str, tuner: str, variant: str) -> str:
+    """File name of one run's results in the run directory (the 8B sft LoRA runs keep their plain names)."""
+    return variant if (task, tuner) == ("sft", "lora") else f"{task}_{tuner}_{variant}"
+
+
 def run(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
+    name = stem(args.task, args.tuner, args.variant)
     extra = [a for chunk in (args.extra or []) for a in shlex.split(chunk)]
     if args.cpu:
         extra = CPU_FLAGS + extra
-    output_dir = os.path.abspath(os.path.join(args.out, args.variant))
+    output_dir = os.path.abspath(os.path.join(args.out, name))
     shutil.rmtree(output_dir, ignore_errors=True)
-    cmd = swift_command(args.model, args.dataset, args.variant, output_dir, args.seq, args.steps, extra)
-    log_path = os.path.join(args.out, f"{args.variant}.log")
+    cmd = swift_command(args.model, args.dataset, args.variant, output_dir, args.seq, args.steps, extra,
+                        task=args.task, tuner=args.tuner, grad_accum=args.grad_accum)
+    log_path = os.path.join(args.out, f"{name}.log")
     env = dict(os.environ, **OFFLINE_ENV)
     env.pop("SWIFT_LIGER_DISABLE_HOOK", None)
     print(f"[{args.variant}] {shlex.join(cmd[1:])}", flush=True)
@@ -290,24 +343,29 @@ def run(args) -> dict:
     logs = sorted(glob.glob(os.path.join(output_dir, "v*-*", "logging.jsonl")))
     rows = read_rows(logs[-1]) if logs else []
     if logs:
-        shutil.copy(logs[-1], os.path.join(args.out, f"{args.variant}.logging.jsonl"))
+        shutil.copy(logs[-1], os.path.join(args.out, f"{name}.logging.jsonl"))
         patch = os.path.join(os.path.dirname(logs[-1]), "liger_patch.json")
         if os.path.exists(patch):
-            shutil.copy(patch, os.path.join(args.out, f"{args.variant}.liger_patch.json"))
-    result = {"variant": args.variant, "returncode": rc, "timed_out": timed_out, "wall_s": round(wall, 1),
+            shutil.copy(patch, os.path.join(args.out, f"{name}.liger_patch.json"))
+    result = {"variant": args.variant, "task": args.task, "tuner": args.tuner, "grad_accum": args.grad_accum,
+              "returncode": rc, "timed_out": timed_out, "wall_s": round(wall, 1),
               "command": "python -m swift.cli.main " + shlex.join(cmd[3:]),
               "steps": args.steps, "seq": args.seq, "dtype": _last_flag(cmd, "--torch_dtype"),
               "summary": summarize(rows, args.warmup),
               "rows": rows, "versions": _versions(), "gpu": _gpu_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    with open(log_path, errors="replace") as log:   # proof that lora_fusion took its calls (see swift_patches)
-        fusion = [ln.split("swift_liger: ", 1)[1].strip() for ln in log if "lora_fusion in the first step" in ln]
+    with open(log_path, errors="replace") as log:   # what ran, counted (integration/runtime.py)
+        counted = [ln.split("swift_liger: ", 1)[1].strip() for ln in log
+                   if "swift_liger: " in ln and "in the first step" in ln]
+    fusion = [ln for ln in counted if ln.startswith("lora_fusion in the first step")]
     if fusion:
         result["lora_fusion"] = fusion[0]
+    if counted:
+        result["first_step"] = counted
     if rc != 0 or not rows:
         why = f"timed out after {args.timeout}s" if timed_out else f"exit code {rc}"
         result["error"] = f"{why}: {_error_lines(log_path)}"
-    with open(os.path.join(args.out, f"{args.variant}.json"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
     s = result["summary"]
     for r in rows:
@@ -334,7 +392,7 @@ def _f(v, spec):
 def report(args) -> str:
     results = []
     for v in VARIANTS:
-        path = os.path.join(args.dir, f"{v}.json")
+        path = os.path.join(args.dir, f"{stem(args.task, args.tuner, v)}.json")
         if os.path.exists(path):
             with open(path) as f:
                 results.append(json.load(f))
@@ -359,9 +417,14 @@ def report(args) -> str:
     build_cmd = build_info and ("python -m swift_liger.bench.swift_cli build " +
                                 os.path.dirname(build_info["model"]) + " " +
                                 " ".join(f"--{k.replace('_', '-')} {v}" for k, v in build_info["config"].items()
-                                         if k != "seed"))
+                                         if k not in ("seed", "model_type", "tied")))
     base = next((r for r in results if r["variant"] == "plain" and r["summary"].get("tokens_per_s")), None)
-    lines = ["# End to end: `swift sft` CLI, Llama-3-8B-shaped LoRA", "",
+    rlhf = args.task != "sft"
+    cli = f"swift rlhf --rlhf_type {args.task}" if rlhf else "swift sft"
+    shape_name = (build_info or {}).get("config", {}).get("shape", "llama3-8b")
+    tuning = "LoRA r=16 on all linears" if args.tuner == "lora" else "full fine-tuning"
+    lines = [f"# End to end: `{cli}` CLI, {shape_name}-shaped, "
+             f"{'LoRA' if args.tuner == 'lora' else 'full fine-tuning'}", "",
              f"GPU: {env['gpu']} · torch {env.get('torch')} · triton {env.get('triton')} · transformers "
              f"{env.get('transformers')} · ms-swift {env.get('ms-swift')} · peft {env.get('peft')} · liger-kernel "
              f"{env.get('liger-kernel')} · swift-liger {env.get('swift-liger')} · {env['date']}", ""]
@@ -372,10 +435,16 @@ def report(args) -> str:
         shape = f"{c['layers']} layers, hidden {c['hidden']}, vocab {c['vocab']}, {size} params"
     rows_tok = (f"each row {build_info['row_tokens']['min']}–{build_info['row_tokens']['max']} tokens"
                 if build_info else f"rows just under {seq} tokens")
+    micro = f"batch 1 × one row ({rows_tok}, `--max_length {seq}`)"
+    if rlhf:
+        pt = (build_info or {}).get("pref_sequence_tokens")
+        seqs = f"{pt['min']}–{pt['max']} tokens each" if pt else f"just under {seq} tokens each"
+        micro = (f"batch 1 × one preference pair per micro-batch (chosen and rejected sequences {seqs}, "
+                 f"`--max_length {seq}`), `--gradient_accumulation_steps {first.get('grad_accum', 1)}`")
     dtype = first.get("dtype") or "bfloat16"
-    lines += [f"The real `swift sft` CLI (one process per variant) on a random-init Llama-3-8B-shaped model "
-              f"({shape}); batch 1 × one row ({rows_tok}, `--max_length {seq}`), {dtype}, SDPA, gradient "
-              f"checkpointing, LoRA r=16 on all linears, AdamW, {steps} steps. Throughput and memory are "
+    lines += [f"The real `{cli}` CLI (one process per variant) on a random-init {shape_name}-shaped model "
+              f"({shape}); {micro}, {dtype}, SDPA, gradient "
+              f"checkpointing, {tuning}, AdamW, {steps} steps. Throughput and memory are "
               f"swift_liger's per-step metrics (`--liger_metrics`, on in every variant, no patching): tokens/s = "
               f"median over steps {warmup + 1}–{steps} (steps 1–{warmup} are warm-up); peak allocated / reserved = "
               f"`torch.cuda.max_memory_*` reset each step, max over all steps. Loss after step {steps} "
@@ -398,11 +467,11 @@ def report(args) -> str:
              f"{_f(r['summary'].get('tokens_per_s_min'), '.0f')}–{_f(r['summary'].get('tokens_per_s_max'), '.0f')}, "
              f"MFU {_f(r['summary'].get('mfu'), '.3f')}, ms-swift memory(GiB) "
              f"{_f(r['summary'].get('swift_memory_gib'), '.2f')}, whole CLI run {r['wall_s']} s"
-             + (f"; {r['lora_fusion']}" if r.get("lora_fusion") else "")
+             + ("; counted in the first step: " + " / ".join(r["first_step"]) if r.get("first_step") else "")
              + (f", error: {r['error'][:300]}" if r.get("error") else "")
              for r in results]
-    lines += notes + ["", "Commands (env HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1; "
-                          "`tools/gpu_swift_8b.sh` runs them all):", "", "```"]
+    lines += notes + [""] + ([args.note, ""] if args.note else []) + ["Commands (env HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1; "
+                          "`tools/gpu_swift_cli.sh` runs them all):", "", "```"]
     if build_cmd:
         lines.append(build_cmd)
     for r in results:
@@ -426,12 +495,15 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="random-init Llama-3-8B-shaped model + tokenizer + long-row SFT jsonl")
     b.add_argument("outdir")
-    b.add_argument("--layers", type=int, default=32)
-    b.add_argument("--hidden", type=int, default=4096)
-    b.add_argument("--intermediate", type=int, default=14336)
-    b.add_argument("--heads", type=int, default=32)
-    b.add_argument("--kv-heads", type=int, default=8)
-    b.add_argument("--vocab", type=int, default=128256)
+    b.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="config preset; flags override")
+    b.add_argument("--layers", type=int, default=None)
+    b.add_argument("--hidden", type=int, default=None)
+    b.add_argument("--intermediate", type=int, default=None)
+    b.add_argument("--heads", type=int, default=None)
+    b.add_argument("--kv-heads", type=int, default=None)
+    b.add_argument("--vocab", type=int, default=None)
+    b.add_argument("--pref-rows", type=int, default=32, help="preference pairs in pref.jsonl")
+    b.add_argument("--prompt-frac", type=float, default=0.25, help="share of a preference sequence in the prompt")
     b.add_argument("--tok-vocab", type=int, default=2048, help="BPE vocab of the tokenizer (ids < --vocab)")
     b.add_argument("--seq", type=int, default=8192)
     b.add_argument("--rows", type=int, default=64)
@@ -441,6 +513,9 @@ def main(argv=None):
     r.add_argument("model")
     r.add_argument("dataset")
     r.add_argument("--variant", required=True, choices=VARIANTS)
+    r.add_argument("--task", default="sft", choices=TASKS, help="sft, or the --rlhf_type of `swift rlhf`")
+    r.add_argument("--tuner", default="lora", choices=("lora", "full"))
+    r.add_argument("--grad-accum", type=int, default=1, help="--gradient_accumulation_steps")
     r.add_argument("--out", required=True)
     r.add_argument("--steps", type=int, default=12, help="--max_steps of the run (warm-up included)")
     r.add_argument("--warmup", type=int, default=3, help="first steps left out of tokens/s")
@@ -453,6 +528,9 @@ def main(argv=None):
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--name", default="swift_cli_llama3_8b_lora")
     p.add_argument("--build", default=None, help="build OUTDIR (for build.json: shape, row lengths, command)")
+    p.add_argument("--task", default="sft", choices=TASKS)
+    p.add_argument("--note", default=None, help="a paragraph added under the table (e.g. how calls were merged)")
+    p.add_argument("--tuner", default="lora", choices=("lora", "full"))
     args = ap.parse_args(argv)
     if args.cmd == "build":
         info = build(args)

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One device call: the real `swift sft` / `swift rlhf` CLI on a random-init model built on the GPU, each variant in
+# its own process (--use_liger, --use_liger_kernel true, plain, ...), merged into $OUT/<NAME>_<task>.{json,md}
+# (copy those to docs/benchmarks/); per-run logs, logging.jsonl and liger_patch.json in $OUT/swift_cli_runs.tar.gz.
+# Needs the ignored .whl/ carried (../shared/gpu/fetch_wheels.sh liger-kernel==0.8.5).
+#
+#   SHAPE=llama3-8b SEQ=8192 TASKS=sft                      the 8B `swift sft` LoRA comparison (the defaults)
+#   SHAPE=qwen2.5-7b SEQ=4096 TASKS="dpo orpo" GA=4         preference pairs of 2 x ~4k tokens
+#   TUNER=full  VARIANTS="swift_liger plain"  VARIANTS_orpo="plain"  STEPS=8 WARMUP=3  DEADLINE=530 (whole call, s)
+#   TEST_PATHS="tests/ops/test_logprobs.py ..."              run these tests on the GPU first (SWIFT_LIGER_TEST_GPU=1)
+set -uo pipefail
+OUT=${OUT:-.out}; R=/tmp/swift_cli_runs; DEADLINE=${DEADLINE:-530}
+SHAPE=${SHAPE:-llama3-8b}; SEQ=${SEQ:-8192}; TASKS=${TASKS:-sft}; TUNER=${TUNER:-lora}; GA=${GA:-1}
+STEPS=${STEPS:-12}; WARMUP=${WARMUP:-3}; M=/tmp/model_${SHAPE}_${SEQ}
+NAME=${NAME:-swift_cli_${SHAPE//[.-]/_}}
+mkdir -p "$OUT/swift_cli" "$R"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# .pth files are read only from site dirs: put the hook there so `swift sft --use_liger` sees our flags.
+cp swift_liger_hook.pth "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+echo "== wheels installed at ${SECONDS}s"
+
+if [ -n "${TEST_PATHS:-}" ]; then
+  echo "== GPU tests: $TEST_PATHS"
+  SWIFT_LIGER_TEST_GPU=1 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -x -p no:cacheprovider $TEST_PATHS \
+    >"$OUT/gpu_tests.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"; tail -4 "$OUT/gpu_tests.txt"
+fi
+
+if [ -f "$M/build.json" ]; then
+  echo "== reusing $M"
+else
+  echo "== build $M ($SHAPE, rows of ~$((SEQ - 64)) tokens)"
+  timeout 240 python3 -m swift_liger.bench.swift_cli build "$M" --shape "$SHAPE" --seq "$SEQ" --device cuda \
+    >"$OUT/swift_cli/build.log" 2>&1; rc=$?; grep -v "Writing model shards" "$OUT/swift_cli/build.log" | tail -3
+  if [ $rc -ne 0 ]; then echo "build failed rc $rc"; tail -30 "$OUT/swift_cli/build.log"; exit 1; fi
+  du -sh "$M/model"
+fi
+cp "$M/build.json" "$OUT/swift_cli/"
+echo "== built at ${SECONDS}s"
+
+read -r -a TASK_LIST <<<"$TASKS"
+variants_of() { local name="VARIANTS_$1"; echo "${!name:-${VARIANTS:-swift_liger liger_kernel plain}}"; }
+total=0; for task in "${TASK_LIST[@]}"; do total=$(( total + $(wc -w <<<"$(variants_of "$task")") )); done; i=0
+for task in "${TASK_LIST[@]}"; do
+  data="$M/pref.jsonl"; [ "$task" = sft ] && data="$M/sft.jsonl"
+  read -r -a VLIST <<<"$(variants_of "$task")"   # most important first
+  for v in "${VLIST[@]}"; do
+    after=$(( total - i - 1 )); i=$(( i + 1 ))
+    left=$(( DEADLINE - SECONDS - 15 ))                   # 15 s kept for the reports
+    t=$(( left - after * 100 )); [ $t -gt 240 ] && t=240   # leave ~100 s to each later run,
+    [ $t -lt 90 ] && t=$(( left < 90 ? left : 90 ))          # but the earlier (more important) run goes first
+    if [ $t -lt 60 ]; then echo "== $task $v skipped: ${left}s left"; continue; fi
+    stem=$v; [ "$task/$TUNER" != sft/lora ] && stem=${task}_${TUNER}_$v
+    echo "== $task $TUNER $v (timeout ${t}s, at ${SECONDS}s)"
+    timeout $((t + 20)) python3 -m swift_liger.bench.swift_cli run "$M/model" "$data" --task "$task" --tuner "$TUNER" \
+      --grad-accum "$GA" --variant "$v" --out "$R" --steps "$STEPS" --warmup "$WARMUP" --seq "$SEQ" --timeout "$t" \
+      2>&1 | grep -v "^\[$v\] -m swift" | cut -c1-300
+    rc=${PIPESTATUS[0]}
+    cp "$R/$stem.json" "$R/$stem.log" "$R/$stem.logging.jsonl" "$R/$stem.liger_patch.json" "$OUT/swift_cli/" 2>/dev/null
+    if [ "$rc" -ne 0 ]; then
+      tail -60 "$R/$stem.log" >"$OUT/swift_cli/$stem.tail.txt"
+      echo "-- $stem rc $rc, log tail:"; grep -v "Train:" "$R/$stem.log" | tail -15 | cut -c1-300
+    fi
+  done
+  echo "== report $task (at ${SECONDS}s)"
+  python3 -m swift_liger.bench.swift_cli report "$R" --out "$OUT" --name "${NAME}_${task}_${TUNER}" --build "$M" \
+    --task "$task" --tuner "$TUNER" | grep -E "^\||^GPU|^- "
+done
+# $OUT returns at most 8 files: keep the per-run files as one archive.
+(cd "$OUT" && tar czf swift_cli_runs.tar.gz swift_cli && rm -rf swift_cli)
+echo "== done at ${SECONDS}s"
