@@ -5,6 +5,9 @@ with ``importlib.import_module("swift_liger.ops.rms_norm")``. `import swift_lige
 package, so the ms-swift start-up hook stays cheap.
 """
 from .cross_entropy import CrossEntropyFunction, cross_entropy, cross_entropy_reference
+from .fused_linear_cross_entropy import (FusedLinearCrossEntropyFunction, fused_linear_cross_entropy,
+                                         fused_linear_cross_entropy_reference)
+from .logprobs import LogprobsOutput, fused_linear_logprobs, fused_linear_logprobs_reference
 from .qk_norm_rope import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_reference
 from .rms_norm import RMSNormFunction, rms_norm, rms_norm_reference
 from .rope import RoPEFunction, apply_rope, apply_rope_reference
@@ -16,12 +19,6 @@ __all__ = [
     "qk_norm_rope", "qk_norm_rope_reference", "QKNormRoPEFunction",
     "swiglu", "geglu", "swiglu_reference", "geglu_reference", "SwiGLUFunction", "GeGLUFunction",
     "cross_entropy", "cross_entropy_reference", "CrossEntropyFunction",
+    "fused_linear_cross_entropy", "fused_linear_cross_entropy_reference", "FusedLinearCrossEntropyFunction",
+    "fused_linear_logprobs", "fused_linear_logprobs_reference", "LogprobsOutput",
 ]
-
-try:  # written in parallel; present once the fused linear CE lands
-    from .fused_linear_cross_entropy import (FusedLinearCrossEntropyFunction, fused_linear_cross_entropy,
-                                             fused_linear_cross_entropy_reference)
-    __all__ += ["fused_linear_cross_entropy", "fused_linear_cross_entropy_reference",
-                "FusedLinearCrossEntropyFunction"]
-except ImportError:  # pragma: no cover
-    pass
