@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the real `swift sft` / `swift rlhf` CLI on a random-init model built on the GPU, each variant in
-# its own process (--use_liger, --use_liger_kernel true, plain, ...), merged into $OUT/<NAME>_<task>.{json,md}
+# its own process (--use_liger, --use_liger_kernel true, plain, ...), merged into $OUT/<NAME>_<task>_<tuner>.{json,md}
 # (copy those to docs/benchmarks/); per-run logs, logging.jsonl and liger_patch.json in $OUT/swift_cli_runs.tar.gz.
 # Needs the ignored .whl/ carried (../shared/gpu/fetch_wheels.sh liger-kernel==0.8.5).
 #
@@ -66,7 +66,8 @@ for task in "${TASK_LIST[@]}"; do
     fi
   done
   echo "== report $task (at ${SECONDS}s)"
-  python3 -m swift_liger.bench.swift_cli report "$R" --out "$OUT" --name "${NAME}_${task}_${TUNER}" --build "$M" \
+  rname=${NAME}_${task}_${TUNER}; [ "$task" = sft ] && rname=${NAME}_${TUNER}   # swift_cli_llama3_8b_lora
+  python3 -m swift_liger.bench.swift_cli report "$R" --out "$OUT" --name "$rname" --build "$M" \
     --task "$task" --tuner "$TUNER" | grep -E "^\||^GPU|^- "
 done
 # $OUT returns at most 8 files: keep the per-run files as one archive.

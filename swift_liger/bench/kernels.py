@@ -188,8 +188,9 @@ def flce_cases() -> List[Case]:
 
 def logprobs_cases() -> List[Case]:
     """Per-token log p of the labels from hidden states (a DPO pair: [2, T, H]), W frozen (LoRA) and trainable.
-    eager = what ms-swift's preference trainers run: lm_head logits in bf16, then trl's selective_log_softmax
-    (per-row bf16 log_softmax); torch.compile = our fp32 reference (logits.float(), log_softmax, gather) compiled."""
+    eager = lm_head logits in bf16, then trl's selective_log_softmax on them (its per-row bf16 path; inside ms-swift
+    the trainer gets accelerate's fp32 copy of the logits and takes the fp32 path, with more memory);
+    torch.compile = our fp32 reference (logits.float(), log_softmax, gather) compiled."""
     ops = importlib.import_module("swift_liger.ops.logprobs")
     selective = _try_import("trl.trainer.utils.selective_log_softmax")
     cases = []
