@@ -78,8 +78,8 @@ def describe(snap: dict, when: str = "in the first step") -> list:
 
 
 class RuntimeRecord(TrainerCallback):
-    def __init__(self, trainer, args, path):
-        self.trainer, self.args, self.path = trainer, args, path
+    def __init__(self, trainer, args):
+        self.trainer, self.args = trainer, args
         self.first = None
 
     def _master(self):

@@ -20,7 +20,6 @@ import json
 import os
 import warnings
 import weakref
-from typing import Optional
 
 SUPPORTED_SWIFT = "4.6."
 SIDE_ROLES = ("ref", "reward", "teacher")
@@ -38,6 +37,14 @@ def _require(obj, attr, where):
             f"{SUPPORTED_SWIFT}x. Install a supported ms-swift, or set SWIFT_LIGER_DISABLE_HOOK=1 to run without "
             "the plugin.")
     return getattr(obj, attr)
+
+
+def _classmethod_func(cls, name, where):
+    raw = cls.__dict__.get(name)
+    if not isinstance(raw, classmethod):
+        raise ImportError(f"swift_liger: {where}.{name} is not a classmethod; unsupported ms-swift "
+                          f"{_swift_version()} (set SWIFT_LIGER_DISABLE_HOOK=1 to bypass)")
+    return raw.__func__
 
 
 def _swift_version():
@@ -184,11 +191,7 @@ def _write_record(output_dir, record) -> None:
 
 def patch_tuner(module) -> None:
     mixin = _require(module, "TunerMixin", "swift.pipelines.train.tuner")
-    raw = mixin.__dict__.get("prepare_model")
-    if not isinstance(raw, classmethod):
-        raise ImportError("swift_liger: swift.pipelines.train.tuner.TunerMixin.prepare_model is not a classmethod; "
-                          f"unsupported ms-swift {_swift_version()} (set SWIFT_LIGER_DISABLE_HOOK=1 to bypass)")
-    orig = raw.__func__
+    orig = _classmethod_func(mixin, "prepare_model", "swift.pipelines.train.tuner.TunerMixin")
 
     @functools.wraps(orig)
     def prepare_model(cls, args, model, *a, **kw):
@@ -243,11 +246,7 @@ def patch_sft_pipeline(module) -> None:
     sft_cls = _require(module, "SwiftSft", "swift.pipelines.train.sft")
     orig_train = _require(sft_cls, "train", "swift.pipelines.train.sft.SwiftSft")
     factory = _require(module, "TrainerFactory", "swift.pipelines.train.sft")
-    raw = factory.__dict__.get("get_trainer_cls")
-    if not isinstance(raw, classmethod):
-        raise ImportError("swift_liger: swift.trainers.TrainerFactory.get_trainer_cls is not a classmethod; "
-                          f"unsupported ms-swift {_swift_version()} (set SWIFT_LIGER_DISABLE_HOOK=1 to bypass)")
-    orig_get = raw.__func__
+    orig_get = _classmethod_func(factory, "get_trainer_cls", "swift.trainers.TrainerFactory")
 
     @functools.wraps(orig_get)
     def get_trainer_cls(cls, args, *a, **kw):
@@ -272,15 +271,10 @@ def patch_sft_pipeline(module) -> None:
             attach(trainer)
         if getattr(args, "use_liger", False):
             from .runtime import RuntimeRecord
-            trainer.add_callback(RuntimeRecord(trainer, args, record_path(args)))
+            trainer.add_callback(RuntimeRecord(trainer, args))
         return orig_train(self, trainer)
 
     sft_cls.train = train
-
-
-def record_path(args) -> Optional[str]:
-    output_dir = getattr(args, "output_dir", None)
-    return os.path.join(output_dir, PATCH_FILE) if output_dir else None
 
 
 def update_record(args, key, value) -> None:

@@ -577,29 +577,24 @@ def _causal_lm_forward(self, *args, **kwargs):
     original = type(self).forward
     st = getattr(self, STATE_ATTR, None)
     if st is not None and st.hidden_mode and head_is_ours(self, st):
-        return _forward_emitting_hidden(self, st, original, args, kwargs)
+        # for a trainer that computes log-probs from the hidden states (models.head); any mode, with or without grad
+        out = _forward_head_skipped(self, st, original, args, kwargs)
+        st.emitted = getattr(out, "logits", None)
+        return out
     if st is None or not _emit_hidden(self, st, args, kwargs):
         return original(self, *args, **kwargs)
+    return _drop_logits(_forward_head_skipped(self, st, original, args, kwargs))
+
+
+def _forward_head_skipped(self, st: _PatchState, original: Callable, args: tuple, kwargs: dict):
+    """The unchanged HF forward with the lm_head returning its input: ``logits`` holds the (logits_to_keep-sliced)
+    final hidden states."""
     head = st.lm_head
     head.__dict__[EMIT_HIDDEN_ATTR] = True
     try:
-        out = original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
     finally:
         head.__dict__[EMIT_HIDDEN_ATTR] = False
-    return _drop_logits(out)
-
-
-def _forward_emitting_hidden(self, st: _PatchState, original: Callable, args: tuple, kwargs: dict):
-    """The unchanged HF forward with the lm_head skipped: ``logits`` holds the (logits_to_keep-sliced) final hidden
-    states, for a trainer that computes log-probs from them (models.head). Any mode, with or without grad."""
-    head = st.lm_head
-    head.__dict__[EMIT_HIDDEN_ATTR] = True
-    try:
-        out = original(self, *args, **kwargs)
-    finally:
-        head.__dict__[EMIT_HIDDEN_ATTR] = False
-    st.emitted = getattr(out, "logits", None)
-    return out
 
 
 def head_is_ours(self, st: _PatchState) -> bool:
