@@ -51,7 +51,8 @@ def use_triton(t: torch.Tensor) -> bool:
                 "SWIFT_LIGER_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 set before swift_liger.ops "
                 "is imported")
         return True
-    _notice_cpu_fallback()
+    if not torch.compiler.is_compiling():   # a logging call would break the graph of a compiled layer
+        _notice_cpu_fallback()
     return False
 
 

@@ -590,6 +590,27 @@ def test_compile_layers_with_lora_and_checkpointing(torch_backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"], ids=["cpu_reference", "triton_interpreter"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_compile_layers_every_family_on_each_cpu_backend(monkeypatch, family, backend):
+    """compile_layers (inductor) on the CPU reference backend users without CUDA run (SWIFT_LIGER_BACKEND unset:
+    auto), and on the Triton interpreter: same training loss and gradients as the unpatched eager model. A graph break inside a rebuilt
+    attention forward (our ops' one-time CPU notice was one) fails here with dynamo's NameError."""
+    from swift_liger.ops import _common
+    monkeypatch.setenv("SWIFT_LIGER_BACKEND", backend)
+    _common._notice_cpu_fallback.cache_clear()   # as in a fresh process: the notice is still to come
+    ref, model = pair(family, layers=2)   # two layers: dynamo reuses the first layer's code for the second
+    swift_liger.apply(model, compile_layers=True)
+    ids, labels = batch()
+    model.train(), ref.train()
+    torch._dynamo.reset()
+    out, expected = model(ids, labels=labels), ref(ids, labels=labels)
+    close(out.loss, expected.loss, "loss")
+    out.loss.backward(), expected.loss.backward()
+    assert_grads_match(model, ref)
+    torch._dynamo.reset()
+
+
 @pytest.fixture
 def lora_linear_calls(monkeypatch):
     """A list that gets one entry per ops.lora_linear call."""
