@@ -3,6 +3,7 @@
     swift-liger plot RUN_DIR [RUN_DIR2 ...] -o out.png   loss, tokens/s and memory per step (runs overlaid)
     swift-liger tiny OUTDIR [--arch qwen3|llama]          offline tiny random model + toy datasets
     swift-liger info                                      is the ms-swift hook active, versions, backend
+    swift-liger flags                                     every --use_liger / --liger_* flag and environment variable
 """
 from __future__ import annotations
 
@@ -44,6 +45,12 @@ def _info(args) -> int:
     return 0
 
 
+def _flags(args) -> int:
+    from .integration.arguments import flags_markdown
+    print(flags_markdown())
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="swift-liger", description="swift_liger utilities")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -61,6 +68,9 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("info", help="show whether the ms-swift hook is active")
     p.set_defaults(func=_info)
+
+    p = sub.add_parser("flags", help="the table of every flag (default, meaning) and environment variable")
+    p.set_defaults(func=_flags)
 
     args = ap.parse_args(argv)
     return args.func(args)

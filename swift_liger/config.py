@@ -7,6 +7,42 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 CROSS_ENTROPY_MODES = ("fused_linear", "fused", "off")
+BACKENDS = ("auto", "triton", "torch")   # SWIFT_LIGER_BACKEND
+
+
+def backend_from_env() -> str:
+    """SWIFT_LIGER_BACKEND, checked: auto (CUDA tensors run Triton, CPU tensors the PyTorch reference), triton or
+    torch (the reference everywhere)."""
+    value = os.environ.get("SWIFT_LIGER_BACKEND", "auto").strip().lower()
+    if value not in BACKENDS:
+        raise ValueError(f"SWIFT_LIGER_BACKEND must be one of {', '.join(BACKENDS)}; got {value!r}")
+    return value
+ROLLING_CACHE_MODES = ("absolute", "streaming")
+ROLLING_CACHE_KEYS = ("window", "sinks", "mode", "cuda_graph")
+
+
+def check_rolling_cache(window, sinks=4, mode="absolute", cuda_graph=False, *, where="RollingKVCache") -> dict:
+    """RollingKVCache settings, checked: window int >= 1, sinks int >= 0 and < window, mode absolute|streaming,
+    cuda_graph bool. Returns them as a dict; errors start with `where`."""
+    for name, value, minimum in (("window", window, 1), ("sinks", sinks, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {value!r}")
+    if sinks >= window:
+        raise ValueError(f"{where}: sinks must be < window, got sinks={sinks}, window={window}")
+    if mode not in ROLLING_CACHE_MODES:
+        raise ValueError(f"{where}: mode must be one of {', '.join(ROLLING_CACHE_MODES)}, got {mode!r}")
+    if not isinstance(cuda_graph, bool):
+        raise ValueError(f"{where}: cuda_graph must be true or false, got {cuda_graph!r}")
+    return {"window": window, "sinks": sinks, "mode": mode, "cuda_graph": cuda_graph}
+
+
+def closest(name: str, known) -> str:
+    """' (did you mean X?)' for the nearest known name (a prefix of one counts), else ''."""
+    import difflib
+    known = list(known)
+    prefixed = [k for k in known if k.startswith(name)]
+    match = prefixed if len(prefixed) == 1 else difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {match[0]}?)" if match else ""
 
 
 @dataclass
@@ -59,10 +95,11 @@ class LigerConfig:
             raise ValueError(f"LigerConfig.cross_entropy must be one of {', '.join(CROSS_ENTROPY_MODES)}, "
                              f"got {self.cross_entropy!r}")
         if self.rolling_cache is not None:
-            keys = {"window", "sinks", "mode", "cuda_graph"}
-            if not isinstance(self.rolling_cache, Mapping) or set(self.rolling_cache) - keys:
+            rc = self.rolling_cache
+            if not isinstance(rc, Mapping) or set(rc) - set(ROLLING_CACHE_KEYS) or "window" not in rc:
                 raise ValueError("LigerConfig.rolling_cache must be a mapping with keys window, sinks (and optional "
-                                 f"mode, cuda_graph), got {self.rolling_cache!r}")
+                                 f"mode, cuda_graph), got {rc!r}")
+            check_rolling_cache(**rc, where="LigerConfig.rolling_cache")
 
     @classmethod
     def field_names(cls) -> tuple:
@@ -72,7 +109,8 @@ class LigerConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> "LigerConfig":
         unknown = sorted(set(data) - set(cls.field_names()))
         if unknown:
-            raise ValueError(f"unknown swift_liger config key(s): {', '.join(unknown)}; "
+            hints = "".join(closest(k, cls.field_names()) for k in unknown[:1])
+            raise ValueError(f"unknown swift_liger config key(s): {', '.join(unknown)}{hints}; "
                              f"known keys: {', '.join(cls.field_names())}")
         return cls(**dict(data))
 

@@ -76,12 +76,12 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..config import check_rolling_cache
 from ..ops.decode_attention import decode_attention_unchecked
 from ..ops.kv_ring_write import kv_ring_write_unchecked, kv_sink_rotate, kv_sink_rotate_unchecked
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-MODES = ("absolute", "streaming")
 # RoPE variants whose inverse frequencies are fixed, so scores depend only on position differences.
 STREAMING_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -144,12 +144,6 @@ def _check_attention(config) -> None:
         raise ValueError(f"RollingKVCache needs attn_implementation in {SUPPORTED_ATTENTION} (they take the "
                          f"arbitrary 4D mask the ring layout needs); the model uses {impl!r}. Load it with "
                          f"attn_implementation='sdpa' or call model.set_attn_implementation('sdpa').")
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"RollingKVCache: {name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 @dataclasses.dataclass(slots=True)
@@ -303,14 +297,7 @@ class RollingKVCache(Cache):
 
     def __init__(self, model: torch.nn.Module, window: int, sinks: int = 4, mode: str = "absolute",
                  cuda_graph: bool = False):
-        window = _check_int("window", window, 1)
-        sinks = _check_int("sinks", sinks, 0)
-        if sinks >= window:
-            raise ValueError(f"RollingKVCache: sinks must be < window, got sinks={sinks}, window={window}")
-        if mode not in MODES:
-            raise ValueError(f"RollingKVCache: mode must be one of {MODES}, got {mode!r}")
-        if not isinstance(cuda_graph, bool):
-            raise ValueError(f"RollingKVCache: cuda_graph must be a bool, got {cuda_graph!r}")
+        check_rolling_cache(window, sinks, mode, cuda_graph)
         _check_family(model)
         decoder = _find_decoder(model)
         _validate_model(decoder, mode)

@@ -7,15 +7,17 @@ loaded. No torch / swift import here: this runs inside ms-swift's own import of 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
 import json
 import os
 import sys
+import warnings
 import weakref
 from typing import Optional
 
-from ..config import LigerConfig
+from ..config import LigerConfig, backend_from_env, closest
 
 _BOOL_FLAG = {"nargs": "?", "const": True}  # `--liger_rope` alone means true; default None means "from the preset"
 
@@ -23,23 +25,26 @@ _BOOL_FLAG = {"nargs": "?", "const": True}  # `--liger_rope` alone means true; d
 # which is a prefix of use_liger_kernel on purpose: argparse prefers the exact match, so `--use_liger` is ours.
 FIELDS = (
     ("use_liger", bool, False, "Patch the model with swift_liger's Triton kernels after it is loaded and before the "
-                               "tuner wraps it (default preset: every fusion on)."),
-    ("liger_config", Optional[str], None, "Preset name (default, minimal, off, keep_logits, compiled) or path to a "
-                                          "YAML of LigerConfig keys; liger_* flags override it."),
-    ("liger_rms_norm", Optional[bool], None, "Triton RMSNorm (default from the preset)."),
-    ("liger_rope", Optional[bool], None, "One-launch q+k rotary embedding (default from the preset)."),
-    ("liger_swiglu", Optional[bool], None, "Fused SwiGLU/GeGLU MLP activation (default from the preset)."),
+                               "tuner wraps it (the default preset: every fusion on)."),
+    ("liger_config", Optional[str], None, "Preset name or path to a YAML of LigerConfig keys; liger_* flags override "
+                                          "it."),
+    ("liger_rms_norm", Optional[bool], None, "Triton RMSNorm."),
+    ("liger_rope", Optional[bool], None, "One-launch q+k rotary embedding."),
+    ("liger_swiglu", Optional[bool], None, "Fused SwiGLU/GeGLU MLP activation."),
     ("liger_cross_entropy", Optional[str], None, "fused_linear (the loss, or for rlhf dpo/orpo/cpo/simpo/kto the "
                                                  "log-probs, from hidden states: no logits), fused (Triton CE on "
-                                                 "logits) or off (default from the preset)."),
-    ("liger_qk_norm_rope", Optional[bool], None, "Qwen3-style q_norm/k_norm fused with the rotation."),
-    ("liger_strict", Optional[bool], None, "Unsupported model type is an error instead of a warning."),
+                                                 "logits) or off."),
+    ("liger_qk_norm_rope", Optional[bool], None, "Qwen3-style q_norm/k_norm fused with the rotation (needs "
+                                                 "liger_rope)."),
+    ("liger_strict", Optional[bool], None, "An unsupported model type is an error (before the model loads) instead "
+                                           "of a warning."),
     ("liger_compile_layers", Optional[bool], None, "torch.compile each decoder layer (our ops stay single custom-op "
                                                    "nodes inside); first steps pay the compile time."),
-    ("liger_lora_fusion", Optional[bool], None, "PEFT LoRA projections (MLP, attention) without PEFT's input "
-                                                "copies (default from the preset: on, off in minimal/off)."),
+    ("liger_lora_fusion", Optional[bool], None, "PEFT LoRA projections (MLP, attention) without PEFT's fp32 or "
+                                                "duplicate input copies; off in the minimal and off presets."),
     ("liger_rolling_cache", Optional[str], None, 'RollingKVCache for generation: "window,sinks" or '
-                                                 '{"window": W, "sinks": S}.'),
+                                                 '{"window": W, "sinks": S, "mode": "absolute" or "streaming", '
+                                                 '"cuda_graph": true}.'),
     ("liger_metrics", bool, True, "Log step_time(s), tokens/s, peak memory and MFU every logging step (with or "
                                   "without --use_liger, so runs compare fairly)."),
 )
@@ -57,6 +62,46 @@ FLAG_TO_KEY = {
     "liger_lora_fusion": "lora_fusion",
 }
 PRESET_DIR_ENV = "SWIFT_LIGER_PRESET_DIR"
+ENV_VARS = {   # every environment variable swift_liger reads, checked in validate()
+    "SWIFT_LIGER_BACKEND": "auto (CUDA tensors run Triton, CPU tensors the PyTorch reference), triton or torch",
+    PRESET_DIR_ENV: "a directory searched first for liger_config preset names",
+    "SWIFT_LIGER_PEAK_TFLOPS": "peak dense TFLOP/s of one device for MFU (a number > 0), when the GPU name is unknown",
+    "SWIFT_LIGER_DISABLE_HOOK": "1 turns the ms-swift import hook off (no --use_liger flags)",
+}
+
+
+def default_text(flag: str) -> str:
+    """The value a flag takes when not given: its LigerConfig default (the default preset), for help and docs."""
+    if flag == "liger_config":
+        return "none (LigerConfig defaults, the same as the default preset)"
+    if flag in FLAG_TO_KEY:
+        value = LigerConfig().to_dict()[FLAG_TO_KEY[flag]]
+        text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        return f"{text} (from the preset)"
+    value = next(f[2] for f in FIELDS if f[0] == flag)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def describe(flag: str) -> str:
+    text = next(f[3] for f in FIELDS if f[0] == flag)
+    if flag == "liger_config":
+        names = preset_names()
+        text = text.rstrip(".") + (f" (presets: {', '.join(names)})." if names else ".")
+    return text
+
+
+def help_text(flag: str) -> str:
+    return f"{describe(flag)} Default: {default_text(flag)}."
+
+
+def flags_markdown() -> str:
+    """The README table of every flag: name, default, what it does (generated, so it cannot drift)."""
+    rows = ["| flag / YAML key | default | what it does |", "|---|---|---|"]
+    for name, _, _, _ in FIELDS:
+        rows.append(f"| `--{name}` | {default_text(name)} | {describe(name)} |")
+    rows += ["", "| environment variable | meaning |", "|---|---|"]
+    rows += [f"| `{k}` | {v} |" for k, v in ENV_VARS.items()]
+    return "\n".join(rows)
 
 # id(args) -> resolved state; kept off the args object so args.json and `args:` log lines stay unchanged.
 _RESOLVED: dict = {}
@@ -86,8 +131,8 @@ def inject_fields(cls) -> None:
     if annotations is None:
         annotations = {}
         cls.__annotations__ = annotations
-    for name, typ, default, help_text in FIELDS:
-        metadata = {"help": help_text}
+    for name, typ, default, _ in FIELDS:
+        metadata = {"help": help_text(name)}
         if typ == Optional[bool]:  # == not is: typing caches Union objects in a bounded LRU
             metadata.update(_BOOL_FLAG)
         f = dataclasses.field(default=default, metadata=metadata)
@@ -127,6 +172,17 @@ def inject_fields(cls) -> None:
 
     cls.__post_init__ = __post_init__
 
+    # ms-swift resolves the model's config in __post_init__ and creates the run directory at its end
+    # (_add_version): the model-type check goes right before that, so a refused run leaves no directory behind.
+    orig_add_version = cls.__dict__.get("_add_version")
+    if orig_add_version is not None:
+        @functools.wraps(orig_add_version)
+        def _add_version(self, *args, **kwargs):
+            check_model(self)
+            return orig_add_version(self, *args, **kwargs)
+
+        cls._add_version = _add_version
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Validation and resolution
@@ -145,6 +201,11 @@ def preset_dirs() -> list:
     return dirs
 
 
+def preset_names() -> list:
+    return sorted({os.path.splitext(f)[0] for d in preset_dirs() if os.path.isdir(d)
+                   for f in os.listdir(d) if f.endswith(".yaml")})
+
+
 def find_preset(name_or_path: str) -> str:
     if os.path.isfile(name_or_path):
         return name_or_path
@@ -154,8 +215,7 @@ def find_preset(name_or_path: str) -> str:
             path = os.path.join(d, f"{name_or_path}.yaml")
             if os.path.isfile(path):
                 return path
-    names = sorted({os.path.splitext(f)[0] for d in preset_dirs() if os.path.isdir(d)
-                    for f in os.listdir(d) if f.endswith(".yaml")})
+    names = preset_names()
     raise ValueError(f"liger_config: {name_or_path!r} is neither a file nor a known preset "
                      f"(presets: {', '.join(names) or 'none found'})")
 
@@ -219,6 +279,75 @@ def resolve_config(args) -> LigerConfig:
         raise ValueError(f"swift_liger flags: {e}") from None
 
 
+def check_argv(class_type, argv) -> None:
+    """Refuse --liger_* / --use_liger* flags (CLI or YAML keys, which ms-swift turns into flags) that are not exact
+    names: argparse would take an abbreviation (--liger_rms for --liger_rms_norm) silently, and ms-swift reports a
+    misspelt one only after it has created the run directory. Runs before the arguments are parsed."""
+    known = {f.name for f in dataclasses.fields(class_type)} if dataclasses.is_dataclass(class_type) else set()
+    if "use_liger" not in known:
+        return
+    for token in argv or ():
+        if not isinstance(token, str) or not token.startswith("--"):
+            continue
+        name = token[2:].split("=", 1)[0].replace("-", "_")
+        if name in known:
+            continue
+        if name.startswith(("liger", "use_liger")) or difflib.get_close_matches(name, FIELD_NAMES, n=1, cutoff=0.85):
+            hint = closest("--" + name, ["--" + n for n in FIELD_NAMES])
+            raise ValueError(f"swift_liger: unknown flag --{name}{hint}; swift_liger's flags "
+                             f"(also YAML keys): {', '.join('--' + n for n in FIELD_NAMES)}")
+
+
+def check_environment() -> None:
+    """Every environment variable swift_liger reads (ENV_VARS), checked when the arguments are built."""
+    backend = backend_from_env()
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        torch = sys.modules.get("torch")
+        if torch is not None and not torch.cuda.is_available():
+            raise ValueError("SWIFT_LIGER_BACKEND=triton without CUDA needs TRITON_INTERPRET=1 (Triton's interpreter "
+                             "runs the kernels on CPU); unset SWIFT_LIGER_BACKEND to use the PyTorch reference")
+    preset_dir = os.environ.get(PRESET_DIR_ENV)
+    if preset_dir and not os.path.isdir(preset_dir):
+        raise ValueError(f"{PRESET_DIR_ENV}={preset_dir!r} is not a directory")
+    peak = os.environ.get("SWIFT_LIGER_PEAK_TFLOPS")
+    if peak:
+        try:
+            ok = float(peak) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"SWIFT_LIGER_PEAK_TFLOPS must be a number > 0 (TFLOP/s of one device), got {peak!r}")
+
+
+def check_model(args) -> None:
+    """The model type from the checkpoint's config.json (ms-swift has resolved the model dir; no weights are loaded
+    yet) against the families swift_liger patches: an error under --liger_strict, else a warning saying what is
+    supported."""
+    state = _RESOLVED.get(id(args))
+    if state is None:
+        return
+    model_dir = getattr(getattr(args, "model_info", None), "model_dir", None)   # local (downloaded if a hub id)
+    path = os.path.join(model_dir, "config.json") if isinstance(model_dir, str) else None
+    if not path or not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return
+    if model_type is None:
+        return
+    from ..models.families import FAMILIES
+    if model_type in FAMILIES:
+        return
+    message = (f"swift_liger: model type {model_type!r} is not supported (swift_liger patches "
+               f"{', '.join(sorted(FAMILIES))})")
+    if state["config"].strict:
+        raise ValueError(message + "; --liger_strict refuses it (drop --liger_strict to train it unpatched)")
+    state["notes"].append(message[len("swift_liger: "):] + "; the model trains unpatched")
+    warnings.warn(message + "; the model trains unpatched", stacklevel=2)
+
+
 def validate(args) -> None:
     """Runs first thing in SftArguments.__post_init__: every liger error surfaces here, before any model loads."""
     _RESOLVED.pop(id(args), None)
@@ -231,6 +360,7 @@ def validate(args) -> None:
     if getattr(args, "use_liger_kernel", False):
         raise ValueError("--use_liger (swift_liger's Triton kernels) and --use_liger_kernel (the liger-kernel "
                          "package) patch the same layers; pass only one of them")
+    check_environment()
     _RESOLVED[id(args)] = {"config": resolve_config(args), "notes": []}
     try:  # forget it with the args object (ids are reused); args dataclasses are unhashable, so no WeakKeyDict
         weakref.finalize(args, _RESOLVED.pop, id(args), None)

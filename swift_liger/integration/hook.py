@@ -14,6 +14,8 @@ import sys
 # module name -> function name in swift_liger.integration.swift_patches
 TARGETS = {
     "swift.arguments.sft_args": "patch_sft_args",
+    "swift.pipelines.base": "patch_pipeline_base",
+    "swift.cli.utils": "patch_cli_utils",
     "swift.pipelines.train.tuner": "patch_tuner",
     "swift.pipelines.train.sft": "patch_sft_pipeline",
     "swift.pipelines.train.rlhf": "patch_rlhf_pipeline",

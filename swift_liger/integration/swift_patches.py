@@ -1,6 +1,10 @@
 """What the import hook does to each ms-swift module, right after its body has run.
 
 * swift.arguments.sft_args   -> SftArguments gains the --use_liger / --liger_* fields (arguments.py).
+* swift.pipelines.base       -> parse_args first refuses unknown or abbreviated --liger_* flags (before the run
+                                 directory exists).
+* swift.cli.utils            -> `swift sft --help` prints every flag, ours included (ms-swift's sft entry point
+                                 otherwise answers --help from a one-flag pre-parser).
 * swift.pipelines.train.tuner -> TunerMixin.prepare_model patches the freshly loaded model before the tuner wraps
                                  it (sft, pt, rlhf policy, PPO value model), on every rank.
 * swift.pipelines.train.rlhf -> side models (ref, reward, teacher) are patched before their adapters load, with
@@ -18,8 +22,10 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import warnings
 import weakref
+from typing import Optional
 
 SUPPORTED_SWIFT = "4.6."
 SIDE_ROLES = ("ref", "reward", "teacher")
@@ -81,6 +87,53 @@ def patch_sft_args(module) -> None:
     inject_fields(_require(module, "SftArguments", "swift.arguments.sft_args"))
 
 
+def patch_pipeline_base(module) -> None:
+    orig = _require(module, "parse_args", "swift.pipelines.base")
+
+    @functools.wraps(orig)
+    def parse_args(class_type, argv=None):
+        from .arguments import FIELD_NAMES, check_argv
+        ray_args = os.environ.get("RAY_SWIFT_ARGS")   # ms-swift's parse_args reads its argv from there first
+        tokens = json.loads(ray_args) if ray_args else sys.argv[1:] if argv is None else argv
+        if {"-h", "--help"} & set(tokens) and "use_liger" in getattr(class_type, "__dataclass_fields__", {}):
+            print_help(class_type, FIELD_NAMES)
+        check_argv(class_type, tokens)
+        return orig(class_type, argv)
+
+    module.parse_args = parse_args
+
+
+def print_help(class_type, ours) -> None:
+    """The arguments' help with ours in it, then exit. Our optional flags default to None ("from the preset"); their
+    help states the value that means, so argparse's "(default: None)" is left off them."""
+    import argparse
+
+    from transformers import HfArgumentParser
+    parser = HfArgumentParser([class_type])
+    for action in parser._actions:
+        if action.dest in ours:
+            action.default = argparse.SUPPRESS   # printing only: the parser is dropped right after
+    parser.print_help()
+    sys.exit(0)
+
+
+HELP_SCRIPTS = {"sft.py": "SftArguments", "pt.py": "PretrainArguments", "rlhf.py": "RLHFArguments"}
+
+
+def patch_cli_utils(module) -> None:
+    """`swift sft --help` runs swift/cli/sft.py, whose unsloth pre-parser prints a help of one flag and exits; when
+    that script is the one starting, with -h/--help, print the full help (ms-swift's and ours) instead."""
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    cli_dir = os.path.join("swift", "cli") + os.sep
+    name = os.path.basename(script)
+    if name not in HELP_SCRIPTS or cli_dir not in script or not {"-h", "--help"} & set(sys.argv[1:]):
+        return
+    import swift.arguments
+
+    from .arguments import FIELD_NAMES
+    print_help(getattr(swift.arguments, HELP_SCRIPTS[name]), FIELD_NAMES)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Patching one model
 # ---------------------------------------------------------------------------------------------------------------
@@ -124,15 +177,41 @@ def patch_model(args, model, role: str):
             logger.info(f"swift_liger: {note}")
         same = all(r["model_class"] == ranks[0]["model_class"] and r["patched"] == ranks[0]["patched"] for r in ranks)
         where = f" (the same on all {len(ranks)} ranks)" if len(ranks) > 1 and same else ""
-        logger.info(f"swift_liger: patched the {role} model{where}:\n{report}")
+        if report.supported:
+            logger.info(f"swift_liger: patched the {role} model{where}:\n{report}")
+        else:
+            logger.warning(f"swift_liger: the {role} model trains unpatched:\n{report}")
         if not same:
             logger.warning(f"swift_liger: the ranks patched the {role} model differently: {ranks}")
-        if role == "policy" and cfg.cross_entropy == "fused_linear" and not getattr(args, "rlhf_type", None):
-            logger.info("swift_liger: cross_entropy=fused_linear computes the loss from hidden states, so the model "
-                        "returns no logits in training and ms-swift logs no token_acc (use --liger_cross_entropy "
-                        "fused or --liger_config keep_logits to keep it)")
+        head_note = _lm_head_note(args, role, report)
+        if head_note:
+            logger.info(f"swift_liger: {head_note}")
         _save_record(args, role, cfg, notes, report, ranks)
     return report
+
+
+def _lm_head_adapted(args) -> Optional[str]:
+    """The flag that makes the tuner wrap lm_head (so the fused loss head stands aside), if any."""
+    for flag in ("modules_to_save", "target_modules"):
+        value = getattr(args, flag, None) or []
+        if "lm_head" in ([value] if isinstance(value, str) else list(value)):
+            return flag
+    return None
+
+
+def _lm_head_note(args, role, report) -> Optional[str]:
+    """What the fused loss head means for this run's logs, said only when it applies."""
+    if role != "policy" or report.cross_entropy_mode != "fused_linear" or not report.patched.get("cross_entropy"):
+        return None
+    flag = _lm_head_adapted(args)
+    if flag:
+        return (f"--{flag} covers lm_head, so the tuner wraps it and the fused linear loss head stands aside: the "
+                "model materialises logits as without swift_liger (the first-step log counts it)")
+    if getattr(args, "rlhf_type", None):
+        return None
+    return ("cross_entropy=fused_linear computes the loss from hidden states, so the model returns no logits in "
+            "training and ms-swift logs no token_acc (use --liger_cross_entropy fused or --liger_config keep_logits "
+            "to keep it)")
 
 
 def _gather_ranks(report):

@@ -41,13 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from ..config import LigerConfig
-from .families import ACTIVATIONS, Family, family_for
+from .families import ACTIVATIONS, FAMILIES, Family, family_for
 
 logger = logging.getLogger("swift_liger")
 
 STATE_ATTR = "_swift_liger_state"
 EMIT_HIDDEN_ATTR = "_swift_liger_emit_hidden"
-CALLS_ATTR = "_swift_liger_calls"   # on the patched lm_head: the patch state's call counters
 FUSIONS = ("rms_norm", "rope", "qk_norm_rope", "swiglu", "cross_entropy", "rolling_cache", "compile_layers")
 
 
@@ -100,8 +99,9 @@ class PatchReport:
 
     def summary(self) -> str:
         if not self.supported:
-            return (f"swift_liger: {self.model_class} (model_type={self.model_type!r}) is not supported; "
-                    f"model left unpatched")
+            from .families import FAMILIES
+            return (f"swift_liger: {self.model_class} (model_type={self.model_type!r}) is not supported (swift_liger "
+                    f"patches {', '.join(sorted(FAMILIES))}); model left unpatched")
         parts = []
         for name in FUSIONS:
             count = self.patched[name]
@@ -202,14 +202,15 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 # What the loss head of a patched causal LM did, counted per call: our fused linear CE and our CE on logits (the
-# model's loss_function), fused log-probs for a trainer (models.head), and forwards where the patched lm_head
-# materialised logits (eval, generation, trainers that read outputs.logits).
+# model's loss_function), fused log-probs for a trainer (models.head), and forwards that returned [.., V] logits
+# (eval, generation, trainers that read outputs.logits, an lm_head the tuner wrapped).
 LOSS_CALLS = ("fused_linear_cross_entropy", "cross_entropy", "fused_linear_logprobs", "lm_head_logits")
 
 
 def call_counts(model: torch.nn.Module, reset: bool = False) -> Optional[Dict[str, Any]]:
     """The loss-head call counters of the patched model inside `model` (None when it is not patched), with its
-    cross_entropy mode. lm_head_logits is None when the lm_head is not patched (mode fused or off): not counted."""
+    cross_entropy mode. lm_head_logits is None unless cross_entropy=fused_linear (the only mode whose forward
+    wrapper sees every call)."""
     states = _find_states(model)
     if not states:
         return None
@@ -455,9 +456,6 @@ def _make_mlp_forward(gated_act: Callable, lora_fusion: bool = False) -> Callabl
 def _lm_head_forward(self, hidden_states):
     if getattr(self, EMIT_HIDDEN_ATTR, False):
         return hidden_states  # fused_linear step or log-prob pass: the loss applies the weight itself
-    calls = self.__dict__.get(CALLS_ATTR)
-    if calls is not None:
-        calls["lm_head_logits"] += 1
     return type(self).forward(self, hidden_states)
 
 
@@ -581,8 +579,13 @@ def _causal_lm_forward(self, *args, **kwargs):
         out = _forward_head_skipped(self, st, original, args, kwargs)
         st.emitted = getattr(out, "logits", None)
         return out
-    if st is None or not _emit_hidden(self, st, args, kwargs):
+    if st is None:
         return original(self, *args, **kwargs)
+    if not _emit_hidden(self, st, args, kwargs):
+        out = original(self, *args, **kwargs)
+        if getattr(out, "logits", None) is not None:   # whichever module made them (a PEFT copy of lm_head too)
+            st.calls["lm_head_logits"] += 1
+        return out
     return _drop_logits(_forward_head_skipped(self, st, original, args, kwargs))
 
 
@@ -683,8 +686,8 @@ def apply(model: torch.nn.Module, config=None, **overrides) -> PatchReport:
     report = PatchReport(model_type=model_type, model_class=type(model).__name__, supported=family is not None,
                          config=config.to_dict())
     if family is None:
-        message = (f"swift_liger: model type {model_type!r} ({type(model).__name__}) is not supported; skipped "
-                   f"rms_norm, rope, swiglu, qk_norm_rope, cross_entropy; the model is left unpatched")
+        message = (f"swift_liger: model type {model_type!r} ({type(model).__name__}) is not supported (swift_liger "
+                   f"patches {', '.join(sorted(FAMILIES))}); the model is left unpatched")
         if config.strict:
             raise ValueError(message + " (strict=True)")
         warnings.warn(message, stacklevel=2)
@@ -926,7 +929,6 @@ def _patch_loss(root: torch.nn.Module, family: Family, config: LigerConfig, st: 
             st.head_loss = _load_head_loss()
             st.lm_head, st.lm_head_name, st.labels_index = head, family.lm_head, labels_index
             st.set(head, EMIT_HIDDEN_ATTR, False)
-            st.set(head, CALLS_ATTR, st.calls)
             _set_forward(st, head, _lm_head_forward)
             wrapper = functools.update_wrapper(
                 types.FunctionType(_causal_lm_forward.__code__, _causal_lm_forward.__globals__,

@@ -18,17 +18,15 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from ..config import backend_from_env
+
 logger = logging.getLogger("swift_liger")
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _backend_env() -> str:
-    value = os.environ.get("SWIFT_LIGER_BACKEND", "auto").strip().lower()
-    if value not in ("auto", "triton", "torch"):
-        raise ValueError(f"SWIFT_LIGER_BACKEND must be one of auto, triton, torch; got {value!r}")
-    return value
+_backend_env = backend_from_env
 
 
 @functools.lru_cache(maxsize=None)

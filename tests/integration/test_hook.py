@@ -188,7 +188,11 @@ def test_late_install_is_an_error_for_arguments(fake_swift):
 
 def test_targets_are_the_documented_modules():
     assert set(hook.TARGETS) == {"swift.arguments.sft_args", "swift.pipelines.train.tuner",
-                                 "swift.pipelines.train.sft", "swift.pipelines.train.rlhf"}
+                                 "swift.pipelines.train.sft", "swift.pipelines.train.rlhf", "swift.pipelines.base",
+                                 "swift.cli.utils"}
+    import importlib.util
+    for name in hook.TARGETS:   # each is a module of the installed ms-swift
+        assert importlib.util.find_spec(name) is not None, name
 
 
 def test_reload_patches_the_new_class_again(fake_swift):

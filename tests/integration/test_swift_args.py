@@ -182,3 +182,49 @@ def test_labels_popped_falls_back_to_fused(prepared):
     assert note.startswith("cross_entropy fused_linear -> fused")
     assert "label_smoothing_factor=0.1" in note and "loss_scale=react" in note and "is not binary" in note
     assert prepared("--loss_scale", "ignore_empty_think")["config"]["cross_entropy"] == "fused_linear"
+
+
+def test_readme_flags_table_is_the_generated_one(monkeypatch):
+    monkeypatch.delenv(liger_args.PRESET_DIR_ENV, raising=False)
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    begin = readme.index("-->", readme.index("<!-- flags:begin")) + 3
+    table = readme[begin:readme.index("<!-- flags:end -->")].strip()
+    assert table == liger_args.flags_markdown(), "README flags table is stale: paste `swift-liger flags` into it"
+    for name in liger_args.FIELD_NAMES:
+        assert f"`--{name}`" in table
+    for name in liger_args.ENV_VARS:
+        assert f"`{name}`" in table
+
+
+@pytest.mark.parametrize("token, hint", [
+    ("--liger_rms_nrom", "--liger_rms_norm"), ("--liger_rms", "--liger_rms_norm"), ("--liger-rms=true", "--liger_rms_norm"),
+    ("--use_ligr", "--use_liger"), ("--liger_crossentropy", "--liger_cross_entropy"), ("--liger_xyz", None),
+])
+def test_argv_check_refuses_unknown_and_abbreviated_flags(swift_mod, token, hint):
+    with pytest.raises(ValueError, match="unknown flag") as err:
+        liger_args.check_argv(swift_mod["sft"], ["--model", "m", token, "true"])
+    if hint:
+        assert f"(did you mean {hint}?)" in str(err.value)
+
+
+def test_argv_check_passes_exact_names_and_other_flags(swift_mod):
+    argv = ["--use_liger", "--liger_rope", "false", "--liger-swiglu=true", "--use_liger_kernel", "false", "--lr", "1"]
+    liger_args.check_argv(swift_mod["rlhf"], argv)   # ms-swift's own flags (and its use_liger_kernel) are not ours
+    liger_args.check_argv(dict, ["--liger_anything"])   # not an arguments class with our fields: nothing to check
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"SWIFT_LIGER_BACKEND": "cuda"}, "SWIFT_LIGER_BACKEND must be one of auto, triton, torch; got 'cuda'"),
+    ({"SWIFT_LIGER_PEAK_TFLOPS": "fast"}, "SWIFT_LIGER_PEAK_TFLOPS must be a number > 0"),
+    ({"SWIFT_LIGER_PEAK_TFLOPS": "-3"}, "SWIFT_LIGER_PEAK_TFLOPS must be a number > 0"),
+    ({"SWIFT_LIGER_PRESET_DIR": "/no/such/dir"}, "is not a directory"),
+    ({"SWIFT_LIGER_BACKEND": "triton", "TRITON_INTERPRET": "0"}, "needs TRITON_INTERPRET=1"),
+])
+def test_environment_is_checked(monkeypatch, env, match):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        liger_args.check_environment()

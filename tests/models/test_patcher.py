@@ -767,6 +767,9 @@ def test_rolling_cache_installed_and_reverted(torch_backend):
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))  # window > length: same tokens
     swift_liger.revert(model)
     assert "generate" not in model.__dict__ and instance_forwards(model) == {}
-    with pytest.warns(UserWarning, match="rolling_cache"):
-        bad = swift_liger.apply(build("llama"), rolling_cache={"window": 0})
-    assert bad.patched["rolling_cache"] == 0 and bad.problems
+    # bad settings are an error when the config is built, before anything is patched
+    for bad, match in (({"window": 0}, "window must be an int >= 1"), ({"window": 8, "sinks": -1}, "sinks must be"),
+                       ({"window": 8, "mode": "ring"}, "mode must be one of absolute, streaming"),
+                       ({"sinks": 4}, "keys window, sinks")):
+        with pytest.raises(ValueError, match=match):
+            swift_liger.apply(build("llama"), rolling_cache=bad)
