@@ -12,11 +12,18 @@ import sys
 
 
 def _plot(args) -> int:
-    from .plot import plot_runs, read_steps, run_label
-    for path in args.runs:
-        rows = read_steps(path)
-        print(f"{run_label(path)}: {len(rows)} logged steps")
-    print(plot_runs(args.runs, args.output, title=args.title))
+    from .plot import plot_runs, read_steps, run_labels
+    try:
+        labels = args.labels or run_labels(args.runs)
+        if len(labels) != len(args.runs):
+            print(f"swift-liger plot: --labels got {len(labels)} names for {len(args.runs)} runs", file=sys.stderr)
+            return 2
+        for label, path in zip(labels, args.runs):
+            print(f"{label}: {len(read_steps(path))} logged steps ({path})")
+        print(plot_runs(args.runs, args.output, title=args.title, labels=labels))
+    except FileNotFoundError as exc:
+        print(f"swift-liger plot: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -57,8 +64,9 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("plot", help="plot logging.jsonl of one or more ms-swift runs to a PNG")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output_dir, v*-* run dir or logging.jsonl")
-    p.add_argument("-o", "--output", default="swift_liger_plot.png")
+    p.add_argument("-o", "--output", default="swift_liger_plot.png", help="PNG path, written exactly as given")
     p.add_argument("--title", default=None)
+    p.add_argument("--labels", nargs="+", default=None, metavar="NAME", help="one legend name per run")
     p.set_defaults(func=_plot)
 
     p = sub.add_parser("tiny", help="build the offline tiny model + datasets used by the demo and tests")

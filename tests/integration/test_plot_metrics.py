@@ -112,5 +112,52 @@ def test_read_steps_and_plot(tmp_path):
     assert plot.memory_key([{"rss(GiB)": 1, "peak_alloc(GiB)": 2}]) == "peak_alloc(GiB)"
     png = plot.plot_runs([str(out), str(out / "v1-new" / "logging.jsonl")], str(tmp_path / "p.png"))
     assert os.path.getsize(png) > 10_000
-    with pytest.raises(FileNotFoundError, match="no logging.jsonl"):
+    with pytest.raises(FileNotFoundError, match="no such run"):
         plot.find_log(str(tmp_path / "nothing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no logging.jsonl"):
+        plot.find_log(str(tmp_path / "empty"))
+
+
+def test_plot_labels_output_name_and_summary(tmp_path, capsys):
+    from swift_liger.cli import main
+    rows = [{"loss": 2.0 - i / 10, "global_step/max_steps": f"{i}/4", "tokens/s": 100.0 * i,
+             "peak_alloc(GiB)": 10.0 + 0.001 * i} for i in (1, 2, 3, 4)]
+    for parent in ("a", "b"):   # two runs whose output dirs have the same name
+        write_log(tmp_path / parent / "liger" / "v0-20260101-000000", rows)
+    (tmp_path / "b" / "liger" / "v0-20260101-000000" / "liger_patch.json").write_text("{}")
+    runs = [str(tmp_path / "a" / "liger"), str(tmp_path / "b" / "liger")]
+    assert plot.run_labels(runs) == ["a/liger (stock)", "b/liger"]   # told apart; only a true name drops the tag
+    assert plot.run_labels([runs[1], runs[1]]) == ["liger #1", "liger #2"]
+    s0 = plot.summary("x", plot.read_steps(runs[0]))
+    s1 = plot.summary("y", plot.read_steps(runs[1]), s0)
+    assert s0["tokens_per_s"] == 300.0 and s0["peak_memory_gib"] == pytest.approx(10.004)   # median after step 1
+    assert s1["tokens_per_s_ratio"] == 1.0 and s1["peak_memory_gib_ratio"] == 1.0
+
+    out = tmp_path / "cmp_no_extension"
+    assert main(["plot", *runs, "-o", str(out), "--labels", "stock", "ours"]) == 0
+    assert out.is_file() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "cmp_no_extension.png").exists()
+    assert "stock: 4 logged steps" in capsys.readouterr().out
+    assert main(["plot", *runs, "-o", str(out), "--labels", "one"]) == 2
+    assert "--labels got 1 names for 2 runs" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "missing"), "-o", str(out)]) == 2   # a message, no traceback
+    assert "no such run" in capsys.readouterr().err
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    captured = {}
+    original = plt.Figure.savefig
+
+    def keep(fig, *a, **k):
+        captured["axes"] = fig.axes
+        return original(fig, *a, **k)
+    plt.Figure.savefig = keep
+    try:
+        plot.plot_runs(runs, str(tmp_path / "p.png"))
+    finally:
+        plt.Figure.savefig = original
+    loss_ax, _, mem_ax = captured["axes"]
+    assert all(float(t).is_integer() for t in loss_ax.get_xticks())   # integer steps
+    assert mem_ax.get_ylim()[0] == 0.0                                 # memory from 0 GiB
+    assert len({line.get_marker() for line in loss_ax.lines}) == 2     # equal curves, distinct markers
