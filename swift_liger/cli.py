@@ -4,6 +4,8 @@
     swift-liger tiny OUTDIR [--arch qwen3|llama]          offline tiny random model + toy datasets
     swift-liger info                                      is the ms-swift hook active, versions, backend
     swift-liger flags                                     every --use_liger / --liger_* flag and environment variable
+    swift-liger ab [--each] -- <swift sft args>           the same run without and with --use_liger (and each
+                                                          fusion off in turn): one table and a plot
 """
 from __future__ import annotations
 
@@ -59,6 +61,10 @@ def _flags(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["ab"]:   # everything after `--` belongs to swift: no argparse of ours over it
+        from .ab import main as ab_main
+        return ab_main(argv[1:])
     ap = argparse.ArgumentParser(prog="swift-liger", description="swift_liger utilities")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -79,6 +85,9 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("flags", help="the table of every flag (default, meaning) and environment variable")
     p.set_defaults(func=_flags)
+
+    sub.add_parser("ab", help="swift-liger ab [--out DIR] [--each] [--fusions a,b] [--command sft|pt|rlhf] -- "
+                              "<swift args>: the same training without and with --use_liger, one table and a plot")
 
     args = ap.parse_args(argv)
     return args.func(args)

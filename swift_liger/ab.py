@@ -1,0 +1,129 @@
+"""`swift-liger ab -- <swift sft args>`: the same training without and with --use_liger, side by side.
+
+    swift-liger ab --out runs/ab -- --model Qwen/Qwen3-8B --tuner_type lora --dataset my.jsonl --max_steps 50
+    swift-liger ab --each -- ...               # and once more per fusion, with that fusion switched off
+    swift-liger ab --command rlhf -- --rlhf_type dpo ...
+
+Each run is a real `swift <command>` process writing to OUT/<run>; afterwards one table (median tokens/s after
+step 1, peak memory, final loss, the largest per-step loss difference from the stock run) and OUT/ab.png.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from typing import List, Sequence, Tuple
+
+# fusion -> the flag value that switches it off (LigerConfig keys, as --liger_<key>)
+FUSIONS = {"rms_norm": "false", "rope": "false", "swiglu": "false", "qk_norm_rope": "false",
+           "cross_entropy": "off", "lora_fusion": "false"}
+DEFAULT_EACH = ("rms_norm", "rope", "swiglu", "qk_norm_rope", "cross_entropy", "lora_fusion")
+
+
+def variants(each: bool, fusions: Sequence[str]) -> List[Tuple[str, str, List[str]]]:
+    """(directory name, label, extra flags) per run; the stock run first."""
+    out = [("stock", "stock", []), ("use_liger", "--use_liger", ["--use_liger"])]
+    if each:
+        for f in fusions:
+            out.append((f"no_{f}", f"--use_liger, {f} off", ["--use_liger", f"--liger_{f}", FUSIONS[f]]))
+    return out
+
+
+def check_swift_args(swift_args: Sequence[str]) -> None:
+    for token in swift_args:
+        name = token.split("=", 1)[0]
+        if name in ("--use_liger",) or name.startswith("--liger_"):
+            raise SystemExit(f"swift-liger ab: {name} is set by ab itself for each run; leave it out of the swift "
+                             "arguments (per-fusion runs: --each / --fusions)")
+        if name == "--output_dir":
+            raise SystemExit("swift-liger ab: --output_dir is set per run; give the parent directory with --out")
+    if not swift_args:
+        raise SystemExit("swift-liger ab: no swift arguments; usage: swift-liger ab [--each] -- <swift sft args>")
+
+
+def run_all(command: str, swift_args: Sequence[str], out: str, runs, python: str = sys.executable) -> List[dict]:
+    os.makedirs(out, exist_ok=True)
+    results = []
+    for name, label, extra in runs:
+        output_dir = os.path.join(out, name)
+        cmd = [python, "-m", "swift.cli.main", command, *swift_args, *extra, "--output_dir", output_dir]
+        if swift_args and swift_args[0].endswith((".yaml", ".yml", ".json")):   # ms-swift wants the config first
+            cmd = [python, "-m", "swift.cli.main", command, swift_args[0], *swift_args[1:], *extra,
+                   "--output_dir", output_dir]
+        log_path = os.path.join(out, f"{name}.log")
+        print(f"[ab] {label}: swift {command} ... {' '.join(extra)}  (log: {log_path})", flush=True)
+        with open(log_path, "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        results.append({"name": name, "label": label, "dir": output_dir, "rc": rc,
+                        "command": shlex.join(cmd[2:])})
+        if rc != 0:
+            print(f"[ab] {label}: exit code {rc}; last lines of {log_path}:", flush=True)
+            with open(log_path, errors="replace") as f:
+                print("".join(f.readlines()[-8:]), flush=True)
+    return results
+
+
+def report(results: List[dict], out: str) -> str:
+    from .plot import plot_runs, read_steps, summary
+    rows, stats, done = [], [], []
+    base_steps = None
+    for r in results:
+        try:
+            steps = read_steps(r["dir"])
+        except FileNotFoundError:
+            steps = []
+        if not steps:
+            rows.append(f"| {r['label']} | failed (exit code {r['rc']}) | | | | |")
+            continue
+        s = summary(r["label"], steps, stats[0] if stats else None)
+        stats.append(s)
+        done.append(r)
+        if base_steps is None:
+            base_steps = {x["step"]: x["loss"] for x in steps}
+            diff = "—"
+        else:
+            common = [x for x in steps if x["step"] in base_steps]
+            diff = f"{max(abs(x['loss'] - base_steps[x['step']]) for x in common):.2e}" if common else "—"
+        tps = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] is not None else "—"
+        ratio = f"{s['tokens_per_s_ratio']:.2f}×" if s.get("tokens_per_s_ratio") else "1.00×"
+        mem = (f"{s['peak_memory_gib']:.2f} ({s['memory_key']})" if s["peak_memory_gib"] is not None else "—")
+        rows.append(f"| {r['label']} | {tps} | {ratio} | {mem} | {s['final_loss']:.4f} | {diff} |")
+    table = "\n".join(["| run | tokens/s | vs stock | peak memory GiB | final loss | max per-step loss diff |",
+                       "|---|---:|---:|---:|---:|---:|", *rows])
+    if len(done) >= 1:
+        png = plot_runs([r["dir"] for r in done], os.path.join(out, "ab.png"), labels=[r["label"] for r in done])
+        table += f"\n\nplot: {png}"
+    return table
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: swift-liger ab [--out DIR] [--each] [--fusions a,b] [--command sft|pt|rlhf] -- <swift args>",
+              file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    ours, swift_args = argv[:split], argv[split + 1:]
+    ap = argparse.ArgumentParser(prog="swift-liger ab", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="ab_runs", help="parent directory of the runs (default ab_runs)")
+    ap.add_argument("--command", default="sft", choices=("sft", "pt", "rlhf"))
+    ap.add_argument("--each", action="store_true", help="also one run per fusion with that fusion off")
+    ap.add_argument("--fusions", default=",".join(DEFAULT_EACH),
+                    help=f"fusions for --each, comma-separated (from {', '.join(FUSIONS)})")
+    args = ap.parse_args(ours)
+    fusions = [f.strip() for f in args.fusions.split(",") if f.strip()]
+    unknown = [f for f in fusions if f not in FUSIONS]
+    if unknown:
+        print(f"swift-liger ab: --fusions: unknown {', '.join(unknown)}; known: {', '.join(FUSIONS)}",
+              file=sys.stderr)
+        return 2
+    check_swift_args(swift_args)
+    results = run_all(args.command, swift_args, args.out, variants(args.each, fusions))
+    print(report(results, args.out))
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
