@@ -50,6 +50,7 @@ SHAPES = {   # model_type, layers, hidden, intermediate, heads, kv_heads, vocab,
     "llama3-8b": ("llama", 32, 4096, 14336, 32, 8, 128256, False),
     "qwen2.5-7b": ("qwen2", 28, 3584, 18944, 28, 4, 152064, False),
     "qwen2.5-1.5b": ("qwen2", 28, 1536, 8960, 12, 2, 151936, True),
+    "qwen2.5-0.5b": ("qwen2", 24, 896, 4864, 14, 2, 151936, True),
 }
 TASKS = ("sft", "dpo", "orpo", "cpo", "simpo", "kto")
 CPU_FLAGS = ["--torch_dtype", "float32", "--bf16", "false", "--fp16", "false"]

@@ -11,6 +11,8 @@ the optimizer steps since the previous log line:
                      no padding). Prompt tokens count too: they cost forward+backward like any other.
   peak_alloc(GiB)    CUDA only: torch.cuda.max_memory_allocated() with the peak reset at every step begin, max over
   peak_reserved(GiB) the logged steps (rank-local, current device). ms-swift's cumulative memory(GiB) stays right.
+  alloc(GiB)         CUDA only: torch.cuda.memory_allocated() at the end of the last logged step (weights, optimizer
+                     state, whatever survived the step): flat over a long run unless something accumulates.
   rss(GiB)           CPU runs only (no CUDA): process resident set size at the last step end. Not a peak.
   MFU                CUDA + bf16/fp16 weights only: achieved FLOP/s / (peak dense FLOP/s x ranks). FLOPs/token =
                      2*N_linear (forward) + 2*N_linear (activation grads) + 2*N_trainable_linear (weight grads),
@@ -118,6 +120,7 @@ class StepMetrics:
         self.tokens = 0
         self.peak_alloc = 0
         self.peak_reserved = 0
+        self.alloc = 0
         self.t0 = None
 
     def _fail(self, where, exc):
@@ -158,6 +161,7 @@ class StepMetrics:
                 torch.cuda.synchronize()
                 self.peak_alloc = max(self.peak_alloc, torch.cuda.max_memory_allocated())
                 self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved())
+                self.alloc = torch.cuda.memory_allocated()
             self.seconds += time.perf_counter() - self.t0
             self.tokens += int(sum(int(t) for t in self._pending))
             self.steps += 1
@@ -183,6 +187,7 @@ class StepMetrics:
             if self.cuda:
                 out["peak_alloc(GiB)"] = round(self.peak_alloc / GiB, 4)
                 out["peak_reserved(GiB)"] = round(self.peak_reserved / GiB, 4)
+                out["alloc(GiB)"] = round(self.alloc / GiB, 4)
                 state = self.trainer.state  # keep ms-swift's cumulative memory(GiB) exact despite our resets
                 state.max_memory = max(getattr(state, "max_memory", 0) or 0, self.peak_reserved / GiB)
                 if self.flops_per_token and self.seconds > 0:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device call: a long `swift sft --use_liger` run (memory flat? any NaN?) and a bf16 parity run (stock vs
+# --use_liger, same seed) on a random-init Qwen2.5-0.5B-shaped model, LoRA, short rows; results in $OUT/soak.*
+# (python -m swift_liger.bench.soak). Needs the ignored .whl/ carried.
+#   SOAK_STEPS=1000 PARITY_STEPS=200 BATCH=8 SEQ=512 DEADLINE=330 bash tools/gpu_soak.sh
+set -uo pipefail
+OUT=${OUT:-.out}; M=/tmp/model_soak; R=/tmp/soak_runs; DEADLINE=${DEADLINE:-330}
+SOAK_STEPS=${SOAK_STEPS:-1000}; PARITY_STEPS=${PARITY_STEPS:-200}; BATCH=${BATCH:-8}; SEQ=${SEQ:-512}
+mkdir -p "$OUT" "$R"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+cp swift_liger_hook.pth "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
+timeout 120 python3 -m swift_liger.bench.swift_cli build "$M" --shape qwen2.5-0.5b --seq "$SEQ" --rows 256 \
+  --pref-rows 2 --device cuda 2>&1 | grep -v "Writing model" | tail -2
+F="--model $M/model --model_type qwen2 --template qwen --dataset $M/sft.jsonl --tuner_type lora
+   --target_modules all-linear --torch_dtype bfloat16 --attn_impl sdpa --check_model false --max_length $SEQ
+   --per_device_train_batch_size $BATCH --gradient_accumulation_steps 1 --dataloader_num_workers 0
+   --dataset_num_proc 1 --save_strategy no --report_to none --seed 42 --learning_rate 1e-4 --liger_metrics true"
+left() { echo $(( DEADLINE - SECONDS )); }
+run() {  # name timeout extra...
+  local name=$1 t=$2; shift 2
+  echo "== $name (timeout ${t}s, at ${SECONDS}s)"
+  timeout "$t" swift sft $F --output_dir "$R/$name" "$@" >"$R/$name.log" 2>&1; echo "-- $name rc $? at ${SECONDS}s"
+  grep -h "first step" "$R/$name.log" | cut -c1-200 | head -3
+}
+run parity_stock 75 --max_steps "$PARITY_STEPS" --logging_steps 1
+run parity_liger 75 --max_steps "$PARITY_STEPS" --logging_steps 1 --use_liger
+t=$(( $(left) - 25 )); [ $t -gt 200 ] && t=200
+run soak "$t" --max_steps "$SOAK_STEPS" --logging_steps 10 --use_liger
+meta=$(python3 - <<PY
+import json, subprocess, torch, transformers, triton
+gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+print(json.dumps({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+                  "transformers": transformers.__version__, "shape": "qwen2.5-0.5b (random init), LoRA all-linear",
+                  "batch": $BATCH, "max_length": $SEQ, "soak_steps": $SOAK_STEPS, "parity_steps": $PARITY_STEPS,
+                  "command": "swift sft $(echo $F | tr '\n' ' ')"}))
+PY
+)
+python3 -m swift_liger.bench.soak "$R/soak" "$R/parity_stock" "$R/parity_liger" --out "$OUT" --meta "$meta" \
+  | head -60
+for n in soak parity_stock parity_liger; do cp "$(ls $R/$n/v*/logging.jsonl | head -1)" "$OUT/$n.logging.jsonl"; done
+echo "== done at ${SECONDS}s"
