@@ -66,9 +66,10 @@ def main(argv=None) -> int:
     result = {**json.loads(args.meta), "soak": soak_summary(read_steps(args.soak)),
               "parity": parity_summary(read_steps(args.stock), read_steps(args.liger), args.window)}
     png = plot_runs([args.stock, args.liger], os.path.join(args.out, f"{args.name}_parity.png"),
-                    title="200 steps bf16: stock vs --use_liger, same seed", labels=["stock", "--use_liger"])
+                    title=f"stock vs --use_liger, same seed: {result['parity']['steps']} steps in common",
+                    labels=["stock", "--use_liger"])
     soak_png = plot_runs([args.soak], os.path.join(args.out, f"{args.name}_long.png"),
-                         title="swift sft --use_liger, long run", labels=["--use_liger"])
+                         title=f"swift sft --use_liger: {result['soak']['last_step']} steps", labels=["--use_liger"])
     result["plots"] = [os.path.basename(png), os.path.basename(soak_png)]
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(result, f, indent=1)
