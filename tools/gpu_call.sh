@@ -11,11 +11,7 @@
 # rolling: RollingKVCache decode benchmark (ROLLING_ARGS)
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/bench"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH || { echo "wheel install failed"; exit 1; }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# .pth files are read only from site dirs: put the hook there so `swift sft --use_liger` sees our flags.
-cp swift_liger_hook.pth "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
+source "$(dirname "$0")/device_env.sh"
 t0=$(date +%s)
 stamp() { echo "== $1 (t=$(( $(date +%s) - t0 ))s)"; }
 for section in "$@"; do

@@ -9,11 +9,7 @@ set -uo pipefail
 OUT=${OUT:-.out}; M=/tmp/model_soak; R=/tmp/soak_runs; DEADLINE=${DEADLINE:-590}
 SOAK_STEPS=${SOAK_STEPS:-1000}; PARITY_STEPS=${PARITY_STEPS:-200}; BATCH=${BATCH:-8}; SEQ=${SEQ:-512}
 mkdir -p "$OUT" "$R"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH \
-  || { echo "wheel install failed"; exit 1; }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-cp swift_liger_hook.pth "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
+source "$(dirname "$0")/device_env.sh"
 timeout 120 python3 -m swift_liger.bench.swift_cli build "$M" --shape qwen2.5-0.5b --seq "$SEQ" --rows 256 \
   --pref-rows 2 --device cuda 2>&1 | grep -v "Writing model" | tail -2
 F="--model $M/model --model_type qwen2 --template qwen --dataset $M/sft.jsonl --tuner_type lora

@@ -14,12 +14,7 @@ SHAPE=${SHAPE:-llama3-8b}; SEQ=${SEQ:-8192}; TASKS=${TASKS:-sft}; TUNER=${TUNER:
 STEPS=${STEPS:-12}; WARMUP=${WARMUP:-3}; M=/tmp/model_${SHAPE}_${SEQ}
 NAME=${NAME:-swift_cli_${SHAPE//[.-]/_}}
 mkdir -p "$OUT/swift_cli" "$R"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH \
-  || { echo "wheel install failed"; exit 1; }
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# .pth files are read only from site dirs: put the hook there so `swift sft --use_liger` sees our flags.
-cp swift_liger_hook.pth "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 echo "== wheels installed at ${SECONDS}s"
 

@@ -1,0 +1,8 @@
+# Sourced by the GPU-session scripts: the carried wheels (.whl/, from ../shared/gpu/fetch_wheels.sh) into /tmp/site,
+# offline Hugging Face settings, and the import hook in a site dir (.pth files are not read from PYTHONPATH dirs)
+# so `swift sft --use_liger` sees our flags.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+cp swift_liger_hook.pth "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
