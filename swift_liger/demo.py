@@ -146,10 +146,10 @@ def main(argv=None) -> int:
         patched = record["models"]["policy"]["report"].get("patched")
         print(f"patched ({patch_file}): {patched}")
         print("note: cross_entropy=fused_linear returns no logits in training, so the liger run logs no token_acc")
-    with open(runs["liger"] + ".log", errors="replace") as f:   # the LoRA projections lora_fusion took
-        fusion = [ln.split("swift_liger: ", 1)[1].strip() for ln in f if "lora_fusion in the first step" in ln]
-    if fusion:
-        print(fusion[0])
+    with open(runs["liger"] + ".log", errors="replace") as f:   # what ran, counted (integration/runtime.py)
+        for line in (ln.split("swift_liger: ", 1)[1].strip() for ln in f
+                     if "swift_liger: " in ln and "in the first step" in ln):
+            print(line)
     try:
         png = plot_runs([runs["stock"], runs["liger"]], os.path.join(workdir, "demo.png"))
         print(f"plot: {png}   (swift-liger plot {runs['stock']} {runs['liger']} -o out.png)")
