@@ -8,7 +8,8 @@
 * swift.pipelines.train.tuner -> TunerMixin.prepare_model patches the freshly loaded model before the tuner wraps
                                  it (sft, pt, rlhf policy, PPO value model), on every rank.
 * swift.pipelines.train.rlhf -> side models (ref, reward, teacher) are patched before their adapters load, with
-                                 the loss fusion off (their loss is never used).
+                                 the loss fusion off (their loss is never used), except a preference trainer's
+                                 reference model, whose log-probs come from hidden states too.
 * swift.pipelines.train.sft  -> SwiftSft.train attaches the per-step metrics and the runtime record (runtime.py) to
                                  the trainer; TrainerFactory.get_trainer_cls hands dpo/orpo/cpo/simpo/kto runs the
                                  same trainer with its log-prob seam on hidden states (preference.py).
