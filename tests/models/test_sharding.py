@@ -260,3 +260,52 @@ def test_fsdp2_head_unit(device, mesh):
     loss2.backward()
     assert_close(loss2, ref, torch.float32)
     assert_close(head.weight.grad.full_tensor(), gw, torch.float32, slack=helpers.REDUCTION_SLACK, name="weight")
+
+
+# --- the log-prob head (preference trainers) on sharded heads -------------------------------------------------------
+
+def _logprob_reference(hidden, weight, labels, grad):
+    """float64 log p of the labels and the grads of sum(grad * logp)."""
+    h, w = f64(hidden, requires_grad=True), f64(weight, requires_grad=True)
+    y = labels.cpu()
+    logp = torch.log_softmax(h @ w.t(), -1).gather(-1, y.clamp_min(0)[:, None]).squeeze(-1)
+    logp = torch.where(y != -100, logp, 0.0)
+    (logp * grad.cpu().double()).sum().backward()
+    return logp, h.grad, w.grad
+
+
+def test_zero3_logprobs_through_module_hooks(device, monkeypatch):
+    """A partitioned trainable head (full fine-tuning under ZeRO-3): gathered by the engine's hooks around the op,
+    re-gathered for the backward's dW recompute, dW handed to ZeRO-3's AccumulateGrad hook."""
+    head = torch.nn.Linear(H, V, bias=False, device=device)
+    zero = FakeZero3(head, monkeypatch, module_hooks=True)
+    hidden, labels = data(device)
+    g = randn(N, device=device)
+    logps = sharding.lm_head_logprobs(head, hidden, labels, chunk_size=CHUNK)
+    assert zero.gathers == 0 and head.weight.shape == (0,)   # released after the forward
+    (logps * g).sum().backward()
+    ref, gh, gw = _logprob_reference(hidden, head.weight._full, labels, g)
+    assert_close(logps, ref, torch.float32, name="logps")
+    assert_close(hidden.grad, gh, torch.float32, name="hidden")
+    assert_close(zero.grads[0], gw, torch.float32, slack=helpers.REDUCTION_SLACK, name="weight")
+
+
+def test_fsdp2_logprobs_head_unit(device, mesh):
+    mesh, _ = mesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        pytest.skip("FSDP2 unavailable")
+    head = torch.nn.Linear(H, V, bias=False, device=device)
+    w_full = head.weight.detach().clone()
+    fully_shard(head, mesh=mesh)
+    hidden, labels = data(device)
+    g = randn(N, device=device)
+    out = sharding.lm_head_logprobs(head, hidden, labels, chunk_size=CHUNK, return_logit_sum=True)
+    (out.logps * g).sum().backward()
+    ref, gh, gw = _logprob_reference(hidden, w_full, labels, g)
+    assert_close(out.logps, ref, torch.float32, name="logps")
+    assert_close(out.logit_sum, (hidden.detach().double().cpu() @ w_full.double().cpu().t()).sum(-1), torch.float32,
+                 slack=helpers.REDUCTION_SLACK, name="logit_sum")
+    assert_close(hidden.grad, gh, torch.float32, name="hidden")
+    assert_close(head.weight.grad.full_tensor(), gw, torch.float32, slack=helpers.REDUCTION_SLACK, name="weight")
