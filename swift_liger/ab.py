@@ -16,10 +16,11 @@ import subprocess
 import sys
 from typing import List, Sequence, Tuple
 
-# fusion -> the flag value that switches it off (LigerConfig keys, as --liger_<key>)
-FUSIONS = {"rms_norm": "false", "rope": "false", "swiglu": "false", "qk_norm_rope": "false",
-           "cross_entropy": "off", "lora_fusion": "false"}
-DEFAULT_EACH = ("rms_norm", "rope", "swiglu", "qk_norm_rope", "cross_entropy", "lora_fusion")
+from .fusions import REGISTRY
+
+# fusion -> the flag value that switches it off: every fusion on by default (from the registry)
+FUSIONS = {f.key: str(f.off).lower() for f in REGISTRY if f.default != f.off}
+DEFAULT_EACH = tuple(FUSIONS)
 
 
 def variants(each: bool, fusions: Sequence[str]) -> List[Tuple[str, str, List[str]]]:

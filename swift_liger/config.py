@@ -1,12 +1,15 @@
-"""LigerConfig: which fusions the patcher applies. Shared by `swift_liger.apply` and the ms-swift plugin."""
+"""LigerConfig: which fusions the patcher applies. Shared by `swift_liger.apply` and the ms-swift plugin.
+
+No torch import: the ms-swift flags and `swift-liger flags` build on it.
+"""
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-CROSS_ENTROPY_MODES = ("fused_linear", "fused", "off")
+from .fusions import REGISTRY
+
 BACKENDS = ("auto", "triton", "torch")   # SWIFT_LIGER_BACKEND
 
 
@@ -17,6 +20,8 @@ def backend_from_env() -> str:
     if value not in BACKENDS:
         raise ValueError(f"SWIFT_LIGER_BACKEND must be one of {', '.join(BACKENDS)}; got {value!r}")
     return value
+
+
 ROLLING_CACHE_MODES = ("absolute", "streaming")
 ROLLING_CACHE_KEYS = ("window", "sinks", "mode", "cuda_graph")
 
@@ -45,85 +50,58 @@ def closest(name: str, known) -> str:
     return f" (did you mean {match[0]}?)" if match else ""
 
 
-@dataclass
-class LigerConfig:
-    """Switch per fusion.
+def _post_init(self):
+    for fusion in REGISTRY:
+        setattr(self, fusion.key, fusion.check(getattr(self, fusion.key)))
+    if not isinstance(self.strict, bool):
+        raise TypeError(f"LigerConfig.strict must be true or false, got {self.strict!r}")
 
-    rms_norm:      swap every RMSNorm module's forward for the Triton RMSNorm.
-    rope:          swap the rotary application (rotate-half) for the one-launch q+k kernel.
-    swiglu:        swap the MLP activation (SwiGLU, or GeGLU for Gemma-style MLPs).
-    cross_entropy: "fused_linear" (loss from hidden states, logits never materialised, training with labels only),
-                   "fused" (Triton CE on materialised logits) or "off".
-    qk_norm_rope:  Qwen3-style attention: fuse q_norm/k_norm with the rotation (needs rope=True).
-    rolling_cache: {"window": int, "sinks": int} (optional "mode": "absolute"|"streaming", "cuda_graph": bool)
-                   installs RollingKVCache for generation; None leaves caches alone.
-    compile_layers: torch.compile each decoder layer of this instance (lazily, at its first call). Our ops are
-                   custom ops, so a compiled layer keeps them as single nodes and compile fuses the rest; in the
-                   8B LoRA loop this gave compile's speed at less memory than Liger-Kernel
-                   (docs/benchmarks/e2e_llama3_8b_lora.md). Off by default: the first steps pay the compile time.
-    lora_fusion:   in the patched MLPs and attentions (rope on), PEFT LoRA projections in their plain set-up (one
-                   adapter, unmerged, vanilla LoRA on an nn.Linear) run through swift_liger.ops.lora_linear, which
-                   keeps no fp32 or duplicate copies of their inputs and only a bit mask of the LoRA dropout (same
-                   maths, same dropout distribution). `swift sft` Llama-3-8B LoRA at 8k on an H200: 8601 tok/s at
-                   18.98 GiB against 7452 tok/s at 20.29 GiB without it (docs/benchmarks/swift_cli_llama3_8b_lora.md).
-                   Without autocast (fp32 adapters on a bf16 model, a plain loop) the LoRA branch stays fp32 and
-                   is recomputed from x in chunks: −0.87 GiB but 3% slower than Liger-Kernel in that 8B loop.
-                   Other set-ups (QLoRA, DoRA, merged adapters, under torch.compile) run PEFT's forward.
-    strict:        an unsupported model type is an error instead of a warning.
-    """
-    rms_norm: bool = True
-    rope: bool = True
-    swiglu: bool = True
-    cross_entropy: str = "fused_linear"
-    qk_norm_rope: bool = True
-    rolling_cache: Optional[dict] = None
-    compile_layers: bool = False
-    lora_fusion: bool = True
-    strict: bool = False
-    extra: dict = field(default_factory=dict, repr=False)
 
-    def __post_init__(self):
-        for name in ("rms_norm", "rope", "swiglu", "qk_norm_rope", "compile_layers", "lora_fusion", "strict"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"LigerConfig.{name} must be true or false, got {value!r}")
-        if self.cross_entropy is False or self.cross_entropy is None:
-            self.cross_entropy = "off"
-        if self.cross_entropy is True:
-            self.cross_entropy = "fused_linear"
-        if self.cross_entropy not in CROSS_ENTROPY_MODES:
-            raise ValueError(f"LigerConfig.cross_entropy must be one of {', '.join(CROSS_ENTROPY_MODES)}, "
-                             f"got {self.cross_entropy!r}")
-        if self.rolling_cache is not None:
-            rc = self.rolling_cache
-            if not isinstance(rc, Mapping) or set(rc) - set(ROLLING_CACHE_KEYS) or "window" not in rc:
-                raise ValueError("LigerConfig.rolling_cache must be a mapping with keys window, sinks (and optional "
-                                 f"mode, cuda_graph), got {rc!r}")
-            check_rolling_cache(**rc, where="LigerConfig.rolling_cache")
+def _field_names(cls) -> tuple:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "extra")
 
-    @classmethod
-    def field_names(cls) -> tuple:
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "extra")
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "LigerConfig":
-        unknown = sorted(set(data) - set(cls.field_names()))
-        if unknown:
-            hints = "".join(closest(k, cls.field_names()) for k in unknown[:1])
-            raise ValueError(f"unknown swift_liger config key(s): {', '.join(unknown)}{hints}; "
-                             f"known keys: {', '.join(cls.field_names())}")
-        return cls(**dict(data))
+def _check_keys(cls, keys) -> None:
+    unknown = sorted(set(keys) - set(cls.field_names()))
+    if unknown:
+        hints = "".join(closest(k, cls.field_names()) for k in unknown[:1])
+        raise ValueError(f"unknown swift_liger config key(s): {', '.join(unknown)}{hints}; "
+                         f"known keys: {', '.join(cls.field_names())}")
 
-    @classmethod
-    def from_yaml(cls, path: str) -> "LigerConfig":
-        import yaml
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"liger_config: no such file {path!r}")
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, Mapping):
-            raise ValueError(f"liger_config {path!r} must hold a mapping of keys, got {type(data).__name__}")
-        return cls.from_dict(data)
 
-    def to_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self.field_names()}
+def _from_dict(cls, data: Mapping[str, Any]):
+    cls.check_keys(data)
+    return cls(**dict(data))
+
+
+def _from_yaml(cls, path: str):
+    import yaml
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"liger_config: no such file {path!r}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"liger_config {path!r} must hold a mapping of keys, got {type(data).__name__}")
+    return cls.from_dict(data)
+
+
+def _to_dict(self) -> dict:
+    return {name: getattr(self, name) for name in self.field_names()}
+
+
+_TYPES = {"bool": bool, "choice": str, "mapping": Optional[dict]}
+
+# LigerConfig: one field per fusion of the registry (swift_liger/fusions/), then strict. Generated so a new fusion
+# is one module: its key, default, checks and help reach the config, the flags, YAML and the docs from there.
+LigerConfig = dataclasses.make_dataclass(
+    "LigerConfig",
+    [(f.key, _TYPES[f.kind], dataclasses.field(default=f.default)) for f in REGISTRY]
+    + [("strict", bool, dataclasses.field(default=False)),
+       ("extra", dict, dataclasses.field(default_factory=dict, repr=False))],
+    namespace={"__post_init__": _post_init, "field_names": classmethod(_field_names),
+               "check_keys": classmethod(_check_keys),
+               "from_dict": classmethod(_from_dict), "from_yaml": classmethod(_from_yaml), "to_dict": _to_dict,
+               "__module__": __name__})
+LigerConfig.__doc__ = "Which fusions the patcher applies (one switch per fusion; swift_liger/fusions/).\n\n" + "\n".join(
+    f"    {f.key}: {f.help} Default {f.default!r}." for f in REGISTRY) + (
+    "\n    strict: an unsupported model type, or a fusion that cannot apply, is an error instead of a warning.")

@@ -77,10 +77,11 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..config import check_rolling_cache
+from ..models.families import rolling_cache_model_types
 from ..ops.decode_attention import decode_attention_unchecked
 from ..ops.kv_ring_write import kv_ring_write_unchecked, kv_sink_rotate, kv_sink_rotate_unchecked
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = rolling_cache_model_types()   # from the family tables (models/families.py)
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 # RoPE variants whose inverse frequencies are fixed, so scores depend only on position differences.
 STREAMING_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

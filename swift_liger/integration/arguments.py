@@ -18,49 +18,27 @@ import weakref
 from typing import Optional
 
 from ..config import LigerConfig, backend_from_env, closest
+from ..fusions import BY_KEY, REGISTRY
 
 _BOOL_FLAG = {"nargs": "?", "const": True}  # `--liger_rope` alone means true; default None means "from the preset"
 
 # name, type, default, help. Every name must be new to ms-swift and no prefix of an ms-swift flag, except use_liger,
 # which is a prefix of use_liger_kernel on purpose: argparse prefers the exact match, so `--use_liger` is ours.
+# One --liger_<key> per fusion of the registry (swift_liger/fusions/), between the plugin's own flags.
 FIELDS = (
     ("use_liger", bool, False, "Patch the model with swift_liger's Triton kernels after it is loaded and before the "
                                "tuner wraps it (the default preset: every fusion on)."),
     ("liger_config", Optional[str], None, "Preset name or path to a YAML of LigerConfig keys; liger_* flags override "
                                           "it."),
-    ("liger_rms_norm", Optional[bool], None, "Triton RMSNorm."),
-    ("liger_rope", Optional[bool], None, "One-launch q+k rotary embedding."),
-    ("liger_swiglu", Optional[bool], None, "Fused SwiGLU/GeGLU MLP activation."),
-    ("liger_cross_entropy", Optional[str], None, "fused_linear (the loss, or for rlhf dpo/orpo/cpo/simpo/kto the "
-                                                 "log-probs, from hidden states: no logits), fused (Triton CE on "
-                                                 "logits) or off."),
-    ("liger_qk_norm_rope", Optional[bool], None, "Qwen3-style q_norm/k_norm fused with the rotation (needs "
-                                                 "liger_rope)."),
+    *((f.flag, Optional[bool] if f.kind == "bool" else Optional[str], None, f.help) for f in REGISTRY),
     ("liger_strict", Optional[bool], None, "An unsupported model type is an error (before the model loads) instead "
                                            "of a warning."),
-    ("liger_compile_layers", Optional[bool], None, "torch.compile each decoder layer (our ops stay single custom-op "
-                                                   "nodes inside); first steps pay the compile time."),
-    ("liger_lora_fusion", Optional[bool], None, "PEFT LoRA projections (MLP, attention) without PEFT's fp32 or "
-                                                "duplicate input copies; off in the minimal and off presets."),
-    ("liger_rolling_cache", Optional[str], None, 'RollingKVCache for generation: "window,sinks" or '
-                                                 '{"window": W, "sinks": S, "mode": "absolute" or "streaming", '
-                                                 '"cuda_graph": true}.'),
     ("liger_metrics", bool, True, "Log step_time(s), tokens/s, peak memory and MFU every logging step (with or "
                                   "without --use_liger, so runs compare fairly)."),
 )
 FIELD_NAMES = tuple(f[0] for f in FIELDS)
 # flag -> LigerConfig key
-FLAG_TO_KEY = {
-    "liger_rms_norm": "rms_norm",
-    "liger_rope": "rope",
-    "liger_swiglu": "swiglu",
-    "liger_cross_entropy": "cross_entropy",
-    "liger_qk_norm_rope": "qk_norm_rope",
-    "liger_strict": "strict",
-    "liger_rolling_cache": "rolling_cache",
-    "liger_compile_layers": "compile_layers",
-    "liger_lora_fusion": "lora_fusion",
-}
+FLAG_TO_KEY = {**{f.flag: f.key for f in REGISTRY}, "liger_strict": "strict"}
 PRESET_DIR_ENV = "SWIFT_LIGER_PRESET_DIR"
 ENV_VARS = {   # every environment variable swift_liger reads, checked in validate()
     "SWIFT_LIGER_BACKEND": "auto (CUDA tensors run Triton, CPU tensors the PyTorch reference), triton or torch",
@@ -220,39 +198,6 @@ def find_preset(name_or_path: str) -> str:
                      f"(presets: {', '.join(names) or 'none found'})")
 
 
-def parse_rolling_cache(value):
-    """`"4096,4"`, `'{"window": 4096, "sinks": 4}'`, a mapping, or none/off -> dict or None."""
-    if value is None or isinstance(value, dict):
-        return value
-    text = str(value).strip()
-    if text.lower() in ("", "none", "null", "off", "false", "no"):
-        return None
-    if text.startswith("{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"liger_rolling_cache: invalid JSON {text!r}: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"liger_rolling_cache must be a mapping, got {text!r}")
-        return data
-    parts = [p.strip() for p in text.split(",")]
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise ValueError(f'liger_rolling_cache must be "window,sinks" (two integers) or a mapping, got {text!r}')
-    return {"window": int(parts[0]), "sinks": int(parts[1])}
-
-
-def parse_cross_entropy(value):
-    if value is None:
-        return None
-    text = str(value).strip().lower()
-    # YAML 1.1 reads an unquoted `off` as false, which ms-swift then passes on as the string "False".
-    if text in ("false", "no", "none", "0", "off"):
-        return "off"
-    if text in ("true", "yes", "1"):
-        return "fused_linear"
-    return text
-
-
 def liger_flags_given(args) -> dict:
     return {flag: getattr(args, flag) for flag in FLAG_TO_KEY if getattr(args, flag, None) is not None}
 
@@ -268,10 +213,9 @@ def resolve_config(args) -> LigerConfig:
             raise ValueError(f"liger_config {path}: {e}") from None
     for flag, value in liger_flags_given(args).items():
         key = FLAG_TO_KEY[flag]
-        if key == "cross_entropy":
-            value = parse_cross_entropy(value)
-        elif key == "rolling_cache":
-            value = parse_rolling_cache(value)
+        fusion = BY_KEY.get(key)
+        if fusion is not None and fusion.parse_flag is not None:
+            value = fusion.parse_flag(value)
         data[key] = value
     try:
         return LigerConfig.from_dict(data)

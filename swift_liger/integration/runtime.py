@@ -1,18 +1,18 @@
 """What the fusions did, counted while training: logged after the first optimizer step, recorded in liger_patch.json.
 
 The patch report says what was installed; this says what ran. Sources:
-* each patched model's loss-head counters (models.patcher.call_counts): our fused linear CE and CE calls (the
-  model's own loss), fused log-prob passes, and forwards where its lm_head materialised [rows, V] logits;
+* each patched model's counters (models.state.call_counts): our fused linear CE and CE calls (the model's own
+  loss), fused log-prob passes, forwards that returned [rows, V] logits, and lora_fusion's LoRA projection calls
+  through ops.lora_linear or PEFT's own forward;
 * a preference trainer's log-prob passes by path (preference.py): from hidden states or from real logits, with
-  gradient (the policy) or without (the reference pass, KTO's KL pass, eval);
-* lora_fusion's LoRA projection calls: through ops.lora_linear or PEFT's own forward.
+  gradient (the policy) or without (the reference pass, KTO's KL pass, eval).
 "liger_patch.json" gets ``runtime: {"first_step": {...}, "total": {...}}``; "total" is written at the end of training.
 """
 from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from ..models import patcher
+from ..models.state import call_counts
 
 
 def _models(trainer):
@@ -26,7 +26,7 @@ def _models(trainer):
 def snapshot(trainer) -> dict:
     out = {}
     for role, model in _models(trainer):
-        counts = patcher.call_counts(model)
+        counts = call_counts(model)
         if counts is not None:
             out[role] = counts
     calls = getattr(trainer, "liger_calls", None)
@@ -34,8 +34,9 @@ def snapshot(trainer) -> dict:
         from .preference import fallback_reasons
         out["trainer"] = {"class": type(trainer).__name__, "log_prob_passes": dict(calls),
                           "logits_fallback_reasons": fallback_reasons(trainer)}
-    if patcher.LORA_CALLS["fused"] or patcher.LORA_CALLS["peft"]:
-        out["lora_fusion"] = {"ops.lora_linear": patcher.LORA_CALLS["fused"], "peft": patcher.LORA_CALLS["peft"]}
+    policy = out.get("policy")
+    if policy and (policy["lora_fused"] or policy["lora_peft"]):   # the reference pass of LoRA runs on the policy
+        out["lora_fusion"] = {"ops.lora_linear": policy["lora_fused"], "peft": policy["lora_peft"]}
     return out
 
 
@@ -87,9 +88,8 @@ class RuntimeRecord(TrainerCallback):
         return is_master()
 
     def on_train_begin(self, args, state, control, **kwargs):
-        patcher.LORA_CALLS.update(fused=0, peft=0)
         for _, model in _models(self.trainer):
-            patcher.call_counts(model, reset=True)
+            call_counts(model, reset=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step != 1 or self.first is not None or not self._master():

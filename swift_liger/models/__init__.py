@@ -1,7 +1,9 @@
 """Per-instance model patcher: `apply(model, config)` swaps in swift_liger kernels, `revert(model)` undoes it."""
 from ..config import LigerConfig
 from .families import ACTIVATIONS, FAMILIES, Family, family_for, register_family
-from .patcher import PatchReport, apply, get_report, is_patched, keep_logits, revert
+from .patcher import apply, revert
+from .record import PatchReport
+from .state import call_counts, get_report, is_patched, keep_logits
 
 __all__ = [
     "ACTIVATIONS",
@@ -10,6 +12,7 @@ __all__ = [
     "LigerConfig",
     "PatchReport",
     "apply",
+    "call_counts",
     "family_for",
     "get_report",
     "is_patched",

@@ -23,6 +23,7 @@ class Family:
     rope_function: str = "apply_rotary_pos_emb"
     qk_norm: bool = False            # attention applies q_norm/k_norm (RMSNorm over head_dim) right before rope
     lm_head: str = "lm_head"
+    rolling_cache: bool = True       # RoPE attention that calls cache.update after rotating q and k (RollingKVCache)
 
 
 # hidden_act -> (fused kernel, accepted act_fn class names). Anything else keeps the Hugging Face MLP.
@@ -66,3 +67,7 @@ for _f in (
 
 def family_for(model_type: Optional[str]) -> Optional[Family]:
     return FAMILIES.get(model_type) if model_type else None
+
+
+def rolling_cache_model_types() -> Tuple[str, ...]:
+    return tuple(t for t, f in FAMILIES.items() if f.rolling_cache)

@@ -20,15 +20,16 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from . import patcher
+from ..fusions.cross_entropy import head_is_ours
+from .state import PatchState, find_states
 
 
-def _find(model: torch.nn.Module) -> Tuple[Optional[torch.nn.Module], Optional[patcher._PatchState], str]:
-    for root, st in patcher._find_states(model):
+def _find(model: torch.nn.Module) -> Tuple[Optional[torch.nn.Module], Optional[PatchState], str]:
+    for root, st in find_states(model):
         if st.lm_head is None:
             return None, None, ("the model is not patched with cross_entropy=fused_linear "
                                 f"(cross_entropy={st.config.cross_entropy})")
-        if not patcher.head_is_ours(root, st):
+        if not head_is_ours(root, st):
             return None, None, (f"{st.lm_head_name} was replaced after patching (LoRA or modules_to_save on "
                                 f"{st.lm_head_name}?), so the model computes its own logits")
         cap = getattr(getattr(root, "config", None), "final_logit_softcapping", None)
@@ -51,7 +52,7 @@ def head_for(model: torch.nn.Module) -> Optional["HeadHandle"]:
 
 
 class HeadHandle:
-    def __init__(self, root: torch.nn.Module, st: patcher._PatchState):
+    def __init__(self, root: torch.nn.Module, st: PatchState):
         self.root, self.st = root, st
 
     @property
@@ -64,7 +65,7 @@ class HeadHandle:
 
     def usable(self) -> bool:
         """Still applies now (the lm_head may be wrapped after the handle was made)."""
-        return patcher.head_is_ours(self.root, self.st)
+        return head_is_ours(self.root, self.st)
 
     @contextlib.contextmanager
     def emitting_hidden(self) -> Iterator["HeadHandle"]:

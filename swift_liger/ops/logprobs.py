@@ -93,7 +93,7 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
                                            softcap=softcap, z_loss=0.0, temperature=float(temperature),
                                            chunk_size=chunk_size, dw_acc_rows=0, row_grads=True,
                                            need_sum=bool(return_logit_sum))
-    logps = torch.neg(token_loss).view(shape)
+    logps = torch.neg(token_loss.view(shape))   # a fresh tensor, not a view (FSDP2 output hooks warn on views)
     if not return_logit_sum:
         return logps
     return LogprobsOutput(logps, logit_sum.view(shape))

@@ -188,6 +188,43 @@ def lora_linear_reference(x, x_lora, weight, bias, lora_a, lora_b, scaling):
     return F.linear(x, weight, bias) + F.linear(F.linear(x_lora, lora_a), lora_b) * scaling
 
 
+def lora_linear_problem(x: torch.Tensor, x_lora: Optional[torch.Tensor], weight: torch.Tensor,
+                        bias: Optional[torch.Tensor], lora_a: torch.Tensor, lora_b: torch.Tensor,
+                        dropout_p: float = 0.0) -> Optional[str]:
+    """Why :func:`lora_linear` would refuse these arguments (None: it runs them). The one place that decides, used
+    by lora_linear itself and by the patcher, which falls back to PEFT's forward where this says no."""
+    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+        return f"dropout_p must be a number in [0, 1), got {dropout_p!r}"
+    if dropout_p > 0:
+        if x_lora is not None:
+            return "x_lora must be None when dropout_p > 0 (the dropout is drawn inside)"
+        if not x.is_contiguous():
+            return f"x must be contiguous when dropout_p > 0, got strides {x.stride()}"
+    x_lora_checked = x if x_lora is None else x_lora
+    if x_lora_checked.shape != x.shape:
+        return f"x_lora must have x's shape {tuple(x.shape)}, got {tuple(x_lora_checked.shape)}"
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        return f"weight must be [out, {x.shape[-1]}], got {tuple(weight.shape)}"
+    if lora_a.dim() != 2 or lora_a.shape[1] != x.shape[-1]:
+        return f"lora_a must be [r, {x.shape[-1]}], got {tuple(lora_a.shape)}"
+    if lora_b.dim() != 2 or lora_b.shape != (weight.shape[0], lora_a.shape[0]):
+        return f"lora_b must be [{weight.shape[0]}, {lora_a.shape[0]}], got {tuple(lora_b.shape)}"
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        return "lora_linear needs a frozen base weight and bias (requires_grad=False)"
+    if not torch.is_autocast_enabled(x.device.type) and weight.dtype != x.dtype:
+        return f"weight has dtype {weight.dtype} but x has {x.dtype}; without autocast they must match"
+    if _compute_dtype(x, weight) != x.dtype:
+        return f"the base matmul would compute in {_compute_dtype(x, weight)}, not in x's dtype {x.dtype}"
+    cdt = _compute_dtype(x_lora_checked, lora_a)
+    if cdt != x.dtype:
+        if not upcast_applies(x, weight, lora_a, x_lora):
+            return (f"the LoRA branch would compute in {cdt}, not in x's dtype {x.dtype} (only fp32 adapters on a "
+                    f"bf16/fp16 x without autocast, with x_lora None, are supported)")
+        if not x.is_contiguous():
+            return f"x must be contiguous for fp32 adapters on a {x.dtype} input, got strides {x.stride()}"
+    return None
+
+
 def lora_linear(x: torch.Tensor, x_lora: Optional[torch.Tensor], weight: torch.Tensor, bias: Optional[torch.Tensor],
                 lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, dropout_p: float = 0.0) -> torch.Tensor:
     """y = x W^T + bias + scaling * (x_lora A^T) B^T with W and bias frozen; see the module docstring.
@@ -198,40 +235,23 @@ def lora_linear(x: torch.Tensor, x_lora: Optional[torch.Tensor], weight: torch.T
     fp32 adapters on a bf16/fp16 x without autocast (x_lora None, x contiguous) run the LoRA branch in fp32
     through LoRALinearUpcastFunction, as PEFT does.
 
-    Raises ValueError when the shapes do not chain, when W or bias require grad, when dropout_p is out of [0, 1),
-    when W's dtype differs from x's without autocast, or when the LoRA branch would compute in another dtype than
-    x's in any other set-up.
+    Raises ValueError (the reason :func:`lora_linear_problem` gives) when the shapes do not chain, when W or bias
+    require grad, when dropout_p is out of [0, 1), when W's dtype differs from x's without autocast, when the base
+    matmul would compute in another dtype than x's, or when the LoRA branch would in any set-up but the one above.
     """
-    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0:
-        if x_lora is not None:
-            raise ValueError("x_lora must be None when dropout_p > 0 (the dropout is drawn inside)")
-        if not x.is_contiguous():
-            raise ValueError(f"x must be contiguous when dropout_p > 0, got strides {x.stride()}")
-    x_lora_checked = x if x_lora is None else x_lora
-    if x_lora_checked.shape != x.shape:
-        raise ValueError(f"x_lora must have x's shape {tuple(x.shape)}, got {tuple(x_lora_checked.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"weight must be [out, {x.shape[-1]}], got {tuple(weight.shape)}")
-    if lora_a.dim() != 2 or lora_a.shape[1] != x.shape[-1]:
-        raise ValueError(f"lora_a must be [r, {x.shape[-1]}], got {tuple(lora_a.shape)}")
-    if lora_b.dim() != 2 or lora_b.shape != (weight.shape[0], lora_a.shape[0]):
-        raise ValueError(f"lora_b must be [{weight.shape[0]}, {lora_a.shape[0]}], got {tuple(lora_b.shape)}")
-    if weight.requires_grad or (bias is not None and bias.requires_grad):
-        raise ValueError("lora_linear needs a frozen base weight and bias (requires_grad=False)")
-    if not torch.is_autocast_enabled(x.device.type) and weight.dtype != x.dtype:
-        raise ValueError(f"weight has dtype {weight.dtype} but x has {x.dtype}; without autocast they must match")
-    cdt = _compute_dtype(x_lora_checked, lora_a)
-    if cdt != x.dtype and not upcast_applies(x, weight, lora_a, x_lora):
-        raise ValueError(f"the LoRA branch would compute in {cdt}, not in x's dtype {x.dtype} (only fp32 adapters "
-                         f"on a bf16/fp16 x without autocast, with x_lora None, are supported)")
-    if cdt != x.dtype:
-        if not x.is_contiguous():
-            raise ValueError(f"x must be contiguous for fp32 adapters on a {x.dtype} input, got strides {x.stride()}")
+    problem = lora_linear_problem(x, x_lora, weight, bias, lora_a, lora_b, dropout_p)
+    if problem:
+        raise ValueError(problem)
+    return lora_linear_unchecked(x, x_lora, weight, bias, lora_a, lora_b, scaling, dropout_p)
+
+
+def lora_linear_unchecked(x, x_lora, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float = 0.0):
+    """:func:`lora_linear` for arguments :func:`lora_linear_problem` has accepted (no checks: the per-call host work
+    of a patched projection stays one check)."""
+    if _compute_dtype(x if x_lora is None else x_lora, lora_a) != x.dtype:
         return LoRALinearUpcastFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling), float(dropout_p))
-    if dropout_p == 0:
-        x_lora = x_lora_checked
+    if dropout_p == 0 and x_lora is None:
+        x_lora = x
     return LoRALinearFunction.apply(x, x_lora, weight, bias, lora_a, lora_b, float(scaling), float(dropout_p))
 
 

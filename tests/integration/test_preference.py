@@ -14,7 +14,7 @@ import swift_liger
 from swift_liger.integration import preference, runtime
 from swift_liger.integration.arguments import cross_entropy_fallback_reasons, preference_fused
 from swift_liger.config import LigerConfig
-from swift_liger.models import patcher
+from swift_liger.models import call_counts
 
 pytest.importorskip("swift")
 from swift.rlhf_trainers.rlhf_mixin import RLHFTrainerMixin  # noqa: E402
@@ -73,7 +73,7 @@ def test_seam_equals_ms_swift_on_real_logits(shape, reduction):
     with torch.no_grad():
         trainer.concatenated_forward(patched, batch)
     assert trainer.liger_calls["fused_linear_logprobs_no_grad"] == 1
-    assert patcher.call_counts(patched)["lm_head_logits"] == 0
+    assert call_counts(patched)["lm_head_logits"] == 0
 
 
 def test_falls_back_to_real_logits_and_says_why():

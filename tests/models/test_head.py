@@ -8,7 +8,8 @@ import torch
 
 import swift_liger
 from swift_liger.models import head as H
-from swift_liger.models import patcher as P
+from swift_liger.models import call_counts
+from swift_liger.models.state import STATE_ATTR
 
 from test_patcher import ALL_OFF, VOCAB, batch, build, close
 
@@ -70,12 +71,12 @@ def test_logps_and_grads_match_real_logits(family, tuner):
     for name, p in model.named_parameters():
         if p.requires_grad:
             close(p.grad, named[name].grad, name)
-    counts = P.call_counts(model)
+    counts = call_counts(model)
     assert counts["fused_linear_logprobs"] == 1 and counts["lm_head_logits"] == 0
     # outside the block the model is the stock model: real logits, counted
     with torch.no_grad():
         assert model(input_ids=ids).logits.shape[-1] == VOCAB
-    assert P.call_counts(model)["lm_head_logits"] == 1
+    assert call_counts(model)["lm_head_logits"] == 1
 
 
 def test_no_grad_reference_pass_and_eval():
@@ -120,7 +121,7 @@ def test_take_returns_the_models_own_tensor():
     for transform in (lambda t: t.to(torch.float64), lambda t: t[:, 3:], lambda t: t.double()[:, 2:]):
         with handle.emitting_hidden():
             out = model(input_ids=ids)
-        emitted = model.__dict__[P.STATE_ATTR].emitted
+        emitted = model.__dict__[STATE_ATTR].emitted
         got = handle.take(transform(out.logits))
         assert got.dtype == emitted.dtype and got.grad_fn is not None
         assert got.shape == transform(out.logits).shape and torch.equal(got, emitted[:, emitted.shape[1] - got.shape[1]:])

@@ -16,7 +16,9 @@ import torch
 
 import swift_liger
 from swift_liger.models import FAMILIES, LigerConfig, PatchReport, get_report, keep_logits
-from swift_liger.models import patcher as P
+from swift_liger.fusions.rope import identity_forward
+from swift_liger.models import call_counts
+from swift_liger.models.rebind import rebuild_with_globals
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -92,7 +94,7 @@ def patched_kinds(model, family) -> dict:
         if fwd is None:
             continue
         if cls in f.rms_norm:
-            kinds["qk_identity" if fwd.__func__ is P._identity_forward else "rms_norm"] += 1
+            kinds["qk_identity" if fwd.__func__ is identity_forward else "rms_norm"] += 1
         elif cls in f.attention:
             kinds["attention"] += 1
         elif cls in f.mlp:
@@ -453,7 +455,7 @@ def test_deepcopy_of_patched_model_is_independent(torch_backend):
         close(clone(ids).logits, expected(ids).logits, "copy uses its own q_norm/k_norm")
         assert not torch.allclose(model(ids).logits, clone(ids).logits)
     attn = clone.model.layers[0].self_attn
-    assert attn.forward.__self__ is attn and P.get_report(clone) is not None
+    assert attn.forward.__self__ is attn and get_report(clone) is not None
 
 
 def test_unsupported_model_warns_or_raises():
@@ -519,11 +521,11 @@ def test_globals_rebinding_keeps_module_and_decorators():
         "@deco\n"
         "def forward(x, *, k=2):\n    return helper(x) * k\n", namespace)
     fwd = namespace["forward"]
-    new, reason = P._rebuild_with_globals(fwd, {"helper": lambda x: x + 100}, ("helper",))
+    new, reason = rebuild_with_globals(fwd, {"helper": lambda x: x + 100}, ("helper",))
     assert reason is None
     assert new(1) == 202 and fwd(1) == 4 and namespace["helper"](1) == 2  # original module untouched
     assert len(namespace["calls"]) == 2  # the decorator still runs around the rebuilt function
-    _, reason = P._rebuild_with_globals(fwd, {}, ("not_referenced",))
+    _, reason = rebuild_with_globals(fwd, {}, ("not_referenced",))
     assert "not_referenced" in reason
 
 
@@ -611,6 +613,12 @@ def test_compile_layers_every_family_on_each_cpu_backend(monkeypatch, family, ba
     torch._dynamo.reset()
 
 
+def lora_calls(model):
+    """(through ops.lora_linear, through PEFT's forward) since the last reset, from the patch state's counters."""
+    counts = call_counts(model)
+    return counts["lora_fused"], counts["lora_peft"]
+
+
 @pytest.fixture
 def lora_linear_calls(monkeypatch):
     """A list that gets one entry per ops.lora_linear call."""
@@ -654,7 +662,6 @@ def test_lora_fusion_dropout_under_reentrant_checkpointing(torch_backend, lora_l
     """ms-swift's set-up: LoRA dropout, use_reentrant=True checkpointing. The recomputed forward draws the same
     dropout masks (checkpoint restores the RNG), so loss and gradients equal PEFT's; the call counter sees only
     fused calls."""
-    from swift_liger.models import patcher
     peft = pytest.importorskip("peft")
     ref, model = pair("llama")
     swift_liger.apply(model, lora_fusion=True)
@@ -662,7 +669,7 @@ def test_lora_fusion_dropout_under_reentrant_checkpointing(torch_backend, lora_l
     ref, model = lora_pair(peft, ref, model, 3, **lora)
     checkpointed_training((ref, model), use_reentrant=True)
     ids, labels = batch()
-    patcher.LORA_CALLS.update(fused=0, peft=0)
+    call_counts(model, reset=True)
     torch.manual_seed(4)
     expected = ref(ids, labels=labels, use_cache=False)
     expected.loss.backward()
@@ -670,7 +677,7 @@ def test_lora_fusion_dropout_under_reentrant_checkpointing(torch_backend, lora_l
     out = model(ids, labels=labels, use_cache=False)
     out.loss.backward()
     assert len(lora_linear_calls) == 7 * 2 * 2          # 7 projections, 2 layers, forward + recompute
-    assert patcher.LORA_CALLS == {"fused": 28, "peft": 0}
+    assert lora_calls(model) == (28, 0)
     close(out.loss, expected.loss, "loss")
     assert_grads_match(model, ref)
 
@@ -687,8 +694,7 @@ def test_lora_fusion_falls_back_outside_the_plain_setup(torch_backend, lora_line
     with model.disable_adapter():
         model(ids, labels=labels)
     assert lora_linear_calls == []
-    from swift_liger.models import patcher
-    assert patcher.LORA_CALLS["peft"] > 0
+    assert lora_calls(model)[1] > 0
 
 
 def test_lora_fusion_under_bf16_autocast_with_fp32_adapters(torch_backend, lora_linear_calls):
@@ -710,7 +716,6 @@ def test_lora_fusion_under_bf16_autocast_with_fp32_adapters(torch_backend, lora_
 def test_lora_fusion_fp32_adapters_without_autocast(torch_backend):
     """A plain PyTorch loop: bf16 weights, PEFT's fp32 adapters, no autocast, dropout. Every LoRA projection runs
     through the upcast op; loss and gradients as PEFT's (same dropout draws on CPU)."""
-    from swift_liger.models import patcher
     peft = pytest.importorskip("peft")
     ref, model = pair("llama")
     swift_liger.apply(model)                                     # lora_fusion is on by default
@@ -718,12 +723,12 @@ def test_lora_fusion_fp32_adapters_without_autocast(torch_backend):
     ref, model = lora_pair(peft, ref.to(torch.bfloat16), model.to(torch.bfloat16), 3, **lora)
     ids, labels = batch()
     ref.train(), model.train()
-    patcher.LORA_CALLS.update(fused=0, peft=0)
+    call_counts(model, reset=True)
     torch.manual_seed(8)
     out = model(ids, labels=labels)
     torch.manual_seed(8)
     expected = ref(ids, labels=labels)
-    assert patcher.LORA_CALLS == {"fused": 7 * 2, "peft": 0}
+    assert lora_calls(model) == (7 * 2, 0)
     assert_bf16_loss_and_fp32_adapter_grads_match(out, expected, model, ref)
 
 

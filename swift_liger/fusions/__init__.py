@@ -1,0 +1,21 @@
+"""The fusion registry: one module per fusion (its spec and its patch). LigerConfig's fields, the --liger_* flags
+and YAML keys, the patch report's counters, the README flags table and `swift-liger ab --each` come from here; the
+patcher (models/patcher.py) runs the patches in `order`. A new fusion is one module and one entry below.
+"""
+from __future__ import annotations
+
+from . import compile_layers, cross_entropy, lora_fusion, qk_norm_rope, rms_norm, rolling_cache, rope, swiglu
+from .base import Fusion, PatchContext
+
+REGISTRY = tuple(m.FUSION for m in (rms_norm, rope, qk_norm_rope, swiglu, lora_fusion, cross_entropy, rolling_cache,
+                                    compile_layers))
+BY_KEY = {f.key: f for f in REGISTRY}
+COUNTED = tuple(f.key for f in REGISTRY if f.counted)          # PatchReport.patched keys, in this order
+PATCHES = tuple(sorted((f for f in REGISTRY if f.patch is not None), key=lambda f: f.order))
+
+
+def enabled(fusion: Fusion, config) -> bool:
+    return getattr(config, fusion.key) != fusion.off
+
+
+__all__ = ["BY_KEY", "COUNTED", "Fusion", "PATCHES", "PatchContext", "REGISTRY", "enabled"]

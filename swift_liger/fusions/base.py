@@ -1,0 +1,60 @@
+"""What one fusion declares. The registry (fusions/__init__.py) lists them; LigerConfig, the --liger_* flags and
+YAML keys, the patch report's counters, the README flags table and `swift-liger ab --each` are all derived from it.
+
+A fusion module holds its spec (this dataclass, torch-free so config and flags load without torch) and its patch
+function, which imports what it needs when it runs. Adding a fusion: one module here, one line in the registry,
+its tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    key: str                          # LigerConfig field and YAML key; the flag is --liger_<key>
+    default: Any                      # value in LigerConfig() and the default preset
+    help: str                         # for --help, the README table and LigerConfig's docstring
+    applies_to: str                   # which modules of a family it changes
+    kind: str = "bool"                # "bool" | "choice" | "mapping"
+    choices: Tuple[str, ...] = ()     # kind "choice": the allowed values
+    off: Any = False                  # the value that switches it off (presets, `swift-liger ab --each`)
+    order: int = 0                    # patch order (attention first: it folds q_norm/k_norm before RMSNorm runs)
+    patch: Optional[Callable] = None  # patch(ctx: PatchContext) -> None; None: `applied_by`'s patch reads the key
+    applied_by: Tuple[str, ...] = ()
+    counted: bool = True              # the patch report counts the modules it swapped
+    say_off: bool = True              # the report says "switched off" when it is
+    explain: Optional[Callable] = None     # explain(ctx): report skips that apply whether or not it is on
+    normalize: Optional[Callable] = None   # config value -> canonical value; raises ValueError / TypeError
+    parse_flag: Optional[Callable] = None  # flag or YAML string -> config value
+
+    @property
+    def flag(self) -> str:
+        return f"liger_{self.key}"
+
+    def check(self, value):
+        """The canonical value, or ValueError / TypeError naming LigerConfig.<key> and what is allowed."""
+        if self.normalize is not None:
+            value = self.normalize(value)
+        if self.kind == "bool" and not isinstance(value, bool):
+            raise TypeError(f"LigerConfig.{self.key} must be true or false, got {value!r}")
+        if self.kind == "choice" and value not in self.choices:
+            raise ValueError(f"LigerConfig.{self.key} must be one of {', '.join(self.choices)}, got {value!r}")
+        return value
+
+
+@dataclasses.dataclass
+class PatchContext:
+    """What a fusion's patch sees: the causal LM root of one model instance, its family table, the config, the
+    patch state (every change goes through state.set so revert restores it), the report, and the modules."""
+    root: Any
+    family: Any
+    config: Any
+    state: Any
+    report: Any
+    modules: list
+    consumed: set = dataclasses.field(default_factory=set)   # ids of modules an earlier patch folded away
+
+    def of(self, class_names) -> list:
+        return [m for m in self.modules if type(m).__name__ in class_names and id(m) not in self.consumed]

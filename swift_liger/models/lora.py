@@ -1,0 +1,120 @@
+"""lora_fusion: PEFT LoRA projections inside the patched MLP and attention run through ops.lora_linear.
+
+This module knows PEFT's lora.Linear (one active adapter, unmerged, vanilla LoRA, a frozen nn.Linear base, no
+biases or hooks); whether ops.lora_linear can take the call (dtypes, dropout, contiguity) is decided in one place,
+``ops.lora_linear.lora_linear_problem``. Anything else runs PEFT's own forward. Every call is counted in the patch
+state of the model (``lora_fused`` / ``lora_peft``), read back through state.call_counts.
+"""
+from __future__ import annotations
+
+import types
+from typing import Callable, Optional
+
+import torch
+
+from .state import CALLS_ATTR, count
+
+
+def is_peft_lora_linear(module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Linear" and cls.__module__.startswith("peft.tuners.lora")
+
+
+def plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]:
+    """(weight, bias, lora_a, lora_b, scaling, dropout, p, module_dropout) when `layer` is a PEFT LoRA Linear in its
+    plain set-up and ops.lora_linear takes this call, else None (the caller then calls the layer as usual).
+    p: the dropout drawn inside the op; module_dropout: apply `dropout` first and pass its output as x_lora."""
+    if not is_peft_lora_linear(layer):
+        return None
+    try:
+        if layer.merged or layer.disable_adapters or getattr(layer, "fan_in_fan_out", False):
+            return None
+        active = layer.active_adapters
+        if len(active) != 1:
+            return None
+        name = active[0]
+        lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+        dropout, scaling = layer.lora_dropout[name], layer.scaling[name]
+        if name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False):
+            return None
+        base = layer.get_base_layer()
+    except (AttributeError, KeyError, TypeError):
+        return None
+    if type(base) is not torch.nn.Linear or type(lora_a) is not torch.nn.Linear or type(lora_b) is not torch.nn.Linear:
+        return None
+    if lora_a.bias is not None or lora_b.bias is not None or not isinstance(scaling, (int, float)):
+        return None
+    if type(dropout) not in (torch.nn.Identity, torch.nn.Dropout):
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, base, lora_a, lora_b)):
+        return None
+    p = float(dropout.p) if type(dropout) is torch.nn.Dropout and dropout.training else 0.0
+    module_dropout = False
+    if p > 0 and (not x.is_contiguous() or dropout.inplace):   # the op draws dropout only on a contiguous x
+        p, module_dropout = 0.0, True
+    from ..ops.lora_linear import lora_linear_problem
+    if lora_linear_problem(x, x if module_dropout else None, base.weight, base.bias, lora_a.weight, lora_b.weight,
+                           p) is not None:
+        return None
+    return base.weight, base.bias, lora_a.weight, lora_b.weight, float(scaling), dropout, p, module_dropout
+
+
+def fused_lora(x: torch.Tensor, parts: tuple) -> torch.Tensor:
+    from ..ops.lora_linear import lora_linear_unchecked
+    weight, bias, lora_a, lora_b, scaling, dropout, p, module_dropout = parts
+    return lora_linear_unchecked(x, dropout(x) if module_dropout else None, weight, bias, lora_a, lora_b, scaling, p)
+
+
+def project(owner: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x), through ops.lora_linear when layer is a plain PEFT LoRA Linear; counted on `owner`'s patch. Under
+    torch.compile PEFT's forward is traced as it is: the compiler decides what to save."""
+    if torch.compiler.is_compiling():
+        return layer(x)
+    parts = plain_lora_parts(layer, x)
+    if parts is None:
+        if is_peft_lora_linear(layer):
+            count(owner, "lora_peft")
+        return layer(x)
+    count(owner, "lora_fused")
+    return fused_lora(x, parts)
+
+
+def _projection_forward(layer, owner, x, *args, **kwargs):
+    """Instance forward of a PEFT LoRA Linear for the length of one patched attention call."""
+    parts = None if (args or kwargs) else plain_lora_parts(layer, x)
+    if parts is None:
+        count(owner, "lora_peft")
+        return type(layer).forward(layer, x, *args, **kwargs)
+    count(owner, "lora_fused")
+    return fused_lora(x, parts)
+
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def with_lora_projections(fn: Callable) -> Callable:
+    """Wrap an attention forward so that, during the call, its PEFT LoRA q/k/v/o projections run through
+    ops.lora_linear. HF's attention body calls them as modules, so each gets a temporary instance forward, removed
+    right after (nothing persists: deepcopy, revert and PEFT see the plain modules). Eager only: under
+    torch.compile the body runs unchanged."""
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(self, *args, **kwargs)
+        installed = []
+        for name in ATTENTION_PROJECTIONS:
+            child = self._modules.get(name)
+            if is_peft_lora_linear(child) and "forward" not in child.__dict__:
+                child.__dict__["forward"] = types.MethodType(
+                    lambda layer, x, *a, _owner=self, **k: _projection_forward(layer, _owner, x, *a, **k), child)
+                installed.append(child)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            for child in installed:
+                child.__dict__.pop("forward", None)
+    return forward
+
+
+def share_counters(st, module: torch.nn.Module) -> None:
+    """Let `module`'s patched forward count its LoRA calls into the patch state (a deep copy keeps the pairing)."""
+    st.set(module, CALLS_ATTR, st.calls)
