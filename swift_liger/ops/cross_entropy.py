@@ -18,7 +18,6 @@ writes N*V (the minimum without holding dlogits across the two passes).
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional, Tuple, Union
 
 import torch
@@ -28,8 +27,7 @@ import triton.language as tl
 
 from . import _common
 
-REDUCTIONS = ("mean", "sum", "none")
-LABEL_DTYPES = (torch.int64, torch.int32)
+from ._loss import LABEL_DTYPES, check_label_range, check_options, int_labels, reduce
 
 # Launch configuration (tune on the GPU): one program per row, vocabulary walked in blocks of MAX_BLOCK_V.
 MAX_BLOCK_V = 8192
@@ -240,23 +238,8 @@ def _valid_mask(labels: torch.Tensor, n_cols: int, ignore_index: int) -> torch.T
     return (labels != ignore_index) & (labels >= 0) & (labels < n_cols)
 
 
-def _reduce(loss_tok: torch.Tensor, valid: torch.Tensor, reduction: str, num_items_in_batch) -> torch.Tensor:
-    """Per-token loss [N] -> the requested reduction, divisors on device (no host sync)."""
-    if num_items_in_batch is not None:
-        total = loss_tok.sum()
-        if isinstance(num_items_in_batch, torch.Tensor):
-            d = num_items_in_batch.to(total.dtype)
-            return total / torch.where(d > 0, d, torch.ones_like(d))
-        return total / (num_items_in_batch if num_items_in_batch > 0 else 1)
-    if reduction == "none":
-        return loss_tok
-    if reduction == "sum":
-        return loss_tok.sum()
-    return loss_tok.sum() / valid.sum().clamp(min=1).to(loss_tok.dtype)
-
-
 def _finish(loss_tok, lse, valid, labels_shape, reduction, num_items_in_batch, return_lse):
-    loss = _reduce(loss_tok, valid, reduction, num_items_in_batch)
+    loss = reduce(loss_tok.sum(), loss_tok, None if valid is None else valid.sum(), reduction, num_items_in_batch)
     if reduction == "none" and num_items_in_batch is None:
         loss = loss.view(labels_shape)
     return (loss, lse.view(labels_shape)) if return_lse else loss
@@ -284,10 +267,6 @@ def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, *, ignor
     return _finish(loss_tok, lse.detach(), valid, labels.shape, reduction, num_items_in_batch, return_lse)
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def _check(logits, labels, ignore_index, label_smoothing, softcap, z_loss, reduction, num_items_in_batch) -> None:
     _common.check_tensor("logits", logits, min_ndim=2)
     _common.check_tensor("labels", labels, dtypes=LABEL_DTYPES)
@@ -298,33 +277,7 @@ def _check(logits, labels, ignore_index, label_smoothing, softcap, z_loss, reduc
     _common.check_last_dim_contiguous("logits", logits)
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty last (vocabulary) dimension")
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if not (_is_number(label_smoothing) and 0.0 <= label_smoothing < 1.0):
-        raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
-    if softcap is not None and not (_is_number(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be None or a number > 0, got {softcap!r}")
-    if not (_is_number(z_loss) and z_loss >= 0):
-        raise ValueError(f"z_loss must be a number >= 0, got {z_loss!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
-    if num_items_in_batch is not None:
-        if reduction == "none":
-            raise ValueError("num_items_in_batch needs reduction 'mean' or 'sum' (the loss is sum / num_items), "
-                             "not 'none'")
-        if isinstance(num_items_in_batch, torch.Tensor):
-            if num_items_in_batch.numel() != 1:
-                raise ValueError(f"num_items_in_batch must be a number or a one-element tensor, got shape "
-                                 f"{tuple(num_items_in_batch.shape)}")
-        elif not (_is_number(num_items_in_batch) and num_items_in_batch >= 0):
-            raise ValueError(f"num_items_in_batch must be a number >= 0 or a tensor, got {num_items_in_batch!r}")
-
-
-def _check_label_range(labels: torch.Tensor, n_cols: int, ignore_index: int) -> None:
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= n_cols))
-    if bool(bad.any()):  # one reduction + a host sync on CUDA
-        first = labels[bad].reshape(-1)[0].item()
-        raise ValueError(f"labels must be in [0, {n_cols}) or ignore_index={ignore_index}; found {first}")
+    check_options(ignore_index, label_smoothing, softcap, z_loss, reduction, num_items_in_batch)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
@@ -333,8 +286,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
                   return_lse: bool = False, validate_labels: bool = True, inplace_backward: bool = False):
     """Cross-entropy of logits [..., V] against labels [...] (already shifted), HF ForCausalLMLoss semantics.
 
-    logits: [..., V] fp32/fp16/bf16, last dim contiguous (row stride free). labels: [...] int64/int32.
-    label_smoothing: eps in [0, 1). softcap: Gemma-2 ``softcap * tanh(z / softcap)`` on the logits before the loss.
+    logits: [..., V] fp32/fp16/bf16, last dim contiguous (row stride free). labels: [...] int64/int32/int16/uint8.
+    label_smoothing: eps in [0, 1]. softcap: Gemma-2 ``softcap * tanh(z / softcap)`` on the logits before the loss.
     z_loss: adds ``z_loss * lse^2`` per valid token. reduction: "mean" (over valid tokens) | "sum" | "none".
     num_items_in_batch: int / float / one-element tensor; the loss becomes ``sum / num_items_in_batch`` (clamped
     away from 0 on device) for "mean" and "sum"; an error with "none".
@@ -351,7 +304,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
     n_cols = logits.shape[-1]
     validated = not torch.compiler.is_compiling() and (validate_labels or not labels.is_cuda)
     if validated:
-        _check_label_range(labels, n_cols, ignore_index)
+        check_label_range(labels, n_cols, ignore_index)
     if not _common.use_triton(logits):
         return cross_entropy_reference(
             logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
@@ -359,7 +312,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
     logits2 = logits.reshape(-1, n_cols)
     if n_cols > 1 and logits2.stride(1) != 1:
         logits2 = logits2.contiguous()
-    labels1 = labels.reshape(-1)
+    labels1 = int_labels(labels.reshape(-1))
     loss_tok, lse = CrossEntropyFunction.apply(
         logits2, labels1, ignore_index, float(label_smoothing), None if softcap is None else float(softcap),
         float(z_loss), bool(return_lse), bool(inplace_backward))

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from . import _common
+from ._loss import LABEL_DTYPES, check_label_range, check_options, int_labels, reduce
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tunables (H200 defaults; see the module docstring for the arithmetic)
@@ -50,8 +51,6 @@ ROW_BLOCK_V = 4096                   # pass-1 kernel: columns per loop step (one
 SLICE_BLOCK_V = 4096                 # pass-2 kernel: columns per program (2-D grid rows x column blocks)
 
 DW_STRATEGIES = ("auto", "accumulate", "recompute")
-REDUCTIONS = ("mean", "sum", "none")
-_INT_LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 class FLCEOutput(NamedTuple):
@@ -589,17 +588,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------------
 
 def _reduce(loss_sum, token_loss, labels, ignore_index, reduction, num_items_in_batch):
-    if reduction == "none":
-        return token_loss
-    if reduction == "sum":
-        return loss_sum
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            div = num_items_in_batch.to(device=loss_sum.device, dtype=torch.float32).clamp_min(1.0)
-            return loss_sum / div
-        return loss_sum / max(float(num_items_in_batch), 1.0)
-    n_valid = (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
-    return loss_sum / n_valid
+    valid = (labels != ignore_index).sum() if reduction == "mean" and num_items_in_batch is None else None
+    return reduce(loss_sum, token_loss, valid, reduction, num_items_in_batch)
 
 
 def _pack(loss, token_loss, lse, return_token_loss, return_lse):
@@ -619,7 +609,7 @@ def fused_linear_cross_entropy_reference(hidden, weight, labels, bias=None, *, i
     """
     shape = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
+    y = int_labels(labels.reshape(-1))
     logits = torch.nn.functional.linear(h, weight, bias).float()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
@@ -645,7 +635,7 @@ def _check_args(hidden, weight, labels, bias, ignore_index, label_smoothing, sof
         raise ValueError(f"weight is empty (shape {tuple(weight.shape)}): a partitioned ZeRO-3 / sharded parameter? "
                          "gather it with swift_liger.models.sharding.gathered_lm_head_weight")
     _common.check_tensor("weight", weight, ndim=2)
-    _common.check_tensor("labels", labels, dtypes=_INT_LABEL_DTYPES)
+    _common.check_tensor("labels", labels, dtypes=LABEL_DTYPES)
     if bias is not None:
         _common.check_tensor("bias", bias, ndim=1)
         if bias.shape[0] != weight.shape[0]:
@@ -657,26 +647,7 @@ def _check_args(hidden, weight, labels, bias, ignore_index, label_smoothing, sof
         raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden without its last dimension), "
                          f"got {tuple(labels.shape)}")
     _common.check_same_device(hidden=hidden, weight=weight, labels=labels, bias=bias)
-    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
-    if softcap is not None:
-        _common.check_positive("softcap", softcap)
-    if not isinstance(z_loss, (int, float)) or z_loss < 0:
-        raise ValueError(f"z_loss must be a number >= 0, got {z_loss!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
-    if num_items_in_batch is not None:
-        if reduction != "mean":
-            raise ValueError(f"num_items_in_batch replaces the divisor of reduction='mean'; "
-                             f"got reduction={reduction!r}")
-        if isinstance(num_items_in_batch, torch.Tensor):
-            if num_items_in_batch.numel() != 1:
-                raise ValueError(f"num_items_in_batch must be a number or a one-element tensor, "
-                                 f"got shape {tuple(num_items_in_batch.shape)}")
-        elif not isinstance(num_items_in_batch, (int, float)) or isinstance(num_items_in_batch, bool):
-            raise TypeError(f"num_items_in_batch must be an int, a float or a tensor, got {num_items_in_batch!r}")
+    check_options(ignore_index, label_smoothing, softcap, z_loss, reduction, num_items_in_batch)
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if dw_strategy not in DW_STRATEGIES:
@@ -685,11 +656,7 @@ def _check_args(hidden, weight, labels, bias, ignore_index, label_smoothing, sof
         raise TypeError(f"validate_labels must be None, True or False, got {validate_labels!r}")
     check = (not labels.is_cuda) if validate_labels is None else validate_labels
     if check and labels.numel() and not torch.compiler.is_compiling():
-        bad = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
-        if bool(bad.any()):
-            value = labels[bad].reshape(-1)[0].item()
-            raise ValueError(f"labels must be in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}; "
-                             f"found {value}")
+        check_label_range(labels, weight.shape[0], ignore_index)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -763,11 +730,7 @@ def autocast_inputs(hidden, weight, bias):
 
 def flat_rows(hidden: torch.Tensor, labels: torch.Tensor):
     """hidden [..., H] -> [N, H]; labels [...] -> contiguous int32/int64 [N]."""
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    if y.dtype not in (torch.int64, torch.int32):
-        y = y.long()
-    return h2, y.contiguous()
+    return hidden.reshape(-1, hidden.shape[-1]), int_labels(labels.reshape(-1)).contiguous()
 
 
 def run_rows(h2, weight, bias, y, *, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,

@@ -195,7 +195,7 @@ def test_bad_inputs(device):
         (TypeError, "logits", dict(logits=logits.long())),
         (ValueError, "logits", dict(logits=randn(10, 4, device=device).t())),
         (ValueError, "reduction", dict(reduction="avg")),
-        (ValueError, "label_smoothing", dict(label_smoothing=1.0)),
+        (ValueError, "label_smoothing", dict(label_smoothing=1.5)),
         (ValueError, "label_smoothing", dict(label_smoothing=-0.1)),
         (ValueError, "softcap", dict(softcap=0.0)),
         (ValueError, "softcap", dict(softcap=-5.0)),
