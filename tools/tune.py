@@ -1,6 +1,6 @@
 """Sweep launch settings through the benchmark harness (fresh inputs per setting, same timing as the benchmarks).
 
-    python3 tools/tune2.py rms_norm rms_norm_blocked rope qk_norm_rope
+    python3 tools/tune.py rms_norm rms_norm_blocked rope qk_norm_rope
 
 Knobs are module constants (or a module's TUNING dict) and stay applied through the backward, which the harness
 runs after the timed function returns.

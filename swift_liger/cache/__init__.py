@@ -1,7 +1,7 @@
 """Generation caches. ``RollingKVCache``: attention sinks + a ring of the last ``window`` tokens, constant memory.
 
 ``install_rolling_cache(model, window, sinks, mode)`` makes every ``model.generate`` call of that instance use a
-fresh one (the hook the patcher calls for ``rolling_cache: {window, sinks, mode}``).
+fresh one (what the rolling_cache fusion calls for ``liger_rolling_cache``).
 """
 from .rolling import (
     SUPPORTED_ATTENTION,

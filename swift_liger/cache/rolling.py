@@ -795,7 +795,7 @@ def _remove_forward_wrapper(decoder: torch.nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Installation on a model (used by the patcher / plugin for `liger_rolling_cache`)
+# Installation on a model (the rolling_cache fusion, `liger_rolling_cache`, calls it)
 # ---------------------------------------------------------------------------------------------------------------
 
 def install_rolling_cache(model: torch.nn.Module, window: int, sinks: int = 4, mode: str = "absolute",
