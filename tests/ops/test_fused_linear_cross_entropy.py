@@ -304,7 +304,7 @@ def test_bad_inputs(device):
         (ValueError, "label_smoothing", lambda: f(hidden, weight, labels, label_smoothing=1.5)),
         (ValueError, "softcap", lambda: f(hidden, weight, labels, softcap=0.0)),
         (ValueError, "z_loss", lambda: f(hidden, weight, labels, z_loss=-1.0)),
-        (ValueError, "num_items_in_batch", lambda: f(hidden, weight, labels, reduction="sum", num_items_in_batch=3)),
+        (ValueError, "num_items_in_batch", lambda: f(hidden, weight, labels, reduction="none", num_items_in_batch=3)),
         (TypeError, "ignore_index", lambda: f(hidden, weight, labels, ignore_index=1.5)),
     ]
     for exc, name, call in cases:
