@@ -229,15 +229,20 @@ def test_dtensor_full_tensor(device, mesh):
     assert_close(weight.grad.full_tensor(), gw, torch.float32, slack=helpers.REDUCTION_SLACK, name="weight")
 
 
-def test_fsdp2_head_unit(device, mesh):
-    mesh, _ = mesh
+def fsdp2_head(device, mesh):
+    """An lm_head that is its own FSDP2 unit, and a copy of its full weight."""
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:
         pytest.skip("FSDP2 unavailable")
     head = torch.nn.Linear(H, V, bias=False, device=device)
     w_full = head.weight.detach().clone()
-    fully_shard(head, mesh=mesh)
+    fully_shard(head, mesh=mesh[0])
+    return head, w_full
+
+
+def test_fsdp2_head_unit(device, mesh):
+    head, w_full = fsdp2_head(device, mesh)
     assert sharding.is_fsdp_module(head) and sharding.is_dtensor(head.weight)
     hidden, labels = data(device)
     seen = []
@@ -291,14 +296,7 @@ def test_zero3_logprobs_through_module_hooks(device, monkeypatch):
 
 
 def test_fsdp2_logprobs_head_unit(device, mesh):
-    mesh, _ = mesh
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        pytest.skip("FSDP2 unavailable")
-    head = torch.nn.Linear(H, V, bias=False, device=device)
-    w_full = head.weight.detach().clone()
-    fully_shard(head, mesh=mesh)
+    head, w_full = fsdp2_head(device, mesh)
     hidden, labels = data(device)
     g = randn(N, device=device)
     out = sharding.lm_head_logprobs(head, hidden, labels, chunk_size=CHUNK, return_logit_sum=True)
