@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Tuple
 
+STATE_ATTR = "_swift_liger_state"   # the PatchState on a patched root module (models/state.py)
+
 
 @dataclasses.dataclass(frozen=True)
 class Fusion:

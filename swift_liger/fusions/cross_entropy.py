@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .base import Fusion
+from .base import STATE_ATTR, Fusion
 
 MODES = ("fused_linear", "fused", "off")
 EMIT_HIDDEN_ATTR = "_swift_liger_emit_hidden"
@@ -66,7 +66,6 @@ def _forward_head_skipped(self, st, original: Callable, args: tuple, kwargs: dic
 
 
 def _causal_lm_forward(self, *args, **kwargs):
-    from ..models.state import STATE_ATTR
     # Call the class's function with self explicitly: dynamo in torch 2.11 cannot trace `function.__get__`.
     original = type(self).forward
     st = getattr(self, STATE_ATTR, None)
@@ -117,7 +116,6 @@ def _causal_lm_loss(self, logits, labels, vocab_size=None, num_items_in_batch=No
     """Hugging Face ForCausalLMLoss semantics (label shift, shift_labels, num_items_in_batch) on our kernels."""
     import torch.nn.functional as F
 
-    from ..models.state import STATE_ATTR
     st = self.__dict__[STATE_ATTR]
     if shift_labels is None:
         labels = F.pad(labels, (0, 1), value=ignore_index)  # tokens < n predict n; last position ignored

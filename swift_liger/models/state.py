@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-STATE_ATTR = "_swift_liger_state"
+from ..fusions.base import STATE_ATTR  # noqa: F401 (re-exported: the name the patch state lives under)
 CALLS_ATTR = "_swift_liger_calls"   # on a patched MLP / attention: the state's call counters (lora_fusion)
 
 # Counted, not configured, per patched model: our fused linear CE and CE (the model's loss_function), fused
