@@ -1,11 +1,18 @@
-"""Rotary position embedding, rotate-half layout (Hugging Face ``apply_rotary_pos_emb``), q and k in one launch.
+"""Rotary position embedding (Hugging Face ``apply_rotary_pos_emb``), q and k in one launch. Two layouts:
 
-    q_embed = q * cos + rotate_half(q) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
+* rotate-half (default, Llama/Qwen/...): dims j and Dr/2 + j form a pair,
+      q_embed = q * cos + rotate_half(q) * sin,   rotate_half(x) = cat(-x[..., Dr/2:], x[..., :Dr/2])
+* interleaved (``interleaved=True``, GLM-4 family, ``models/glm4``): dims 2i and 2i + 1 form a pair, rotated by
+  cos[..., i], sin[..., i] for i < Dr/2; the second half of cos/sin is not read (HF GLM takes
+  ``cos[..., :Dr/2].repeat_interleave(2)``).
 
 Only the first ``Dr = cos.shape[-1]`` dims rotate (partial rotary); the rest pass through. One program handles
 one token: it loads that token's cos/sin once and rotates every q head and every k head of the token, so q and
-k share a single launch. The backward pass is the transposed rotation (sin -> -sin when the two halves of cos/sin
-are equal, as in every HF rotary embedding) run by the same kernel; nothing but cos/sin is saved.
+k share a single launch. The layout is a constexpr (INTERLEAVED) of the load/store helpers: the interleaved one
+reads the rotary dims as one contiguous tile and splits it into even/odd dims (vector loads; stride-2 ones would
+not be); the rotation math is shared. The backward pass is the transposed rotation (sin -> -sin when the two
+halves of cos/sin are equal, as in every HF rotary embedding; always, in the interleaved layout) run by the same
+kernel; nothing but cos/sin is saved.
 
 Pure kernel module: no transformers / ms-swift imports.
 """
@@ -30,22 +37,32 @@ TUNING = {"tile_elems": 4096, "num_warps": None, "programs_per_sm": None}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Kernels. Tiles are [BLOCK_H heads, BLOCK_HALF] for each rotary half plus [BLOCK_H, BLOCK_PASS] for the
-# pass-through tail (dims Dr..D). The helpers are shared with qk_norm_rope.
+# Kernels. Tiles are [BLOCK_H heads, BLOCK_HALF] for each member of a rotary pair (x1: dims j, x2: dims HALF + j;
+# INTERLEAVED: dims 2j and 2j + 1) plus [BLOCK_H, BLOCK_PASS] for the pass-through tail (dims Dr..D). The helpers
+# are shared with qk_norm_rope (which uses the default INTERLEAVED=False).
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
 def load_heads(ptr, s_h, h0, H: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-               BLOCK_HALF: tl.constexpr, D: tl.constexpr, BLOCK_PASS: tl.constexpr):
+               BLOCK_HALF: tl.constexpr, D: tl.constexpr, BLOCK_PASS: tl.constexpr,
+               INTERLEAVED: tl.constexpr = False):
     """Heads h0 .. h0+BLOCK_H of one token (ptr = head 0, dim 0; heads s_h apart) as fp32 tiles
     (x1 [BH, BLOCK_HALF], x2 [BH, BLOCK_HALF], x3 [BH, BLOCK_PASS]); masked elements are 0."""
     h = h0 + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_HALF)
     hmask = h[:, None] < H
-    mask = hmask & (d[None, :] < HALF)
-    offs = h[:, None] * s_h + d[None, :]
-    x1 = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        # One contiguous [BH, 2 * BLOCK_HALF] load (vectorizes; stride-2 loads would not), split into the even
+        # (x1) and odd (x2) dims in registers (no layout conversion on sm_90).
+        j = tl.arange(0, 2 * BLOCK_HALF)
+        x = tl.load(ptr + h[:, None] * s_h + j[None, :], mask=hmask & (j[None, :] < 2 * HALF),
+                    other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, [BLOCK_H, BLOCK_HALF, 2]))
+    else:
+        d = tl.arange(0, BLOCK_HALF)
+        mask = hmask & (d[None, :] < HALF)
+        offs = h[:, None] * s_h + d[None, :]
+        x1 = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
     if D > 2 * HALF:
         p = tl.arange(0, BLOCK_PASS)
         pmask = hmask & (p[None, :] < D - 2 * HALF)
@@ -57,15 +74,22 @@ def load_heads(ptr, s_h, h0, H: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.co
 
 @triton.jit
 def store_heads(ptr, s_h, h0, o1, o2, o3, H: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                BLOCK_HALF: tl.constexpr, D: tl.constexpr, BLOCK_PASS: tl.constexpr):
+                BLOCK_HALF: tl.constexpr, D: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                INTERLEAVED: tl.constexpr = False):
     """Store the tiles of ``load_heads`` layout into ptr's dtype."""
     h = h0 + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_HALF)
     hmask = h[:, None] < H
-    mask = hmask & (d[None, :] < HALF)
-    offs = h[:, None] * s_h + d[None, :]
-    tl.store(ptr + offs, o1.to(ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr + offs + HALF, o2.to(ptr.dtype.element_ty), mask=mask)
+    if INTERLEAVED:
+        j = tl.arange(0, 2 * BLOCK_HALF)
+        o = tl.reshape(tl.join(o1, o2), [BLOCK_H, 2 * BLOCK_HALF])
+        tl.store(ptr + h[:, None] * s_h + j[None, :], o.to(ptr.dtype.element_ty),
+                 mask=hmask & (j[None, :] < 2 * HALF))
+    else:
+        d = tl.arange(0, BLOCK_HALF)
+        mask = hmask & (d[None, :] < HALF)
+        offs = h[:, None] * s_h + d[None, :]
+        tl.store(ptr + offs, o1.to(ptr.dtype.element_ty), mask=mask)
+        tl.store(ptr + offs + HALF, o2.to(ptr.dtype.element_ty), mask=mask)
     if D > 2 * HALF:
         p = tl.arange(0, BLOCK_PASS)
         pmask = hmask & (p[None, :] < D - 2 * HALF)
@@ -73,16 +97,24 @@ def store_heads(ptr, s_h, h0, o1, o2, o3, H: tl.constexpr, BLOCK_H: tl.constexpr
 
 
 @triton.jit
-def load_cos_sin(cos_ptr, sin_ptr, b, t, sc_b, sc_t, ss_b, ss_t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """cos/sin of token (b, t), each half as an fp32 [1, BLOCK_HALF] row: (c1, c2, s1, s2)."""
+def load_cos_sin(cos_ptr, sin_ptr, b, t, sc_b, sc_t, ss_b, ss_t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 INTERLEAVED: tl.constexpr = False):
+    """cos/sin of token (b, t), each half as an fp32 [1, BLOCK_HALF] row: (c1, c2, s1, s2). INTERLEAVED reads
+    only the first half (pair j uses cos[j], sin[j] for both members): c2 = c1, s2 = s1."""
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < HALF
     c_off = b * sc_b + t * sc_t
     s_off = b * ss_b + t * ss_t
     c1 = tl.load(cos_ptr + c_off + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + c_off + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    if INTERLEAVED:
+        c2 = c1
+    else:
+        c2 = tl.load(cos_ptr + c_off + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + s_off + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + s_off + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    if INTERLEAVED:
+        s2 = s1
+    else:
+        s2 = tl.load(sin_ptr + s_off + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     return c1, c2, s1, s2
 
 
@@ -114,34 +146,35 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
                  sc_b, sc_t, ss_b, ss_t,
                  HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 BLOCK_PASS: tl.constexpr, BACKWARD: tl.constexpr):
+                 BLOCK_PASS: tl.constexpr, BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Grid: (programs,). Program p handles tokens p, p + programs, ...; token = b * T + t."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for tok in range(pid, n_tok, nprog):
         b, t = token_coords(tok, T)
-        c1, c2, s1, s2 = load_cos_sin(cos_ptr, sin_ptr, b, t, sc_b, sc_t, ss_b, ss_t, HALF, BLOCK_HALF)
+        c1, c2, s1, s2 = load_cos_sin(cos_ptr, sin_ptr, b, t, sc_b, sc_t, ss_b, ss_t, HALF, BLOCK_HALF,
+                                      INTERLEAVED)
         q_in = q_ptr + b * sq_b + t * sq_t
         k_in = k_ptr + b * sk_b + t * sk_t
         q_out = qo_ptr + b * sqo_b + t * sqo_t
         k_out = ko_ptr + b * sko_b + t * sko_t
         if BLOCK_HQ >= HQ and BLOCK_HK >= HK:
             # Every load of the token before the first store: stores may alias later loads for the compiler.
-            q1, q2, q3 = load_heads(q_in, sq_h, 0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
-            k1, k2, k3 = load_heads(k_in, sk_h, 0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+            q1, q2, q3 = load_heads(q_in, sq_h, 0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
+            k1, k2, k3 = load_heads(k_in, sk_h, 0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
             o1, o2 = rotate(q1, q2, c1, c2, s1, s2, BACKWARD)
-            store_heads(q_out, sqo_h, 0, o1, o2, q3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
+            store_heads(q_out, sqo_h, 0, o1, o2, q3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
             o1, o2 = rotate(k1, k2, c1, c2, s1, s2, BACKWARD)
-            store_heads(k_out, sko_h, 0, o1, o2, k3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+            store_heads(k_out, sko_h, 0, o1, o2, k3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
         else:
             for h0 in range(0, HQ, BLOCK_HQ):
-                x1, x2, x3 = load_heads(q_in, sq_h, h0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
+                x1, x2, x3 = load_heads(q_in, sq_h, h0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
                 o1, o2 = rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
-                store_heads(q_out, sqo_h, h0, o1, o2, x3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
+                store_heads(q_out, sqo_h, h0, o1, o2, x3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
             for h0 in range(0, HK, BLOCK_HK):
-                x1, x2, x3 = load_heads(k_in, sk_h, h0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+                x1, x2, x3 = load_heads(k_in, sk_h, h0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
                 o1, o2 = rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
-                store_heads(k_out, sko_h, h0, o1, o2, x3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+                store_heads(k_out, sko_h, h0, o1, o2, x3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -181,7 +214,7 @@ def cos_sin_strides(cos: torch.Tensor, sin: torch.Tensor):
 
 
 def _rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 backward: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                 backward: bool, interleaved: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, T, D], k [B, Hk, T, D] (any strides, last dim contiguous), cos/sin [Bc, T, Dr] (Bc in {1, B},
     last dim contiguous). Returns new tensors shaped and strided like q and k (``empty_like``)."""
     B, HQ, T, D = q.shape
@@ -201,38 +234,39 @@ def _rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         *cos_sin_strides(cos, sin),
         HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HALF=bhalf, BLOCK_PASS=bpass,
-        BACKWARD=backward, num_warps=auto_warps(bhq, bhk, bhalf, bpass, cfg["num_warps"]))
+        BACKWARD=backward, INTERLEAVED=bool(interleaved),
+        num_warps=auto_warps(bhq, bhk, bhalf, bpass, cfg["num_warps"]))
     return qo, ko
 
 
 @torch.library.custom_op("swift_liger::rope_fwd", mutates_args=())
-def _rope_fwd_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _rope_launch(q, k, cos, sin, False)
+def _rope_fwd_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _rope_launch(q, k, cos, sin, False, interleaved)
 
 
 @torch.library.custom_op("swift_liger::rope_bwd", mutates_args=())
-def _rope_bwd_op(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _rope_launch(dq, dk, cos, sin, True)
+def _rope_bwd_op(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _rope_launch(dq, dk, cos, sin, True, interleaved)
 
 
 @_rope_fwd_op.register_fake
-def _(q, k, cos, sin):
+def _(q, k, cos, sin, interleaved=False):
     return torch.empty_like(q), torch.empty_like(k)
 
 
 @_rope_bwd_op.register_fake
-def _(dq, dk, cos, sin):
+def _(dq, dk, cos, sin, interleaved=False):
     return torch.empty_like(dq), torch.empty_like(dk)
 
 
-def _rope_fwd(q, k, cos, sin):
-    return _rope_launch(q, k, cos, sin, False)
+def _rope_fwd(q, k, cos, sin, interleaved=False):
+    return _rope_launch(q, k, cos, sin, False, interleaved)
 
 
-def _rope_bwd(dq, dk, cos, sin):
-    return _rope_launch(dq, dk, cos, sin, True)
+def _rope_bwd(dq, dk, cos, sin, interleaved=False):
+    return _rope_launch(dq, dk, cos, sin, True, interleaved)
 
 
 def last_dim_contiguous(g: torch.Tensor) -> torch.Tensor:
@@ -244,12 +278,15 @@ def last_dim_contiguous(g: torch.Tensor) -> torch.Tensor:
 
 
 class RoPEFunction(torch.autograd.Function):
-    """Autograd wrapper. q [B, Hq, T, D], k [B, Hk, T, D], cos/sin [Bc, T, Dr] (validated by ``apply_rope``)."""
+    """Autograd wrapper. q [B, Hq, T, D], k [B, Hk, T, D], cos/sin [Bc, T, Dr] (validated by ``apply_rope``),
+    interleaved: bool (positional; default False = rotate-half)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
-        qo, ko = _common.compiled_or_eager("swift_liger::rope_fwd", _rope_fwd)(q, k, cos, sin)
+    def forward(ctx, q, k, cos, sin, interleaved=False):
+        interleaved = bool(interleaved)
+        qo, ko = _common.compiled_or_eager("swift_liger::rope_fwd", _rope_fwd)(q, k, cos, sin, interleaved)
         ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
         return qo, ko
 
     @staticmethod
@@ -257,8 +294,8 @@ class RoPEFunction(torch.autograd.Function):
         # Unused outputs arrive as zeros (materialize_grads); expanded grads need a contiguous last dim.
         cos, sin = ctx.saved_tensors
         dq, dk = _common.compiled_or_eager("swift_liger::rope_bwd", _rope_bwd)(
-            last_dim_contiguous(dqo), last_dim_contiguous(dko), cos, sin)
-        return dq, dk, None, None
+            last_dim_contiguous(dqo), last_dim_contiguous(dko), cos, sin, ctx.interleaved)
+        return dq, dk, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -316,21 +353,35 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rotate_half_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """HF GLM's ``rotate_half``: pairs (x[2i], x[2i+1]) -> (-x[2i+1], x[2i])."""
+    x1 = x[..., 0::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
 def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                         unsqueeze_dim: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+                         unsqueeze_dim: int = 1, interleaved: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face eager rotary (``apply_rotary_pos_emb``), plus partial rotary and [T, Dr] cos/sin.
 
-    Same shapes as ``apply_rope``. Outputs are cast back to q's dtype (HF would promote with fp32 cos/sin).
+    interleaved=True is GLM-4's ``apply_rotary_pos_emb`` (``models/glm4``): cos/sin[..., :Dr/2] repeat-interleaved
+    and GLM's pairwise ``rotate_half``. Same shapes as ``apply_rope``. Outputs are cast back to q's dtype (HF
+    would promote with fp32 cos/sin).
     """
     if cos.dim() == 2:
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
+    rotate_half = _rotate_half
+    if interleaved:
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        rotate_half = _rotate_half_interleaved
     dr = cos.shape[-1]
 
     def rot(x):
         x_rot, x_pass = x[..., :dr], x[..., dr:]
-        out = (x_rot * cos) + (_rotate_half(x_rot) * sin)
+        out = (x_rot * cos) + (rotate_half(x_rot) * sin)
         if x_pass.shape[-1]:
             out = torch.cat((out.to(x.dtype), x_pass), dim=-1)
         return out.to(x.dtype)
@@ -339,8 +390,8 @@ def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-               unsqueeze_dim: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k by cos/sin (HF rotate-half convention) in one kernel launch.
+               unsqueeze_dim: int = 1, interleaved: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by cos/sin (HF rotate-half convention, or GLM's interleaved one) in one kernel launch.
 
     Args:
         q: [B, Hq, T, D] (unsqueeze_dim=1) or [B, T, Hq, D] (unsqueeze_dim=2); any strides, last dim contiguous
@@ -349,15 +400,20 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         cos, sin: [B, T, Dr], [1, T, Dr] or [T, Dr] (broadcast over batch); any float dtype (math in fp32).
            Dr <= D, even: only the first Dr dims rotate, the rest pass through.
         unsqueeze_dim: 1 or 2, as in HF ``apply_rotary_pos_emb``.
+        interleaved: False = rotate-half pairs (j, Dr/2 + j) with cos/sin[..., j] and [..., Dr/2 + j] (Llama,
+           Qwen, ...). True = GLM-4 (``models/glm4``): pairs (2i, 2i + 1) with cos/sin[..., i]; the second half
+           of cos/sin is not read.
     Returns:
         (q_embed, k_embed): new tensors with q's / k's shape, dtype and memory layout (``empty_like``: a transposed
         [B, T, H, D] input gives a transposed [B, T, H, D]-contiguous output, which is what SDPA/flash prefer).
     cos/sin get no gradient (HF builds them under no_grad); if they require grad the reference path runs.
     """
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"apply_rope: interleaved must be a bool, got {type(interleaved).__name__}")
     q4, k4, cos3, sin3, transposed = check_rope_args(q, k, cos, sin, unsqueeze_dim)
     if not _common.use_triton(q) or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
-        return apply_rope_reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    qo, ko = RoPEFunction.apply(q4, k4, cos3, sin3)
+        return apply_rope_reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
+    qo, ko = RoPEFunction.apply(q4, k4, cos3, sin3, interleaved)
     if transposed:
         qo, ko = qo.transpose(1, 2), ko.transpose(1, 2)
     return qo, ko

@@ -1,4 +1,5 @@
-"""apply_rope: Triton kernel (interpreter on CPU) vs a float64 HF-eager reference."""
+"""apply_rope: Triton kernel (interpreter on CPU) vs a float64 HF-eager reference; rotate-half and the GLM-4
+interleaved layout (also vs transformers' glm4 ``apply_rotary_pos_emb`` itself)."""
 import importlib
 import pytest
 import torch
@@ -49,17 +50,19 @@ CASES = [
 ]
 
 
-def run_case(device, dtype, B, T, Hq, Hk, D, Dr, form, layout, cos_dtype=None, unsqueeze_dim=1):
-    cos, sin = make_cos_sin(B, T, Dr, cos_dtype or dtype, device, form)
+def run_case(device, dtype, B, T, Hq, Hk, D, Dr, form, layout, cos_dtype=None, unsqueeze_dim=1,
+             interleaved=False, cos_sin=None):
+    cos, sin = cos_sin or make_cos_sin(B, T, Dr, cos_dtype or dtype, device, form)
     lay = "bthd" if unsqueeze_dim == 2 else layout
     q = make_heads(B, T, Hq, D, dtype, device, lay)
     k = make_heads(B, T, Hk, D, dtype, device, lay)
     with inputs_unchanged(q, k, cos, sin):
-        qo, ko = apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        qo, ko = apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
         gq, gk = torch.randn_like(qo), torch.randn_like(ko)
         dq, dk = torch.autograd.grad((qo, ko), (q, k), (gq, gk))
     q64, k64 = f64(q), f64(k)
-    rq, rk = apply_rope_reference(q64, k64, f64(cos), f64(sin), unsqueeze_dim=unsqueeze_dim)
+    rq, rk = apply_rope_reference(q64, k64, f64(cos), f64(sin), unsqueeze_dim=unsqueeze_dim,
+                                  interleaved=interleaved)
     rdq, rdk = torch.autograd.grad((rq, rk), (q64, k64), (f64(gq), f64(gk)))
     for name, a, e in (("q_embed", qo, rq), ("k_embed", ko, rk), ("dq", dq, rdq), ("dk", dk, rdk)):
         assert a.dtype == dtype, name
@@ -189,8 +192,11 @@ def _bad_inputs(device):
         ("cos", (q, k, cos[None], sin[None]), {}, ValueError),                              # rank
         ("sin", (q, k, cos, sin.double()), {}, TypeError),
         ("unsqueeze_dim", (q, k, cos, sin), {"unsqueeze_dim": 0}, ValueError),
+        ("interleaved", (q, k, cos, sin), {"interleaved": 1}, TypeError),
+        ("cos_interleaved", (q, k, c_odd, c_odd), {"interleaved": True}, ValueError),        # odd Dr
         ("cos", (q, k, [1.0], sin), {}, TypeError),
         ("c6", (q, k, c6, s6), {}, None),  # a valid partial rotary call
+        ("c6_interleaved", (q, k, c6, s6), {"interleaved": True}, None),
     ]
 
 
@@ -202,3 +208,195 @@ def test_rope_bad_inputs(device):
         with pytest.raises(exc) as info:
             apply_rope(*args, **kwargs)
         assert name.split("_")[0] in str(info.value), (name, str(info.value))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Interleaved layout (GLM-4 family): pairs (2i, 2i + 1) rotated by cos/sin[..., i]; second half of cos/sin unused.
+# ---------------------------------------------------------------------------------------------------------------
+
+IL_CASES = [
+    # B, T, Hq, Hk, D, Dr, cos form, layout
+    (2, 7, 3, 1, 16, 16, "btd", "view"),       # full rotary, odd head counts
+    (2, 7, 3, 1, 16, 8, "btd", "view"),        # partial rotary (GLM-4: partial_rotary_factor 0.5)
+    (1, 5, 3, 1, 64, 32, "1td", "slice"),      # partial, D=64 / Dr=32, fused-qkv slice
+    (2, 5, 2, 1, 32, 32, "td", "contig"),      # [T, Dr] cos/sin
+    (2, 5, 3, 2, 32, 24, "btd", "view"),       # partial, odd pair count (12) and tail (8)
+    (1, 5, 3, 1, 24, 24, "btd", "contig"),     # full rotary, 12 pairs in a 16-pair tile: masked tile end
+]
+
+
+def hf_glm4_apply_rotary_pos_emb():
+    glm4 = pytest.importorskip("transformers.models.glm4.modeling_glm4")
+    return glm4.apply_rotary_pos_emb
+
+
+def manual_interleaved(x, cos, sin, unsqueeze_dim=1):
+    """The brief's formula, element by element: out[2i] = x[2i] c[i] - x[2i+1] s[i],
+    out[2i+1] = x[2i+1] c[i] + x[2i] s[i] for i < Dr/2, c = cos[..., :Dr/2]; dims Dr.. pass through."""
+    dr = cos.shape[-1]
+    c = cos[..., : dr // 2].unsqueeze(unsqueeze_dim)
+    s = sin[..., : dr // 2].unsqueeze(unsqueeze_dim)
+    out = x.clone()
+    xe, xo = x[..., 0:dr:2], x[..., 1:dr:2]
+    out[..., 0:dr:2] = xe * c - xo * s
+    out[..., 1:dr:2] = xo * c + xe * s
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", IL_CASES[:2], ids=lambda c: "-".join(map(str, c)))
+def test_rope_interleaved_dtypes(device, dtype, case):
+    q, k, qo, ko, dq, dk = run_case(device, dtype, *case, interleaved=True)
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()
+
+
+@pytest.mark.parametrize("case", IL_CASES[2:], ids=lambda c: "-".join(map(str, c)))
+def test_rope_interleaved_shapes_layouts(device, case):
+    dtype = torch.bfloat16 if case[-1] == "slice" else torch.float32
+    run_case(device, dtype, *case, interleaved=True)
+
+
+@pytest.mark.parametrize("dr", [16, 8])
+def test_rope_interleaved_unsqueeze_dim_2(device, dr):
+    q, k, qo, ko, dq, dk = run_case(device, torch.float32, 2, 5, 3, 1, 16, dr, "btd", "view", unsqueeze_dim=2,
+                                    interleaved=True)
+    assert qo.shape == q.shape and qo.is_contiguous() and ko.shape == k.shape
+
+
+def test_rope_interleaved_fp32_cos_with_bf16_q(device):
+    run_case(device, torch.bfloat16, *IL_CASES[1], cos_dtype=torch.float32, interleaved=True)
+
+
+def test_rope_interleaved_head_loop_path(device, monkeypatch):
+    monkeypatch.setitem(rope_mod.TUNING, "tile_elems", 8)
+    monkeypatch.setitem(rope_mod.TUNING, "programs_per_sm", 2)
+    run_case(device, torch.float32, 2, 5, 5, 3, 32, 24, "btd", "view", interleaved=True)
+
+
+def test_rope_interleaved_ignores_second_half_of_cos_sin(device):
+    # Garbage in cos/sin[..., Dr/2:] (finite, so inputs_unchanged can compare it): neither the forward nor the
+    # backward kernel may read it.
+    B, T, Dr = 2, 5, 8
+    cos, sin = make_cos_sin(B, T, Dr, torch.float32, device)
+    cos[..., Dr // 2:] = 1e4
+    sin[..., Dr // 2:] = -3e3
+    run_case(device, torch.float32, B, T, 3, 1, 16, Dr, "btd", "view", interleaved=True, cos_sin=(cos, sin))
+
+
+def test_rope_interleaved_is_a_different_layout(device):
+    B, T, Hq, Hk, D = 1, 4, 3, 1, 16
+    cos, sin = make_cos_sin(B, T, D, torch.float32, device)
+    q = make_heads(B, T, Hq, D, torch.float32, device, requires_grad=False)
+    k = make_heads(B, T, Hk, D, torch.float32, device, requires_grad=False)
+    qi, ki = apply_rope(q, k, cos, sin, interleaved=True)
+    qh, kh = apply_rope(q, k, cos, sin)
+    assert not torch.allclose(qi, qh) and not torch.allclose(ki, kh)
+    # Against the pairwise formula written out element by element.
+    assert_close(qi, manual_interleaved(f64(q), f64(cos), f64(sin)), torch.float32, name="q vs formula")
+    assert_close(ki, manual_interleaved(f64(k), f64(cos), f64(sin)), torch.float32, name="k vs formula")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D,Dr,unsqueeze_dim", [(16, 16, 1), (16, 8, 1), (64, 32, 2)], ids=str)
+def test_rope_interleaved_reference_is_hf_glm4(device, dtype, D, Dr, unsqueeze_dim):
+    # The reference is HF GLM-4's function, bit for bit, in the input dtype.
+    hf = hf_glm4_apply_rotary_pos_emb()
+    B, T, Hq, Hk = 2, 5, 3, 1
+    cos, sin = make_cos_sin(B, T, Dr, dtype, device)
+    lay = "bthd" if unsqueeze_dim == 2 else "view"
+    q = make_heads(B, T, Hq, D, dtype, device, lay, requires_grad=False)
+    k = make_heads(B, T, Hk, D, dtype, device, lay, requires_grad=False)
+    eq, ek = hf(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    rq, rk = apply_rope_reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=True)
+    assert rq.dtype == eq.dtype == dtype
+    assert torch.equal(rq, eq) and torch.equal(rk, ek)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D,Dr,unsqueeze_dim", [(16, 16, 1), (16, 8, 2), (64, 32, 1)], ids=str)
+def test_rope_interleaved_matches_hf_glm4(device, dtype, D, Dr, unsqueeze_dim):
+    # Kernel vs transformers' glm4 apply_rotary_pos_emb: outputs in dtype, and gradients of q and k.
+    hf = hf_glm4_apply_rotary_pos_emb()
+    B, T, Hq, Hk = 2, 5, 3, 1
+    cos, sin = make_cos_sin(B, T, Dr, dtype, device)
+    lay = "bthd" if unsqueeze_dim == 2 else "view"
+    q = make_heads(B, T, Hq, D, dtype, device, lay)
+    k = make_heads(B, T, Hk, D, dtype, device, lay)
+    with inputs_unchanged(q, k, cos, sin):
+        qo, ko = apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=True)
+        gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+        dq, dk = torch.autograd.grad((qo, ko), (q, k), (gq, gk))
+    eq, ek = hf(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)      # HF rounds after each product; the kernel once
+    slack = 1 if dtype == torch.float32 else 2
+    assert_close(qo, eq.to(torch.float64), dtype, slack=slack, name="q vs HF glm4")
+    assert_close(ko, ek.to(torch.float64), dtype, slack=slack, name="k vs HF glm4")
+    # HF's autograd in float64 (its function is dtype-generic).
+    q64, k64 = f64(q), f64(k)
+    e64 = hf(q64, k64, f64(cos), f64(sin), unsqueeze_dim=unsqueeze_dim)
+    edq, edk = torch.autograd.grad(e64, (q64, k64), (f64(gq), f64(gk)))
+    assert_close(dq, edq, dtype, name="dq vs HF glm4")
+    assert_close(dk, edk, dtype, name="dk vs HF glm4")
+
+
+def test_rope_interleaved_outputs_poisoned():
+    # The suite allocates every kernel output NaN-filled (conftest: SWIFT_LIGER_POISON=1), so the NaN checks of
+    # assert_close above catch any element of q_embed / k_embed / dq / dk the interleaved kernel leaves unwritten.
+    assert rope_mod._common.POISON
+
+
+def test_rope_interleaved_torch_backend(device, monkeypatch):
+    # SWIFT_LIGER_BACKEND=torch: the PyTorch reference runs (no kernel launch) and honours interleaved.
+    hf = hf_glm4_apply_rotary_pos_emb()
+    monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the torch backend launched the Triton kernel")
+
+    monkeypatch.setattr(rope_mod, "_rope_launch", no_kernel)
+    B, T, Hq, Hk, D, Dr = 2, 5, 3, 1, 16, 8
+    cos, sin = make_cos_sin(B, T, Dr, torch.bfloat16, device)
+    q = make_heads(B, T, Hq, D, torch.bfloat16, device)
+    k = make_heads(B, T, Hk, D, torch.bfloat16, device)
+    qo, ko = apply_rope(q, k, cos, sin, interleaved=True)
+    eq, ek = hf(q, k, cos, sin)
+    assert torch.equal(qo, eq) and torch.equal(ko, ek)
+    dq, dk = torch.autograd.grad((qo, ko), (q, k), (torch.ones_like(qo), torch.ones_like(ko)))
+    edq, edk = torch.autograd.grad((eq, ek), (q, k), (torch.ones_like(eq), torch.ones_like(ek)))
+    assert torch.equal(dq, edq) and torch.equal(dk, edk)
+    qh, _ = apply_rope(q, k, cos, sin)   # and the default is still rotate-half there
+    assert torch.equal(qh, apply_rope_reference(q, k, cos, sin)[0]) and not torch.equal(qh, qo)
+
+
+def test_rope_interleaved_torch_compile_no_graph_break(device):
+    B, T, Hq, Hk, D, Dr = 2, 5, 3, 1, 16, 8
+    cos, sin = make_cos_sin(B, T, Dr, torch.float32, device)
+
+    def f(q, k, cos, sin):
+        qo, ko = apply_rope(q, k, cos, sin, interleaved=True)
+        return qo * 2.0, ko + 1.0
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    q = make_heads(B, T, Hq, D, torch.float32, device)
+    k = make_heads(B, T, Hk, D, torch.float32, device)
+    out_c = compiled(q, k, cos, sin)
+    grads_c = torch.autograd.grad(out_c, (q, k), (torch.ones_like(out_c[0]), torch.ones_like(out_c[1])))
+    q64, k64 = f64(q), f64(k)
+    rq, rk = apply_rope_reference(q64, k64, f64(cos), f64(sin), interleaved=True)
+    rdq, rdk = torch.autograd.grad((rq * 2.0, rk + 1.0), (q64, k64), (torch.ones_like(rq), torch.ones_like(rk)))
+    for name, a, e in (("q", out_c[0], rq * 2.0), ("k", out_c[1], rk + 1.0), ("dq", grads_c[0], rdq),
+                       ("dk", grads_c[1], rdk)):
+        assert_close(a, e, torch.float32, name=name)
+
+
+def test_rope_function_direct_interleaved(device):
+    # RoPEFunction takes interleaved positionally (autograd.Function.apply has no keyword arguments).
+    B, T, H, D = 1, 3, 2, 8
+    cos, sin = make_cos_sin(B, T, D, torch.float32, device)
+    q = make_heads(B, T, H, D, torch.float32, device)
+    qo, ko = RoPEFunction.apply(q, q, cos, sin, True)
+    (dq,) = torch.autograd.grad(qo.sum(), (q,))
+    q64 = f64(q)
+    rq, _ = apply_rope_reference(q64, f64(q), f64(cos), f64(sin), interleaved=True)
+    (rdq,) = torch.autograd.grad(rq.sum(), (q64,))
+    assert_close(qo, rq, torch.float32, name="q")
+    assert_close(dq, rdq, torch.float32, name="dq")
