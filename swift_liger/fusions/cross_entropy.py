@@ -59,10 +59,18 @@ def _forward_head_skipped(self, st, original: Callable, args: tuple, kwargs: dic
     final hidden states."""
     head = st.lm_head
     head.__dict__[EMIT_HIDDEN_ATTR] = True
+    config = self.config if st.softcap_attr else None
+    cap = getattr(config, st.softcap_attr, None) if config is not None else None
+    if cap:   # the forward would softcap the hidden states: the loss applies it to the logits instead
+        setattr(config, st.softcap_attr, None)
+        st.softcap = float(cap)
     try:
         return original(self, *args, **kwargs)
     finally:
         head.__dict__[EMIT_HIDDEN_ATTR] = False
+        if cap:
+            setattr(config, st.softcap_attr, cap)
+            st.softcap = None
 
 
 def _causal_lm_forward(self, *args, **kwargs):
@@ -125,6 +133,8 @@ def _causal_lm_loss(self, logits, labels, vocab_size=None, num_items_in_batch=No
     options = dict(ignore_index=ignore_index, reduction="mean", num_items_in_batch=num_items_in_batch)
     head = st.lm_head
     if head is not None and getattr(head, EMIT_HIDDEN_ATTR, False):
+        if st.softcap:
+            options["softcap"] = st.softcap
         hidden = logits.reshape(-1, logits.shape[-1])
         st.calls["fused_linear_cross_entropy"] += 1
         if st.head_loss is not None:
@@ -187,6 +197,7 @@ def patch(ctx) -> None:
             st.ops["fused_linear_cross_entropy"] = flce
             st.head_loss = _head_loss()
             st.lm_head, st.lm_head_name, st.labels_index = head, family.lm_head, labels_index
+            st.softcap_attr = family.logit_softcap
             st.set(head, EMIT_HIDDEN_ATTR, False)
             set_forward(st, head, _lm_head_forward)
             wrapper = functools.update_wrapper(

@@ -1,6 +1,7 @@
-"""RoPE: the attention's module-global rotary function -> ops.apply_rope (one launch for q and k), or, where the
-family has q_norm/k_norm and qk_norm_rope is on, ops.qk_norm_rope (the norms folded into the rotation; the two
-RMSNorm modules then return their input). The attention forward is HF's own code object run with a globals dict in
+"""RoPE: the attention's module-global rotary function -> ops.apply_rope (one launch for q and k; GLM's interleaved
+pairs where the family says so), or, where the family has q_norm/k_norm and qk_norm_rope is on, ops.qk_norm_rope
+(the norms folded into the rotation, weighted as the family's norm says; the two RMSNorm modules then return their
+input). The attention forward is HF's own code object run with a globals dict in
 which that one name points at our kernel (models/rebind.py). With lora_fusion, the attention's PEFT LoRA q/k/v/o
 projections run through ops.lora_linear for the length of each call (models/lora.py)."""
 from __future__ import annotations
@@ -34,18 +35,25 @@ def _unsqueeze_dim(extra: Tuple[str, ...], args: tuple, kwargs: dict) -> int:
     return values.get("unsqueeze_dim", 1)
 
 
-def _make_rope(apply_rope: Callable, extra: Tuple[str, ...]) -> Callable:
+def _make_rope(apply_rope: Callable, extra: Tuple[str, ...], interleaved: bool) -> Callable:
+    if interleaved:
+        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+            return apply_rope(q, k, cos, sin, unsqueeze_dim=_unsqueeze_dim(extra, args, kwargs), interleaved=True)
+        return apply_rotary_pos_emb
+
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         return apply_rope(q, k, cos, sin, unsqueeze_dim=_unsqueeze_dim(extra, args, kwargs))
     return apply_rotary_pos_emb
 
 
-def _make_qk_rope(attention, qk_norm_rope: Callable, extra: Tuple[str, ...]) -> Callable:
+def _make_qk_rope(attention, qk_norm_rope: Callable, extra: Tuple[str, ...], norm) -> Callable:
+    casting, offset, eps = norm.casting, norm.offset, norm.eps
+
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # weights read at call time: never a stale copy (ZeRO-3 keeps these tiny norm weights persistent)
         q_norm, k_norm = attention.q_norm, attention.k_norm
-        return qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos, sin, eps=q_norm.variance_epsilon,
-                            casting="llama", unsqueeze_dim=_unsqueeze_dim(extra, args, kwargs))
+        return qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos, sin, eps=getattr(q_norm, eps), offset=offset,
+                            casting=casting, unsqueeze_dim=_unsqueeze_dim(extra, args, kwargs))
     return apply_rotary_pos_emb
 
 
@@ -57,7 +65,7 @@ def identity_forward(self, hidden_states):
 def _build_qk_forward(attention, base: Callable, spec: dict) -> Callable:
     from ..models.lora import with_lora_projections
     from ..models.rebind import rebuild_with_globals
-    rope = _make_qk_rope(attention, spec["op"], spec["extra"])
+    rope = _make_qk_rope(attention, spec["op"], spec["extra"], spec["norm"])
     new, reason = rebuild_with_globals(base, {spec["name"]: rope}, spec["required"])
     if new is None:  # checked at apply time; only reachable if the class changed under us
         raise RuntimeError(f"swift_liger: cannot rebuild {type(attention).__name__}.forward: {reason}")
@@ -72,15 +80,16 @@ def _rebuild_qk(attention, attr: str, base: Callable, spec: dict) -> None:
 def _qk_norm_problem(attention, family) -> Optional[str]:
     from ..models.state import class_in, foreign_forward
     q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    eps = family.norm.eps
     for label, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
         if norm is None or not class_in(norm, family.rms_norm):
             return f"{type(attention).__name__}.{label} is not a {'/'.join(family.rms_norm)}"
-        if not (hasattr(norm, "weight") and hasattr(norm, "variance_epsilon")):
-            return f"{type(attention).__name__}.{label} has no weight/variance_epsilon"
+        if not (hasattr(norm, "weight") and hasattr(norm, eps)):
+            return f"{type(attention).__name__}.{label} has no weight/{eps}"
         foreign = foreign_forward(norm)
         if foreign:
             return foreign
-    if q_norm.variance_epsilon != k_norm.variance_epsilon:
+    if getattr(q_norm, eps) != getattr(k_norm, eps):
         return "q_norm and k_norm use different eps"
     return None
 
@@ -94,7 +103,7 @@ def patch(ctx) -> None:
     if not attentions:
         report.skip("rope", f"no {'/'.join(family.attention)} module found", problem=True)
         return
-    want_qk = config.qk_norm_rope and family.qk_norm
+    want_qk = config.qk_norm_rope and family.qk_norm and not family.rope_interleaved
     apply_rope, rope_reason = load_op("apply_rope", "rope")
     qk_op, qk_reason = load_op("qk_norm_rope") if want_qk else (None, None)
     name = family.rope_function
@@ -117,8 +126,8 @@ def patch(ctx) -> None:
             qk_why = qk_reason or _qk_norm_problem(attention, family)
             if qk_why is None:
                 spec = {"op": qk_op, "extra": extra, "name": name, "required": (name, "q_norm", "k_norm"),
-                        "lora_fusion": config.lora_fusion}
-                new, qk_why = rebuild_with_globals(base, {name: _make_qk_rope(attention, qk_op, extra)},
+                        "lora_fusion": config.lora_fusion, "norm": family.norm}
+                new, qk_why = rebuild_with_globals(base, {name: _make_qk_rope(attention, qk_op, extra, family.norm)},
                                                    spec["required"])
                 if new is not None:
                     if config.lora_fusion:
@@ -139,7 +148,8 @@ def patch(ctx) -> None:
             continue
         key = id(base)
         if key not in plain_cache:
-            plain_cache[key] = rebuild_with_globals(base, {name: _make_rope(apply_rope, extra)}, (name,))
+            plain_cache[key] = rebuild_with_globals(
+                base, {name: _make_rope(apply_rope, extra, family.rope_interleaved)}, (name,))
         new, why = plain_cache[key]
         if new is None:
             report.skip("rope", why, problem=True)

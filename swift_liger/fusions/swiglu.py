@@ -1,7 +1,10 @@
-"""Gated MLP: down_proj(act(gate_proj(x)) * up_proj(x)) with act and the product fused (ops.swiglu for SiLU,
-ops.geglu for tanh-GELU). gate and up are fresh projection outputs only the activation reads, so its backward
-writes their gradients into them: two [tokens, intermediate] buffers fewer at the peak (2 x 224 MiB for
-Llama-3-8B at 8k). With lora_fusion the PEFT LoRA projections run through ops.lora_linear (models/lora.py)."""
+"""Gated MLP: down(act(gate(x)) * up(x)) with act and the product fused (ops.swiglu for SiLU, ops.geglu for
+tanh-GELU). gate and up are fresh projection outputs only the activation reads, so its backward writes their
+gradients into them: two [tokens, intermediate] buffers fewer at the peak (2 x 224 MiB for Llama-3-8B at 8k).
+Packed projections (Phi-3, GLM-4: one gate_up_proj whose output is [gate | up]) are read in place as two row-strided
+halves. MoE experts with packed weights (Qwen3-MoE) get the same kernel through their `_apply_gate` hook, which
+transformers' grouped_mm and batched_mm experts call; the router and the expert matmuls stay transformers'. With
+lora_fusion the PEFT LoRA projections of a dense MLP run through ops.lora_linear (models/lora.py)."""
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Tuple
@@ -9,45 +12,106 @@ from typing import Callable, Dict, Optional, Tuple
 from .base import Fusion
 
 
-def _make_forward(gated_act: Callable, lora_fusion: bool) -> Callable:
+def _make_forward(gated_act: Callable, layout, lora_fusion: bool) -> Callable:
+    gate_name, up_name, down_name = layout.gate, layout.up, layout.down
     if lora_fusion:
         from ..models.lora import project
 
+        if gate_name is None:
+            def forward(self, x):
+                gate, up = project(self, getattr(self, up_name), x).chunk(2, dim=-1)
+                return project(self, getattr(self, down_name), gated_act(gate, up, inplace_backward=True))
+            return forward
+
         def forward(self, x):
-            gate, up = project(self, self.gate_proj, x), project(self, self.up_proj, x)
-            return project(self, self.down_proj, gated_act(gate, up, inplace_backward=True))
+            gate, up = project(self, getattr(self, gate_name), x), project(self, getattr(self, up_name), x)
+            return project(self, getattr(self, down_name), gated_act(gate, up, inplace_backward=True))
+        return forward
+
+    # children are looked up at call time, so LoRA-wrapped projections are used
+    if gate_name is None:
+        def forward(self, x):
+            gate, up = getattr(self, up_name)(x).chunk(2, dim=-1)
+            return getattr(self, down_name)(gated_act(gate, up, inplace_backward=True))
         return forward
 
     def forward(self, x):
-        # children are looked up at call time, so LoRA-wrapped gate/up/down projections are used
-        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), inplace_backward=True))
+        gate = getattr(self, gate_name)(x)
+        return getattr(self, down_name)(gated_act(gate, getattr(self, up_name)(x), inplace_backward=True))
     return forward
 
 
-def patch(ctx) -> None:
+def _make_apply_gate(gated_act: Callable) -> Callable:
+    def _apply_gate(self, gate_up_out):
+        gate, up = gate_up_out.chunk(2, dim=-1)   # [S, 2I] -> two [S, I] halves, read in place
+        return gated_act(gate, up, inplace_backward=True)
+    return _apply_gate
+
+
+def _kernel_for(module, act_name: str) -> Tuple[Optional[str], Optional[str], bool]:
+    """(kernel, reason, problem) for the activation module `module.<act_name>`: no kernel is no problem."""
     from ..models.families import ACTIVATIONS
+    act = getattr(module, act_name)
+    kernel = ACTIVATIONS.get(type(act).__name__)
+    if kernel is None:
+        return None, f"activation {type(act).__name__} has no fused gated kernel", False
+    return kernel, None, False
+
+
+def _patch_experts(ctx, cache) -> None:
+    import types
+
+    from ..models.state import load_op
+    for experts in ctx.of(ctx.family.experts):
+        why, problem = None, True
+        if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "act_fn")
+                and hasattr(type(experts), "_apply_gate")):
+            why = f"{type(experts).__name__} has no gate_up_proj/act_fn/_apply_gate"
+        elif not getattr(experts, "has_gate", True) or not getattr(experts, "is_concatenated", True):
+            why = f"{type(experts).__name__} weights are not packed as [gate | up]"
+        elif "_apply_gate" in experts.__dict__:
+            why = f"{type(experts).__name__} already has an instance-level _apply_gate (patched by another tool)"
+        else:
+            impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+            if impl not in ("grouped_mm", "batched_mm"):
+                why, problem = (f"experts_implementation {impl!r} computes act_fn(gate) * up inline (grouped_mm and "
+                                f"batched_mm call the fused kernel)"), False
+        if why is None:
+            kernel, why, problem = _kernel_for(experts, "act_fn")
+        if why:
+            ctx.report.skip("swiglu", why, problem=problem)
+            continue
+        if ("experts", kernel) not in cache:
+            op, reason = load_op(kernel, "swiglu")
+            cache[("experts", kernel)] = (_make_apply_gate(op) if op is not None else None), reason
+        fn, why = cache[("experts", kernel)]
+        if why:
+            ctx.report.skip("swiglu", why, problem=True)
+            continue
+        ctx.state.set(experts, "_apply_gate", types.MethodType(fn, experts))
+        ctx.report.patched["swiglu"] += 1
+        ctx.report.activation = kernel
+
+
+def patch(ctx) -> None:
     from ..models.lora import share_counters
     from ..models.state import foreign_forward, load_op, set_forward
     lora_fusion = ctx.config.lora_fusion
-    cache: Dict[str, Tuple[Optional[Callable], Optional[str]]] = {}  # kernel -> (MLP forward, reason)
+    layout = ctx.family.mlp_layout
+    names = tuple(n for n in (layout.gate, layout.up, layout.down, layout.act) if n is not None)
+    cache: Dict[tuple, Tuple[Optional[Callable], Optional[str]]] = {}  # kernel -> (MLP forward, reason)
     for mlp in ctx.of(ctx.family.mlp):
-        missing = [n for n in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(mlp, n)]
+        missing = [n for n in names if not hasattr(mlp, n)]
         if missing:
             ctx.report.skip("swiglu", f"{type(mlp).__name__} has no {', '.join(missing)}", problem=True)
             continue
-        mlp_config = getattr(mlp, "config", None)
-        hidden_act = getattr(mlp_config if mlp_config is not None else ctx.root.config, "hidden_act", None)
-        kernel, act_classes = ACTIVATIONS.get(hidden_act, (None, ()))
-        if kernel is None:
-            ctx.report.skip("swiglu", f"activation {hidden_act!r} has no fused gated kernel")
-            continue
-        if type(mlp.act_fn).__name__ not in act_classes:
-            ctx.report.skip("swiglu", f"act_fn is {type(mlp.act_fn).__name__}, expected one of "
-                                      f"{', '.join(act_classes)} for {hidden_act!r}", problem=True)
+        kernel, why, problem = _kernel_for(mlp, layout.act)
+        if why:
+            ctx.report.skip("swiglu", why, problem=problem)
             continue
         if kernel not in cache:
             op, why = load_op(kernel, "swiglu")
-            cache[kernel] = (_make_forward(op, lora_fusion) if op is not None else None), why
+            cache[kernel] = (_make_forward(op, layout, lora_fusion) if op is not None else None), why
         forward, why = cache[kernel]
         why = why or foreign_forward(mlp)
         if why:
@@ -58,8 +122,11 @@ def patch(ctx) -> None:
             share_counters(ctx.state, mlp)
         ctx.report.patched["swiglu"] += 1
         ctx.report.activation = kernel
+    if ctx.family.experts:
+        _patch_experts(ctx, cache)
 
 
 FUSION = Fusion(key="swiglu", default=True, help="Fused SwiGLU/GeGLU MLP activation.",
-                applies_to="gated MLPs (gate_proj, up_proj, down_proj, act_fn) with silu or gelu_pytorch_tanh",
+                applies_to="gated MLPs (gate_proj/up_proj or a packed gate_up_proj, down_proj) and packed MoE experts "
+                           "with SiLU or tanh-GELU",
                 order=30, patch=patch)

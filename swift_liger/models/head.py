@@ -33,7 +33,7 @@ def _find(model: torch.nn.Module) -> Tuple[Optional[torch.nn.Module], Optional[P
             return None, None, (f"{st.lm_head_name} was replaced after patching (LoRA or modules_to_save on "
                                 f"{st.lm_head_name}?), so the model computes its own logits")
         cap = getattr(getattr(root, "config", None), "final_logit_softcapping", None)
-        if cap:
+        if cap and st.softcap_attr != "final_logit_softcapping":
             return None, None, ("the model softcaps its logits inside forward (final_logit_softcapping), which "
                                 "would apply to the hidden states")
         return root, st, ""
@@ -99,5 +99,11 @@ class HeadHandle:
         """ops.logprobs.fused_linear_logprobs(hidden, lm_head.weight, labels, lm_head.bias, **options), with the
         head gathered when ZeRO-3 / FSDP2 shard it."""
         from .sharding import lm_head_logprobs
-        self.st.calls["fused_linear_logprobs"] += 1
-        return lm_head_logprobs(self.st.lm_head, hidden, labels, **options)
+        st = self.st
+        cap = getattr(self.root.config, st.softcap_attr, None) if st.softcap_attr else None
+        if cap:   # the forward skipped its softcap along with the lm_head (Gemma-2/3)
+            if options.get("softcap") not in (None, cap):
+                raise ValueError(f"softcap={options['softcap']} differs from the model's {st.softcap_attr}={cap}")
+            options["softcap"] = float(cap)
+        st.calls["fused_linear_logprobs"] += 1
+        return lm_head_logprobs(st.lm_head, hidden, labels, **options)

@@ -41,6 +41,19 @@ def _resolve_config(config, overrides: Dict[str, Any]) -> LigerConfig:
     return config
 
 
+def _modules_outside(root: torch.nn.Module, untouched) -> list:
+    """root.modules() without the subtrees of `untouched` classes (a vision tower keeps its own norms and MLPs)."""
+    out, stack, seen = [], [root], set()
+    while stack:
+        module = stack.pop()
+        if id(module) in seen or class_in(module, untouched):
+            continue
+        seen.add(id(module))
+        out.append(module)
+        stack.extend(reversed(list(module.children())))
+    return out
+
+
 def apply(model: torch.nn.Module, config=None, **overrides) -> PatchReport:
     """Patch this model instance (and nothing else) with swift_liger kernels.
 
@@ -76,7 +89,7 @@ def apply(model: torch.nn.Module, config=None, **overrides) -> PatchReport:
     report.model_class = type(root).__name__
     st = PatchState(config, report)
     ctx = PatchContext(root=root, family=family, config=config, state=st, report=report,
-                       modules=list(root.modules()))
+                       modules=_modules_outside(root, family.untouched))
     try:
         for fusion in REGISTRY:   # what the report says whether or not a fusion runs, in registry order
             if fusion.explain is not None:

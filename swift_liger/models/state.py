@@ -43,6 +43,8 @@ class PatchState:
         self.calls: Dict[str, int] = dict.fromkeys(CALLS, 0)
         self.hidden_mode = False   # models.head.emitting_hidden(): the forward returns hidden states as logits
         self.emitted: Optional[torch.Tensor] = None   # the last hidden states returned that way
+        self.softcap_attr: Optional[str] = None   # the root config's logit softcap attribute (Gemma-2/3), if any
+        self.softcap: Optional[float] = None      # its value while a head-skipped forward runs (the loss reads it)
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         d = obj.__dict__

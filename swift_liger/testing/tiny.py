@@ -3,7 +3,7 @@
 Everything is generated offline and deterministically (fixed seeds, no hub access), in a few seconds, so the demo,
 the integration tests and `examples/sft_tiny_cpu.sh` can run the real `swift` CLI on a CPU:
 
-    python -m swift_liger.testing.tiny OUTDIR [--arch qwen3|llama]      # or: swift-liger tiny OUTDIR
+    python -m swift_liger.testing.tiny OUTDIR [--arch qwen3|llama|gemma2|qwen3_moe]   # or: swift-liger tiny
 
 writes OUTDIR/model/ (config, safetensors weights, tokenizer), OUTDIR/sft.jsonl ({"messages": [...]}),
 OUTDIR/pref.jsonl (plus "rejected_response": dpo, orpo, cpo, simpo) and OUTDIR/kto.jsonl (plus "label": true/false),
@@ -21,6 +21,14 @@ from dataclasses import dataclass
 SWIFT_FLAGS = {
     "qwen3": ["--model_type", "qwen3", "--template", "qwen3"],
     "llama": ["--model_type", "llama", "--template", "chatml"],
+    "gemma2": ["--model_type", "gemma2", "--template", "chatml"],
+    "qwen3_moe": ["--model_type", "qwen3_moe", "--template", "qwen3"],
+}
+# Per-arch config extras: Gemma-2 with a logit softcap small enough to change the loss of a tiny model, and its
+# sliding-window layers active at these lengths; Qwen3-MoE with 4 experts (2 active) and one dense layer.
+ARCH_EXTRA = {
+    "gemma2": dict(final_logit_softcapping=2.0, sliding_window=16, query_pre_attn_scalar=16),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1]),
 }
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -103,14 +111,15 @@ def build_model(tokenizer, spec: TinySpec = TinySpec()):
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         max_position_embeddings=2048, initializer_range=spec.init_std, hidden_act="silu",
         tie_word_embeddings=(spec.arch == "qwen3"),  # qwen3 small models tie, llama-3 does not: cover both
-        bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+        bos_token_id=None, eos_token_id=eos, pad_token_id=pad, **ARCH_EXTRA.get(spec.arch, {}))
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(spec.seed + 7)
     with torch.no_grad():  # non-trivial norm weights, so a wrong weight handling in a kernel cannot hide
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            if "norm" in name:   # Gemma scales by (1 + w)
+                centre = 0.0 if spec.arch.startswith("gemma") else 1.0
+                p.copy_(centre + 0.1 * torch.randn(p.shape, generator=gen))
     model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, do_sample=False)
     return model
 

@@ -328,7 +328,7 @@ def test_gelu_tanh_mlp_uses_geglu_and_other_acts_skip(torch_backend):
     close(model(ids, labels=labels).loss, ref(ids, labels=labels).loss, "geglu loss")
     report = swift_liger.apply(build("llama", hidden_act="relu"))
     assert report.patched["swiglu"] == 0 and not report.problems
-    assert any("relu" in s["reason"] for s in report.skipped)
+    assert any("ReLU" in s["reason"] for s in report.skipped)
 
 
 def test_idempotent_and_reconfigure():

@@ -1,0 +1,54 @@
+"""End-to-end: `swift sft` LoRA on tiny Gemma-2 (GeGLU, (1 + w) norms, four norms per layer, sliding-window layers,
+final-logit softcap through the fused linear CE) and Qwen3-MoE (the experts' fused gate, router logits untouched,
+one dense layer) models, stock vs --use_liger with the real Triton kernels in the interpreter. Four CLI runs, two at
+a time; Qwen3-MoE with lora_dropout 0 (PEFT's LoRA on the experts' 3-D parameters refuses dropout, patched or not).
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from swift_liger.testing import tiny
+
+from swift_runner import CPU_FLAGS, run_swift
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+SMALL = ["--per_device_train_batch_size", "1", "--max_length", "64", "--learning_rate", "2e-3", "--report_to",
+         "none", "--save_strategy", "no", "--max_steps", str(STEPS)]
+ARCHS = {"gemma2": [], "qwen3_moe": ["--lora_dropout", "0"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("family_runs")
+    specs = {}
+    for arch, extra in ARCHS.items():
+        info = tiny.build(str(root / f"tiny_{arch}"), arch)
+        argv = [*info["swift_flags"], "--dataset", info["sft"], "--tuner_type", "lora", *CPU_FLAGS, *SMALL, *extra]
+        specs[(arch, "liger")] = argv + ["--use_liger"]
+        specs[(arch, "base")] = argv
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {key: pool.submit(run_swift, "sft", argv, str(root / f"{key[0]}_{key[1]}"))
+                   for key, argv in specs.items()}
+        return {key: f.result() for key, f in futures.items()}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_family_trains_patched_with_the_stock_losses(runs, arch):
+    base, liger = runs[(arch, "base")].check(), runs[(arch, "liger")].check()
+    b, p = base.steps(), liger.steps()
+    assert [r["step"] for r in b] == [r["step"] for r in p] == list(range(1, STEPS + 1))
+    diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(b, p)]
+    assert max(diffs) <= 1e-4, diffs
+    assert b[0]["loss"] != b[-1]["loss"]
+    report = liger.patch_record()["models"]["policy"]["report"]
+    assert report["model_type"] == arch and report["cross_entropy_mode"] == "fused_linear"
+    assert report["patched"]["rms_norm"] > 0 and report["patched"]["rope"] == 2 and report["patched"]["swiglu"] == 2
+    assert not [s for s in report["skipped"] if s["problem"]], report["skipped"]
+    if arch == "qwen3_moe":
+        assert report["patched"]["qk_norm_rope"] == 2
+    total = liger.patch_record()["runtime"]["total"]["policy"]
+    assert total["fused_linear_cross_entropy"] == STEPS and total["lm_head_logits"] == 0, total
