@@ -8,6 +8,7 @@
 # tinysft: tiny `swift sft` in bf16: stock, --use_liger, --use_liger + lora_fusion; per-step losses side by side
 # tinyrlhf: tiny `swift rlhf` (dpo bf16 + fp32, orpo, kto; LoRA): stock vs --use_liger, every logged metric compared
 # logprobs: the preference-loss head op benchmark (python -m swift_liger.bench logprobs)
+# families: stock vs swift_liger per model family, LoRA and full (python -m swift_liger.bench.families; FAMILY_ARGS)
 # rolling: RollingKVCache decode benchmark (ROLLING_ARGS)
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/bench"
@@ -111,6 +112,11 @@ PY
     stamp "bench logprobs"
     timeout 240 python3 -m swift_liger.bench logprobs --out "$OUT/bench" --rep-ms 300 2>&1 | grep -E " ms |failed" \
       | cut -c1-140 ;;
+  families)
+    stamp families
+    timeout "${FAMILIES_TIMEOUT:-300}" python3 -m swift_liger.bench.families --out "$OUT/bench" ${FAMILY_ARGS:-} \
+      >"$OUT/families.log" 2>&1; echo "families rc $?"
+    grep -E "^\| |Error|error" "$OUT/families.log" | cut -c1-200 | tail -30 ;;
   rolling)
     stamp rolling
     timeout "${ROLLING_TIMEOUT:-240}" python3 -m swift_liger.bench.rolling_cache --out "$OUT/bench" ${ROLLING_ARGS:-} \
