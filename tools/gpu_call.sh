@@ -19,7 +19,7 @@ for section in "$@"; do
   case "$section" in
   tests)
     stamp tests
-    SWIFT_LIGER_TEST_GPU=1 timeout 200 python3 -m pytest ${TEST_PATHS:-tests/ops tests/models tests/cache} -q -n 8 \
+    SWIFT_LIGER_TEST_GPU=1 timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest ${TEST_PATHS:-tests/ops tests/models tests/cache} -n 16 -rf \
       -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1; echo "pytest rc $?"
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -15 ;;
   bench)

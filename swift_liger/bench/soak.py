@@ -5,8 +5,8 @@
 soak: every logged loss finite, allocated memory at the end of the first logged step at or after step 100 against
 the last one (`alloc(GiB)`, our metric: torch.cuda.memory_allocated() at the step end), peak per interval.
 parity: per-step losses of the two runs, smoothed with a centred moving average of --window steps; the largest
-relative difference of the smoothed curves, and the raw one. Writes <name>.json, <name>.md and <name>.png (both
-parity curves, and the soak's memory).
+relative difference of the smoothed curves, and the raw one. Writes <name>.json, <name>_parity.png (both
+parity curves) and <name>_long.png (the soak's loss, speed and memory); the markdown is written by hand.
 """
 from __future__ import annotations
 
