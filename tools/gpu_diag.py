@@ -1,12 +1,12 @@
 """GPU check of rope / qk_norm_rope at benchmark shapes: each output and gradient vs a float64 reference."""
-import importlib
 import sys
 
 import torch
 
+from swift_liger.ops import qk_norm_rope_kernel as qk
+from swift_liger.ops import rope
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-rope = importlib.import_module("swift_liger.ops.rope")
-qk = importlib.import_module("swift_liger.ops.qk_norm_rope")
 
 
 def inputs(t, dtype, hq=32, hkv=8, d=128, layout="bthd"):

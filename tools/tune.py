@@ -5,7 +5,6 @@
 Knobs are module constants (or a module's TUNING dict) and stay applied through the backward, which the harness
 runs after the timed function returns.
 """
-import importlib
 import itertools
 import sys
 
@@ -73,7 +72,7 @@ def sweep(case, module, grid, ours):
 
 def main(ops):
     if "rms_norm" in ops:
-        m = importlib.import_module("swift_liger.ops.rms_norm")
+        from swift_liger.ops import rms_norm_kernel as m
         case = kernels.rms_norm_cases()[0]
         sweep(case, m, {"BWD_TILE_ELEMS": [4096, 8192, 16384], "BWD_NUM_WARPS": [16, 32],
                         "BWD_PROGRAMS_PER_SM": [None, 2]},
@@ -81,7 +80,7 @@ def main(ops):
     if "rms_norm_blocked" in ops:
         # Backward schedules side by side (fwd unchanged): "default" is the persistent grid; a persistent 2-row-tile
         # point with the blocked default's registers; then the blocked grid (BWD_SCHEDULE="blocked").
-        m = importlib.import_module("swift_liger.ops.rms_norm")
+        from swift_liger.ops import rms_norm_kernel as m
         case = kernels.rms_norm_cases()[0]
         blocked = {"BWD_SCHEDULE": ["blocked"]}
         sweep(case, m, [
@@ -96,12 +95,12 @@ def main(ops):
              "BWD_BLOCKED_PREFETCH": [False]},
         ], lambda i: m.rms_norm(i["x"], i["w"], 1e-6))
     if "rope" in ops:
-        m = importlib.import_module("swift_liger.ops.rope")
+        from swift_liger.ops import rope as m
         case = kernels.rope_cases()[0]
         sweep(case, m, {"num_warps": [2, 4, 8], "programs_per_sm": [None, 16], "tile_elems": [2048, 4096]},
               lambda i: m.apply_rope(i["q"], i["k"], i["cos"], i["sin"]))
     if "qk_norm_rope" in ops:
-        m = importlib.import_module("swift_liger.ops.qk_norm_rope")
+        from swift_liger.ops import qk_norm_rope_kernel as m
         case = kernels.qk_norm_rope_cases()[0]
         sweep(case, m, {"fwd_num_warps": [4, 8], "bwd_num_warps": [4, 8, 16], "bwd_programs_per_sm": [2, 4, 8],
                         "bwd_tile_elems": [1024, 4096]},

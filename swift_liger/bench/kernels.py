@@ -6,7 +6,6 @@ Peers, in one process: eager PyTorch (our `*_reference`, written the way Hugging
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Dict, List
 
 import torch
@@ -40,7 +39,7 @@ def _peers(eager, ours, liger=None, extra=None) -> Dict[str, callable]:
 
 
 def rms_norm_cases() -> List[Case]:
-    ops = importlib.import_module("swift_liger.ops.rms_norm")
+    from swift_liger.ops import rms_norm_kernel as ops
     liger_rms = _try_import("liger_kernel.transformers.functional.liger_rms_norm")
     cases = []
     for n, h in [(16384, 4096), (16384, 8192), (65536, 128)]:
@@ -58,7 +57,7 @@ def rms_norm_cases() -> List[Case]:
 
 
 def swiglu_cases() -> List[Case]:
-    ops = importlib.import_module("swift_liger.ops.swiglu")
+    from swift_liger.ops import swiglu_kernel as ops
     liger_swiglu = _try_import("liger_kernel.transformers.functional.liger_swiglu")
     liger_geglu = _try_import("liger_kernel.transformers.functional.liger_geglu")
     cases = []
@@ -95,7 +94,7 @@ def _rope_inputs(b, t, hq, hkv, d):
 
 
 def rope_cases() -> List[Case]:
-    ops = importlib.import_module("swift_liger.ops.rope")
+    from swift_liger.ops import rope as ops
     liger_rope = _try_import("liger_kernel.transformers.functional.liger_rope")
     cases = []
     for b, t in [(1, 16384), (4, 4096)]:
@@ -114,7 +113,7 @@ def rope_cases() -> List[Case]:
 
 
 def qk_norm_rope_cases() -> List[Case]:
-    ops = importlib.import_module("swift_liger.ops.qk_norm_rope")
+    from swift_liger.ops import qk_norm_rope_kernel as ops
     liger_rope = _try_import("liger_kernel.transformers.functional.liger_rope")
     liger_rms = _try_import("liger_kernel.transformers.functional.liger_rms_norm")
     b, t, hq, hkv, d = 1, 16384, 32, 8, 128
@@ -139,7 +138,7 @@ def qk_norm_rope_cases() -> List[Case]:
 
 
 def cross_entropy_cases() -> List[Case]:
-    ops = importlib.import_module("swift_liger.ops.cross_entropy")
+    from swift_liger.ops import cross_entropy_kernel as ops
     liger_ce = _try_import("liger_kernel.transformers.functional.liger_cross_entropy")
     n, v = 8192, 128256
 
@@ -156,7 +155,7 @@ def cross_entropy_cases() -> List[Case]:
 
 
 def flce_cases() -> List[Case]:
-    ops = importlib.import_module("swift_liger.ops.fused_linear_cross_entropy")
+    from swift_liger.ops import fused_linear_cross_entropy_kernel as ops
     liger_flce = _try_import("liger_kernel.transformers.functional.liger_fused_linear_cross_entropy")
     cce = _try_import("cut_cross_entropy.linear_cross_entropy")
     cases = []
@@ -191,7 +190,7 @@ def logprobs_cases() -> List[Case]:
     eager = lm_head logits in bf16, then trl's selective_log_softmax on them (its per-row bf16 path; inside ms-swift
     the trainer gets accelerate's fp32 copy of the logits and takes the fp32 path, with more memory);
     torch.compile = our fp32 reference (logits.float(), log_softmax, gather) compiled."""
-    ops = importlib.import_module("swift_liger.ops.logprobs")
+    from swift_liger.ops import logprobs as ops
     selective = _try_import("trl.trainer.utils.selective_log_softmax")
     cases = []
     for (h, v), train_w in [((3584, 152064), False), ((3584, 152064), True), ((4096, 128256), False)]:

@@ -78,8 +78,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..config import check_rolling_cache
 from ..models.families import rolling_cache_model_types
-from ..ops.decode_attention import decode_attention_unchecked
-from ..ops.kv_ring_write import kv_ring_write_unchecked, kv_sink_rotate, kv_sink_rotate_unchecked
+from ..ops.decode_attention_kernel import decode_attention_unchecked
+from ..ops.kv_ring_write_kernel import kv_ring_write_unchecked, kv_sink_rotate, kv_sink_rotate_unchecked
 
 SUPPORTED_MODEL_TYPES = rolling_cache_model_types()   # from the family tables (models/families.py)
 SUPPORTED_ATTENTION = ("sdpa", "eager")

@@ -104,7 +104,7 @@ def patch(ctx) -> None:
         report.skip("rope", f"no {'/'.join(family.attention)} module found", problem=True)
         return
     want_qk = config.qk_norm_rope and family.qk_norm and not family.rope_interleaved
-    apply_rope, rope_reason = load_op("apply_rope", "rope")
+    apply_rope, rope_reason = load_op("apply_rope")
     qk_op, qk_reason = load_op("qk_norm_rope") if want_qk else (None, None)
     name = family.rope_function
     plain_cache: Dict[int, Any] = {}  # one rebuilt forward (and globals dict) per attention class

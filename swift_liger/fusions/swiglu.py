@@ -82,7 +82,7 @@ def _patch_experts(ctx, cache) -> None:
             ctx.report.skip("swiglu", why, problem=problem)
             continue
         if ("experts", kernel) not in cache:
-            op, reason = load_op(kernel, "swiglu")
+            op, reason = load_op(kernel)
             cache[("experts", kernel)] = (_make_apply_gate(op) if op is not None else None), reason
         fn, why = cache[("experts", kernel)]
         if why:
@@ -110,7 +110,7 @@ def patch(ctx) -> None:
             ctx.report.skip("swiglu", why, problem=problem)
             continue
         if kernel not in cache:
-            op, why = load_op(kernel, "swiglu")
+            op, why = load_op(kernel)
             cache[kernel] = (_make_forward(op, layout, lora_fusion) if op is not None else None), why
         forward, why = cache[kernel]
         why = why or foreign_forward(mlp)

@@ -2,8 +2,8 @@
 
 This module knows PEFT's lora.Linear (one active adapter, unmerged, vanilla LoRA, a frozen nn.Linear base, no
 biases or hooks); whether ops.lora_linear can take the call (dtypes, dropout, contiguity) is decided in one place,
-``ops.lora_linear.lora_linear_problem``. Anything else runs PEFT's own forward. Every call is counted in the patch
-state of the model (``lora_fused`` / ``lora_peft``), read back through state.call_counts.
+``ops.lora_linear_kernel.lora_linear_problem``. Anything else runs PEFT's own forward. Every call is counted in the
+patch state of the model (``lora_fused`` / ``lora_peft``), read back through state.call_counts.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]
     module_dropout = False
     if p > 0 and (not x.is_contiguous() or dropout.inplace):   # the op draws dropout only on a contiguous x
         p, module_dropout = 0.0, True
-    from ..ops.lora_linear import lora_linear_problem
+    from ..ops.lora_linear_kernel import lora_linear_problem
     if lora_linear_problem(x, x if module_dropout else None, base.weight, base.bias, lora_a.weight, lora_b.weight,
                            p) is not None:
         return None
@@ -60,7 +60,7 @@ def plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]
 
 
 def fused_lora(x: torch.Tensor, parts: tuple) -> torch.Tensor:
-    from ..ops.lora_linear import lora_linear_unchecked
+    from ..ops.lora_linear_kernel import lora_linear_unchecked
     weight, bias, lora_a, lora_b, scaling, dropout, p, module_dropout = parts
     return lora_linear_unchecked(x, dropout(x) if module_dropout else None, weight, bias, lora_a, lora_b, scaling, p)
 

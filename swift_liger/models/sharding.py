@@ -219,7 +219,7 @@ def _head_op(module: torch.nn.Module, op: Callable, hidden: torch.Tensor, labels
 def lm_head_cross_entropy(module: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **options):
     """``fused_linear_cross_entropy(hidden, module.weight, labels, module.bias, **options)`` for a possibly sharded
     head (see :func:`_head_op`)."""
-    from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from ..ops.fused_linear_cross_entropy_kernel import fused_linear_cross_entropy
     return _head_op(module, fused_linear_cross_entropy, hidden, labels, **options)
 
 

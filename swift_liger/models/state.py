@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -45,6 +44,7 @@ class PatchState:
         self.emitted: Optional[torch.Tensor] = None   # the last hidden states returned that way
         self.softcap_attr: Optional[str] = None   # the root config's logit softcap attribute (Gemma-2/3), if any
         self.softcap: Optional[float] = None      # its value while a head-skipped forward runs (the loss reads it)
+        self.offloader = None   # offload_checkpoints: models.offload.Offloader (its counters)
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         d = obj.__dict__
@@ -109,8 +109,12 @@ def call_counts(model: torch.nn.Module, reset: bool = False) -> Optional[Dict[st
     out: Dict[str, Any] = {"cross_entropy_mode": st.report.cross_entropy_mode, **st.calls}
     if st.lm_head is None:
         out["lm_head_logits"] = None
+    if st.offloader is not None:   # offload_checkpoints: layer inputs sent to the host, and how they came back
+        out["offloaded_checkpoints"] = dict(st.offloader.calls)
     if reset:
         st.calls.update(dict.fromkeys(st.calls, 0))
+        if st.offloader is not None:
+            st.offloader.calls.update(dict.fromkeys(st.offloader.calls, 0))
     return out
 
 
@@ -137,12 +141,12 @@ def class_in(module: torch.nn.Module, names: Tuple[str, ...]) -> bool:
     return type(module).__name__ in names
 
 
-def load_op(name: str, module: Optional[str] = None) -> Tuple[Optional[Callable], Optional[str]]:
-    """swift_liger.ops.<module>.<name> (module defaults to name); (None, reason) when it cannot be imported, so a
-    missing or broken kernel skips its fusion, not the whole apply."""
+def load_op(name: str) -> Tuple[Optional[Callable], Optional[str]]:
+    """The public op swift_liger.ops.<name>; (None, reason) when it cannot be imported, so a missing or broken
+    kernel skips its fusion, not the whole apply."""
     try:
-        ops_module = importlib.import_module(f"{__package__.rpartition('.')[0]}.ops.{module or name}")
-        return getattr(ops_module, name), None
+        from .. import ops
+        return getattr(ops, name), None
     except Exception as exc:   # noqa: BLE001
         return None, f"kernel swift_liger.ops.{name} unavailable ({type(exc).__name__}: {exc})"
 

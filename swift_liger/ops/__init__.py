@@ -1,17 +1,23 @@
 """Triton kernels behind autograd Functions. Pure kernels: nothing here imports transformers or ms-swift.
 
-The public names are functions; the modules of the same name (``swift_liger.ops.rms_norm`` as a module) are reached
-with ``importlib.import_module("swift_liger.ops.rms_norm")``. `import swift_liger` alone does not import this
-package, so the ms-swift start-up hook stays cheap.
+The public names are functions (``from swift_liger.ops import rms_norm``); each lives in a module named
+``<op>_kernel`` (``swift_liger.ops.rms_norm_kernel``, ...) with its kernels, launchers and tuning knobs, so
+``from swift_liger.ops import rms_norm_kernel`` reaches the module with a plain import. Modules whose public
+functions have other names keep theirs (``rope``: apply_rope, ``logprobs``: fused_linear_logprobs,
+``dropout_mask``: pack_mask / masked_scale). `import swift_liger` alone does not import this package, so the
+ms-swift start-up hook stays cheap.
 """
-from .cross_entropy import CrossEntropyFunction, cross_entropy, cross_entropy_reference
-from .fused_linear_cross_entropy import (FusedLinearCrossEntropyFunction, fused_linear_cross_entropy,
-                                         fused_linear_cross_entropy_reference)
+from .cross_entropy_kernel import CrossEntropyFunction, cross_entropy, cross_entropy_reference
+from .decode_attention_kernel import decode_attention, decode_attention_reference
+from .fused_linear_cross_entropy_kernel import (FusedLinearCrossEntropyFunction, fused_linear_cross_entropy,
+                                                fused_linear_cross_entropy_reference)
+from .kv_ring_write_kernel import kv_ring_write, kv_ring_write_reference, kv_sink_rotate, kv_sink_rotate_reference
 from .logprobs import LogprobsOutput, fused_linear_logprobs, fused_linear_logprobs_reference
-from .qk_norm_rope import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_reference
-from .rms_norm import RMSNormFunction, rms_norm, rms_norm_reference
+from .lora_linear_kernel import lora_linear, lora_linear_reference
+from .qk_norm_rope_kernel import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_reference
+from .rms_norm_kernel import RMSNormFunction, rms_norm, rms_norm_reference
 from .rope import RoPEFunction, apply_rope, apply_rope_reference
-from .swiglu import GeGLUFunction, SwiGLUFunction, geglu, geglu_reference, swiglu, swiglu_reference
+from .swiglu_kernel import GeGLUFunction, SwiGLUFunction, geglu, geglu_reference, swiglu, swiglu_reference
 
 __all__ = [
     "rms_norm", "rms_norm_reference", "RMSNormFunction",
@@ -21,4 +27,7 @@ __all__ = [
     "cross_entropy", "cross_entropy_reference", "CrossEntropyFunction",
     "fused_linear_cross_entropy", "fused_linear_cross_entropy_reference", "FusedLinearCrossEntropyFunction",
     "fused_linear_logprobs", "fused_linear_logprobs_reference", "LogprobsOutput",
+    "lora_linear", "lora_linear_reference",
+    "decode_attention", "decode_attention_reference",
+    "kv_ring_write", "kv_ring_write_reference", "kv_sink_rotate", "kv_sink_rotate_reference",
 ]

@@ -5,8 +5,8 @@
 where transform is the model's softcap c*tanh(z/c) (Gemma-2) followed by the trainer's 1/temperature. This is what
 preference trainers (DPO, ORPO, CPO/SimPO, KTO) compute from ``outputs.logits`` with a log-softmax over [rows, V].
 
-Machinery: the fused linear cross-entropy's rolling workspace and kernels (``fused_linear_cross_entropy.py``) with
-per-token gradients: logps = -token_loss of its autograd Function, with no smoothing and no z-loss. So
+Machinery: the fused linear cross-entropy's rolling workspace and kernels (``fused_linear_cross_entropy_kernel.py``)
+with per-token gradients: logps = -token_loss of its autograd Function, with no smoothing and no z-loss. So
     forward:  per token chunk, logits GEMM into the [C, V] workspace, one row kernel (lse, log p, optional row sum
               of logits, dlogits at unit scale in place), dh = dlogits @ W          2 GEMMs, frozen W (LoRA)
     backward: dh *= grad per token (in place); trainable W only: vocab slices of all tokens recompute logits
@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _common
-from .fused_linear_cross_entropy import _check_args, autocast_inputs, flat_rows, run_rows
+from .fused_linear_cross_entropy_kernel import _check_args, autocast_inputs, flat_rows, run_rows
 
 
 class LogprobsOutput(NamedTuple):

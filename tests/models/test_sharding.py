@@ -10,8 +10,8 @@ import torch
 import helpers
 from helpers import assert_close, f64, randn
 from swift_liger.models import sharding
-from swift_liger.ops.fused_linear_cross_entropy import (fused_linear_cross_entropy,
-                                                         fused_linear_cross_entropy_reference)
+from swift_liger.ops.fused_linear_cross_entropy_kernel import (fused_linear_cross_entropy,
+                                                                fused_linear_cross_entropy_reference)
 
 N, H, V, CHUNK = 21, 32, 301, 8
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from helpers import assert_close, randn
-from swift_liger.ops.cross_entropy import cross_entropy
-from swift_liger.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from swift_liger.ops.cross_entropy_kernel import cross_entropy
+from swift_liger.ops.fused_linear_cross_entropy_kernel import fused_linear_cross_entropy
 
 N, H, V = 29, 32, 257
 

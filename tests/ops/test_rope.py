@@ -1,11 +1,10 @@
 """apply_rope: Triton kernel (interpreter on CPU) vs a float64 HF-eager reference; rotate-half and the GLM-4
 interleaved layout (also vs transformers' glm4 ``apply_rotary_pos_emb`` itself)."""
-import importlib
 import pytest
 import torch
 
 from helpers import DTYPES, assert_close, f64, inputs_unchanged
-rope_mod = importlib.import_module("swift_liger.ops.rope")
+from swift_liger.ops import rope as rope_mod
 from swift_liger.ops.rope import RoPEFunction, apply_rope, apply_rope_reference
 
 

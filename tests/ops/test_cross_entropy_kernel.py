@@ -1,10 +1,9 @@
 """Cross-entropy on logits: Triton kernels (interpreter on CPU, compiled on GPU) against a float64 reference."""
-import importlib
 import pytest
 import torch
 
 from helpers import DTYPES, TOL, assert_close, f64, inputs_unchanged, randn
-ce = importlib.import_module("swift_liger.ops.cross_entropy")
+from swift_liger.ops import cross_entropy_kernel as ce
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 IGNORE = -100

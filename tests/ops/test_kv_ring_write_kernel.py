@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import DTYPES, assert_close, inputs_unchanged
-from swift_liger.ops.kv_ring_write import (
+from swift_liger.ops.kv_ring_write_kernel import (
     kv_ring_write,
     kv_ring_write_reference,
     kv_sink_rotate,

@@ -1,13 +1,11 @@
 """RMSNorm kernels vs a float64 HF-style reference: forward, every gradient, layouts, dtypes, errors, compile."""
-import importlib
 
 import pytest
 import torch
 
 from helpers import DTYPES, REDUCTION_SLACK, assert_close, f64, inputs_unchanged, randn
 
-# The module itself (swift_liger.ops exports a function of the same name, so attribute imports are ambiguous).
-rms_mod = importlib.import_module("swift_liger.ops.rms_norm")
+from swift_liger.ops import rms_norm_kernel as rms_mod
 RMSNormFunction, rms_norm, rms_norm_reference = rms_mod.RMSNormFunction, rms_mod.rms_norm, rms_mod.rms_norm_reference
 
 CASTINGS = ["llama", "gemma", "none"]

@@ -27,7 +27,7 @@ from .rope import (apply_rope_reference, auto_warps, check_rope_args, cos_sin_st
 
 CASTINGS = ("llama", "gemma")
 
-# Launch knobs (edit, or override from a benchmark with ``qk_norm_rope.TUNING.update(...)``); see rope.TUNING.
+# Launch knobs (edit, or override from a benchmark with ``qk_norm_rope_kernel.TUNING.update(...)``); see rope.TUNING.
 #   bwd_programs_per_sm: the backward is persistent (each program keeps fp32 weight-gradient partials), so its
 #   grid is SMs x this, capped at the token count.
 TUNING = {

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from helpers import DTYPES, assert_close, inputs_unchanged
-from swift_liger.ops.decode_attention import decode_attention, decode_attention_reference
+from swift_liger.ops.decode_attention_kernel import decode_attention, decode_attention_reference
 
 CASES = [
     # B, Hq, Hkv, C, D

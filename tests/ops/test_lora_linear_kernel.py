@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_close, f64, inputs_unchanged
-from swift_liger.ops.lora_linear import lora_linear, lora_linear_reference
+from swift_liger.ops.lora_linear_kernel import lora_linear, lora_linear_reference
 
 
 def make(n=(3, 5), d_in=24, d_out=40, r=4, dtype=torch.float32, adapter_dtype=torch.float32, bias=True, seed=0):
@@ -165,7 +165,7 @@ def test_upcast_fp32_adapters_without_autocast(device, p, monkeypatch):
     """bf16 x and base weight, fp32 adapters, no autocast (a plain PyTorch loop): same values and gradients as
     PEFT's fp32 branch, in row chunks (a small CHUNK_BYTES makes 5 of them, the last one partial), keeping x and
     the bits instead of fp32 copies."""
-    from swift_liger.ops import lora_linear as LL
+    from swift_liger.ops import lora_linear_kernel as LL
     monkeypatch.setattr(LL, "CHUNK_BYTES", 8 * 48 * 4)          # 8 rows per chunk
     x, w, b, a, bb = (t.detach().to(device).requires_grad_(t.requires_grad)
                       for t in make(n=(37,), d_in=40, d_out=48, dtype=torch.bfloat16, adapter_dtype=torch.float32))

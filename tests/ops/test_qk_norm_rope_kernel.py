@@ -1,11 +1,10 @@
 """qk_norm_rope: Triton kernels (interpreter on CPU) vs a float64 reference that rounds where HF eager rounds."""
-import importlib
 import pytest
 import torch
 
 from helpers import DTYPES, REDUCTION_SLACK, assert_close, f64, inputs_unchanged
-qk_mod = importlib.import_module("swift_liger.ops.qk_norm_rope")
-from swift_liger.ops.qk_norm_rope import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_reference
+from swift_liger.ops import qk_norm_rope_kernel as qk_mod
+from swift_liger.ops.qk_norm_rope_kernel import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_reference
 from swift_liger.ops.rope import apply_rope_reference
 from test_rope import make_cos_sin, make_heads
 

@@ -1,11 +1,10 @@
 """SwiGLU / GeGLU: Triton kernels (interpreter on CPU, compiled on GPU) against float64 references."""
-import importlib
 import pytest
 import torch
 import torch.nn.functional as F
 
 from helpers import DTYPES, TOL, assert_close, f64, inputs_unchanged, randn
-sw = importlib.import_module("swift_liger.ops.swiglu")
+from swift_liger.ops import swiglu_kernel as sw
 
 # The interpreter evaluates sigmoid(-x) = 1 / (1 + exp(x)) in numpy: exp overflows to inf harmlessly.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
