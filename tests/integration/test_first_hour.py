@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from swift_liger.models.families import FAMILIES
+
 from swift_runner import CPU_FLAGS, run_swift, swift_env
 
 pytestmark = pytest.mark.slow
@@ -22,15 +24,15 @@ def runs(tiny_qwen3, tmp_path_factory):
             "--max_steps", "1", "--max_length", "64", "--report_to", "none", "--save_strategy", "no"]
     typo_yaml = root / "typo.yaml"
     typo_yaml.write_text("use_liger: true\nliger_swigul: false\n")
-    # a checkpoint with a config and no weights: refusing it must not need the weights
-    gemma = root / "gemma_config_only"
-    gemma.mkdir()
-    (gemma / "config.json").write_text(json.dumps({
-        "model_type": "gemma", "architectures": ["GemmaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
-        "vocab_size": 2048, "torch_dtype": "float32"}))
-    gemma_argv = ["--model", str(gemma), "--model_type", "gemma", "--template", "gemma",
-                  *base[len(tiny_qwen3["swift_flags"]):]]
+    # a checkpoint with a config and no weights (Phi-2: a family swift_liger does not patch): refusing it must not
+    # need the weights
+    phi = root / "phi2_config_only"
+    phi.mkdir()
+    (phi / "config.json").write_text(json.dumps({
+        "model_type": "phi", "architectures": ["PhiForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 2048, "torch_dtype": "float32"}))
+    phi_argv = ["--model", str(phi), "--model_type", "phi2", "--template", "default",
+                *base[len(tiny_qwen3["swift_flags"]):]]
     specs = {
         "misspelt": (base + ["--use_liger", "--liger_rms_nrom", "true"], {}),
         "abbreviated": (base + ["--use_liger", "--liger_rms", "true"], {}),
@@ -39,7 +41,7 @@ def runs(tiny_qwen3, tmp_path_factory):
         "bad_mode": (base + ["--use_liger", "--liger_rolling_cache", '{"window": 64, "sinks": 2, "mode": "ring"}'],
                      {}),
         "bad_backend": (base + ["--use_liger"], {"SWIFT_LIGER_BACKEND": "bogus"}),
-        "strict_unsupported": (gemma_argv + ["--use_liger", "--liger_strict", "true"], {}),
+        "strict_unsupported": (phi_argv + ["--use_liger", "--liger_strict", "true"], {}),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_swift, "sft", argv, str(root / name), swift_env(**env))
@@ -54,7 +56,7 @@ def runs(tiny_qwen3, tmp_path_factory):
     ("window_zero", "window must be an int >= 1, got 0"),
     ("bad_mode", "mode must be one of absolute, streaming, got 'ring'"),
     ("bad_backend", "SWIFT_LIGER_BACKEND must be one of auto, triton, torch; got 'bogus'"),
-    ("strict_unsupported", "model type 'gemma' is not supported (swift_liger patches llama, mistral, qwen2, qwen3)"),
+    ("strict_unsupported", f"model type 'phi' is not supported (swift_liger patches {', '.join(sorted(FAMILIES))})"),
 ])
 def test_refused_before_the_model_loads_and_no_run_directory(runs, name, message):
     run = runs[name]
@@ -76,7 +78,7 @@ def test_help_shows_our_flags_with_defaults(tmp_path, command):
                  "--model", "--tuner_type"):
         assert flag in out, flag
     flat = " ".join(out.split())
-    assert "Default: true (from the preset)" in flat and "presets: compiled, default, keep_logits, minimal, off" in flat
+    assert "Default: true (from the preset)" in flat and "presets: compiled, default, keep_logits, long_context, minimal, off" in flat
     assert "experimental" not in flat
     ours = flat.split("--use_liger [USE_LIGER]", 2)[-1].split("--liger_metrics")[0]
     assert "(default: None)" not in ours   # "None" would be wrong: it means "the preset's value", which is stated

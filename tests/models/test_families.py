@@ -324,3 +324,14 @@ def test_unsupported_type_names_the_supported_ones():
     text = " ".join(str(w.message) for w in caught)
     for name in ("gemma2", "glm4", "phi3", "qwen3_moe", "qwen2_5_vl"):
         assert name in text, text
+
+
+def test_readme_lists_every_family():
+    import os
+    import re
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("<!-- families:begin"):text.index("<!-- families:end")]
+    listed = set(re.findall(r"`([a-z0-9_]+)`", section.split("\n|---")[1]))
+    assert set(FAMILIES) <= listed, sorted(set(FAMILIES) - listed)
