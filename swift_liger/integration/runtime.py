@@ -67,6 +67,13 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         if c["lm_head_logits"] is not None:
             line += f"; its lm_head materialised logits {c['lm_head_logits']} times"
         lines.append(line)
+    offload = (snap.get("policy") or {}).get("offloaded_checkpoints")
+    if offload:
+        line = (f"offload_checkpoints {when}: {offload['offloaded']} decoder-layer inputs kept on the host, "
+                f"{offload['prefetched']} prefetched one layer ahead, {offload['fetched_late']} fetched on demand")
+        if not offload["offloaded"]:
+            line += " (gradient checkpointing is off: nothing to offload)"
+        lines.append(line)
     lora = snap.get("lora_fusion")
     if lora:
         line = (f"lora_fusion {when}: {lora['ops.lora_linear']} LoRA projection calls through ops.lora_linear, "

@@ -1,7 +1,8 @@
 """End-to-end: `swift sft` LoRA on tiny Gemma-2 (GeGLU, (1 + w) norms, four norms per layer, sliding-window layers,
 final-logit softcap through the fused linear CE) and Qwen3-MoE (the experts' fused gate, router logits untouched,
-one dense layer) models, stock vs --use_liger with the real Triton kernels in the interpreter. Four CLI runs, two at
-a time; Qwen3-MoE with lora_dropout 0 (PEFT's LoRA on the experts' 3-D parameters refuses dropout, patched or not).
+one dense layer) models, stock vs --use_liger with the real Triton kernels in the interpreter, and the long_context
+preset on Qwen3 (tiled MLP, offloaded checkpoints, gradient checkpointing on). Six CLI runs, two at a time;
+Qwen3-MoE with lora_dropout 0 (PEFT's LoRA on the experts' 3-D parameters refuses dropout, patched or not).
 """
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ STEPS = 4
 SMALL = ["--per_device_train_batch_size", "1", "--max_length", "64", "--learning_rate", "2e-3", "--report_to",
          "none", "--save_strategy", "no", "--max_steps", str(STEPS)]
 ARCHS = {"gemma2": [], "qwen3_moe": ["--lora_dropout", "0"]}
+# the long_context preset (tiled MLP, offloaded checkpoints) on qwen3, tiles of 16 tokens; dropout 0: tiles draw
+# their own masks (tests/models/test_tiled_mlp.py)
+LONG = ["--gradient_checkpointing", "true", "--lora_dropout", "0"]
+LONG_LIGER = ["--liger_config", "long_context", "--liger_tiled_mlp", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +35,10 @@ def runs(tmp_path_factory):
         argv = [*info["swift_flags"], "--dataset", info["sft"], "--tuner_type", "lora", *CPU_FLAGS, *SMALL, *extra]
         specs[(arch, "liger")] = argv + ["--use_liger"]
         specs[(arch, "base")] = argv
+    info = tiny.build(str(root / "tiny_qwen3"), "qwen3")
+    argv = [*info["swift_flags"], "--dataset", info["sft"], "--tuner_type", "lora", *CPU_FLAGS, *SMALL, *LONG]
+    specs[("long", "liger")] = argv + ["--use_liger", *LONG_LIGER]
+    specs[("long", "base")] = argv
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {key: pool.submit(run_swift, "sft", argv, str(root / f"{key[0]}_{key[1]}"))
                    for key, argv in specs.items()}
@@ -52,3 +61,18 @@ def test_family_trains_patched_with_the_stock_losses(runs, arch):
         assert report["patched"]["qk_norm_rope"] == 2
     total = liger.patch_record()["runtime"]["total"]["policy"]
     assert total["fused_linear_cross_entropy"] == STEPS and total["lm_head_logits"] == 0, total
+
+
+def test_long_context_preset_tiles_and_offloads(runs):
+    base, liger = runs[("long", "base")].check(), runs[("long", "liger")].check()
+    b, p = base.steps(), liger.steps()
+    diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(b, p)]
+    assert len(b) == len(p) == STEPS and max(diffs) <= 1e-4, diffs
+    record = liger.patch_record()
+    report = record["models"]["policy"]["report"]
+    assert report["patched"]["tiled_mlp"] == 2 and report["patched"]["offload_checkpoints"] == 2, report
+    assert record["config"]["tiled_mlp"] == 16 and record["config"]["offload_checkpoints"] is True
+    # counted: both layers' inputs went to the host every step, the first layer's came back ahead of its recompute
+    first = record["runtime"]["first_step"]["policy"]["offloaded_checkpoints"]
+    assert first == {"offloaded": 2, "prefetched": 1, "fetched_late": 1}, first
+    assert "offload_checkpoints in the first step: 2 decoder-layer inputs kept on the host" in liger.log

@@ -298,8 +298,8 @@ def test_default_report_and_summary(caplog):
         report = swift_liger.apply(build("qwen3"))
     assert [r.getMessage() for r in caplog.records if r.name == "swift_liger"] == [str(report)]  # one line
     assert isinstance(report, PatchReport)
-    assert report.patched == {"rms_norm": 5, "rope": 2, "qk_norm_rope": 2, "swiglu": 2, "cross_entropy": 1,
-                              "rolling_cache": 0, "compile_layers": 0}
+    assert report.patched == {"rms_norm": 5, "rope": 2, "qk_norm_rope": 2, "swiglu": 2, "tiled_mlp": 0,
+                              "offload_checkpoints": 0, "cross_entropy": 1, "rolling_cache": 0, "compile_layers": 0}
     assert report.activation == "swiglu" and report.model_type == "qwen3"
     text = str(report)
     assert "Qwen3ForCausalLM" in text and "cross_entropy=fused_linear" in text and "\n" not in text
@@ -622,7 +622,7 @@ def lora_calls(model):
 @pytest.fixture
 def lora_linear_calls(monkeypatch):
     """A list that gets one entry per ops.lora_linear call."""
-    from swift_liger.ops import lora_linear as LL
+    from swift_liger.ops import lora_linear_kernel as LL
     calls = []
     original = LL.LoRALinearFunction.apply
     monkeypatch.setattr(LL.LoRALinearFunction, "apply", lambda *a: calls.append(1) or original(*a))

@@ -1,0 +1,65 @@
+"""Offloaded gradient checkpoints: each decoder layer's checkpointed input waits in pinned CPU memory, copied out
+while the layer computes and back while the next-later layer recomputes (models/offload.py). Takes effect where
+gradient checkpointing is on (`--gradient_checkpointing true`, ms-swift's default): the patch swaps the checkpoint
+function of every decoder layer now, and again whenever the model's gradient checkpointing is (re)enabled."""
+from __future__ import annotations
+
+import functools
+
+from .base import Fusion
+
+
+def _install(st, layers, offloader) -> int:
+    from ..models.offload import checkpoint_offloaded
+    ours = functools.partial(checkpoint_offloaded, offloader)
+    n = 0
+    for layer in layers:
+        if getattr(layer, "gradient_checkpointing", False):
+            st.set(layer, "_gradient_checkpointing_func", ours)
+            n += 1
+    return n
+
+
+def _make_set_gradient_checkpointing(st, layers, offloader):
+    def _set_gradient_checkpointing(self, *args, **kwargs):
+        out = type(self)._set_gradient_checkpointing(self, *args, **kwargs)
+        _install(st, layers, offloader)
+        return out
+    return _set_gradient_checkpointing
+
+
+def _rewrap(st, module, layers, offloader) -> None:
+    """deepcopy: the copied method would close over the original's layers (the layers' partials are copied)."""
+    import types
+    module.__dict__["_set_gradient_checkpointing"] = types.MethodType(
+        _make_set_gradient_checkpointing(st, layers, offloader), module)
+
+
+def patch(ctx) -> None:
+    import types
+
+    from ..models.offload import Offloader
+    layers = ctx.of(ctx.family.decoder_layer)
+    if not layers:
+        ctx.report.skip("offload_checkpoints", f"no {'/'.join(ctx.family.decoder_layer)} module found", problem=True)
+        return
+    if not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
+        ctx.report.skip("offload_checkpoints", f"{type(layers[0]).__name__} is not a GradientCheckpointingLayer",
+                        problem=True)
+        return
+    offloader = Offloader()
+    owners = [m for m in ctx.modules if hasattr(type(m), "_set_gradient_checkpointing")
+              and hasattr(type(m), "gradient_checkpointing_enable")]
+    for owner in owners:
+        ctx.state.set(owner, "_set_gradient_checkpointing",
+                      types.MethodType(_make_set_gradient_checkpointing(ctx.state, layers, offloader), owner))
+        ctx.state.on_deepcopy(_rewrap, ctx.state, owner, layers, offloader)
+    _install(ctx.state, layers, offloader)
+    ctx.state.offloader = offloader
+    ctx.report.patched["offload_checkpoints"] = len(layers)
+
+
+FUSION = Fusion(key="offload_checkpoints", default=False,
+                help="Keep gradient checkpoints (each decoder layer's input) in pinned CPU memory, copied out and "
+                     "prefetched back on a side stream; needs gradient checkpointing on.",
+                applies_to="decoder layers (GradientCheckpointingLayer)", order=85, patch=patch, say_off=False)
