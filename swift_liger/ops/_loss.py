@@ -5,12 +5,18 @@ the reduction, so the two cannot drift apart.
     reduction "mean": sum / (number of valid tokens, at least 1); "sum"; "none": per token (0 where ignored)
     num_items_in_batch (with "mean" or "sum"): sum / num_items_in_batch, a divisor <= 0 taken as 1 (HF's gradient
     accumulation: the loss of one micro-batch over the tokens of the whole step)
+    softcap: z = c * tanh(z / c) on the fp32 logits, with the one `tanh` below in both kernels
+    labels: checked against [0, V) or ignore_index on CPU always, on CUDA only with validate_labels=True (the check
+    syncs the host); an unchecked out-of-range label is never read out of bounds: its token loss is NaN (so is the
+    mean), its gradient zero
 """
 from __future__ import annotations
 
 import numbers
 
 import torch
+import triton
+import triton.language as tl
 
 REDUCTIONS = ("mean", "sum", "none")
 LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)   # the kernels read int64/int32; others widen
@@ -73,3 +79,21 @@ def int_labels(labels: torch.Tensor) -> torch.Tensor:
     """int64/int32 as they are, narrower ints widened to int64 (for the kernels, and so that comparisons with
     ignore_index and V are made in a type that holds them)."""
     return labels if labels.dtype in (torch.int64, torch.int32) else labels.long()
+
+
+@triton.jit
+def tanh(x):
+    """tanh from tl.exp (no libdevice: the interpreter runs it); exp(-2|x|) never overflows, +-1 at large |x|."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+def labels_checked(labels: torch.Tensor, validate_labels) -> bool:
+    """Whether to check the label range now: validate_labels None = on CPU only, True / False = always / never
+    (never under torch.compile)."""
+    if validate_labels not in (None, True, False):
+        raise TypeError(f"validate_labels must be None, True or False, got {validate_labels!r}")
+    if torch.compiler.is_compiling():
+        return False
+    return (not labels.is_cuda) if validate_labels is None else validate_labels

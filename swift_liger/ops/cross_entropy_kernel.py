@@ -27,16 +27,11 @@ import triton.language as tl
 
 from . import _common
 
-from ._loss import LABEL_DTYPES, check_label_range, check_options, int_labels, reduce
+from ._loss import LABEL_DTYPES, check_label_range, check_options, int_labels, labels_checked, reduce
+from ._loss import tanh as _tanh
 
 # Launch configuration (tune on the GPU): one program per row, vocabulary walked in blocks of MAX_BLOCK_V.
 MAX_BLOCK_V = 8192
-
-
-@triton.jit
-def _tanh(x):
-    # tl.* math only (interpreter-safe): tanh(x) = 2 sigmoid(2x) - 1 (saturates cleanly to +-1 for large |x|).
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 @triton.jit
@@ -46,7 +41,7 @@ def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr,
                    ALL_LSE: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.cast(tl.program_id(0), tl.int64)
     label = tl.load(labels_ptr + row * stride_label).to(tl.int64)
-    # Out-of-range labels (possible only with validate_labels=False) are treated as ignored: never read OOB.
+    # Out-of-range labels (unchecked on CUDA unless validate_labels=True) are never read out of bounds: loss NaN.
     valid = (label != ignore_index) & (label >= 0) & (label < n_cols)
     row_ptr = logits_ptr + row * stride_row
     inv_cap = 1.0 / softcap
@@ -82,7 +77,7 @@ def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr,
         loss = (1.0 - eps) * loss + eps * (lse - z_sum / n_cols)
     if HAS_Z_LOSS:
         loss += z_loss * lse * lse
-    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+    tl.store(loss_ptr + row, tl.where(valid, loss, tl.where(label == ignore_index, 0.0, float("nan"))))
     tl.store(lse_ptr + row, lse)
 
 
@@ -283,7 +278,7 @@ def _check(logits, labels, ignore_index, label_smoothing, softcap, z_loss, reduc
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
                   label_smoothing: float = 0.0, softcap: Optional[float] = None, z_loss: float = 0.0,
                   reduction: str = "mean", num_items_in_batch: Optional[Union[int, float, torch.Tensor]] = None,
-                  return_lse: bool = False, validate_labels: bool = True, inplace_backward: bool = False):
+                  return_lse: bool = False, validate_labels: Optional[bool] = None, inplace_backward: bool = False):
     """Cross-entropy of logits [..., V] against labels [...] (already shifted), HF ForCausalLMLoss semantics.
 
     logits: [..., V] fp32/fp16/bf16, last dim contiguous (row stride free). labels: [...] int64/int32/int16/uint8.
@@ -291,9 +286,10 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
     z_loss: adds ``z_loss * lse^2`` per valid token. reduction: "mean" (over valid tokens) | "sum" | "none".
     num_items_in_batch: int / float / one-element tensor; the loss becomes ``sum / num_items_in_batch`` (clamped
     away from 0 on device) for "mean" and "sum"; an error with "none".
-    validate_labels: check labels are in [0, V) or ignore_index (ValueError). On CUDA this costs one host sync;
-    pass False for CUDA-graph capture (it is skipped under torch.compile and always done on CPU). Unchecked
-    out-of-range labels are treated as ignored (never read out of bounds).
+    validate_labels: check labels are in [0, V) or ignore_index (ValueError): None (default) on CPU only, True on
+    CUDA too (one host sync), False never; skipped under torch.compile. An unchecked out-of-range label is never
+    read out of bounds: its token loss is NaN (so is the mean) and its gradient zero, as in
+    fused_linear_cross_entropy (ops/_loss.py).
     inplace_backward: write dlogits into the logits buffer (saves N*V memory). Only when nothing else needs the
     logits afterwards (no retain_graph; logits not returned to the caller); ignored under torch.compile.
 
@@ -302,8 +298,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
     """
     _check(logits, labels, ignore_index, label_smoothing, softcap, z_loss, reduction, num_items_in_batch)
     n_cols = logits.shape[-1]
-    validated = not torch.compiler.is_compiling() and (validate_labels or not labels.is_cuda)
-    if validated:
+    if labels_checked(labels, validate_labels):
         check_label_range(labels, n_cols, ignore_index)
     if not _common.use_triton(logits):
         return cross_entropy_reference(
@@ -318,6 +313,5 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
         float(z_loss), bool(return_lse), bool(inplace_backward))
     valid = None
     if reduction == "mean" and num_items_in_batch is None:
-        # The mean's divisor counts the rows the kernel treats as valid (in range when not validated).
-        valid = labels1 != ignore_index if validated else _valid_mask(labels1, n_cols, ignore_index)
+        valid = labels1 != ignore_index   # an out-of-range label counts: its NaN makes the mean NaN
     return _finish(loss_tok, lse, valid, labels.shape, reduction, num_items_in_batch, return_lse)

@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from . import _common
-from ._loss import LABEL_DTYPES, check_label_range, check_options, int_labels, reduce
+from ._loss import LABEL_DTYPES, check_label_range, check_options, int_labels, labels_checked, reduce
+from ._loss import tanh as _tanh
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tunables (H200 defaults; see the module docstring for the arithmetic)
@@ -65,14 +66,6 @@ class FLCEOutput(NamedTuple):
 # ---------------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _tanh(x):
-    # tanh from tl.exp (interpreter-safe); exp(-2|x|) never overflows.
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x >= 0, t, -t)
-
 
 @triton.jit
 def _logit_transform(z, cap, inv_temp, HAS_CAP: tl.constexpr, HAS_TEMP: tl.constexpr):
@@ -652,10 +645,7 @@ def _check_args(hidden, weight, labels, bias, ignore_index, label_smoothing, sof
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if dw_strategy not in DW_STRATEGIES:
         raise ValueError(f"dw_strategy must be one of {', '.join(DW_STRATEGIES)}, got {dw_strategy!r}")
-    if validate_labels not in (None, True, False):
-        raise TypeError(f"validate_labels must be None, True or False, got {validate_labels!r}")
-    check = (not labels.is_cuda) if validate_labels is None else validate_labels
-    if check and labels.numel() and not torch.compiler.is_compiling():
+    if labels_checked(labels, validate_labels) and labels.numel():
         check_label_range(labels, weight.shape[0], ignore_index)
 
 

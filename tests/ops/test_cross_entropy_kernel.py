@@ -170,14 +170,19 @@ def test_inplace_backward(device):
     assert torch.equal(x.detach(), base.grad * w.detach())  # the logits buffer now holds the gradient
 
 
-def test_out_of_range_labels_unvalidated_are_masked(device):
-    """Kernel-level: with validation off, out-of-range labels act as ignored and never read out of bounds."""
+def test_out_of_range_labels_unvalidated_give_nan_loss_and_no_gradient(device):
+    """Unchecked out-of-range labels are never read out of bounds: token loss NaN (as the fused linear CE), zero
+    gradient; ignored rows 0. Checked (CPU always, CUDA with validate_labels=True): a ValueError."""
     n, v = 6, 200
     logits = randn(n, v, device=device, requires_grad=True)
     labels = torch.tensor([3, v, -7, 10 * v, IGNORE, 199], device=device)
     loss, _ = ce.CrossEntropyFunction.apply(logits, labels, IGNORE, 0.0, None, 0.0, False, False)
     loss.sum().backward()
-    assert torch.all(loss[1:5] == 0) and torch.all(logits.grad[1:5] == 0)
+    assert torch.isnan(loss[1:4]).all() and loss[4] == 0 and torch.all(logits.grad[1:5] == 0)
+    with pytest.raises(ValueError, match="labels"):
+        ce.cross_entropy(logits, labels, validate_labels=True)
+    mean = ce.cross_entropy(logits, labels, validate_labels=False) if device.type == "cuda" else None
+    assert mean is None or torch.isnan(mean)
     ref = ce.cross_entropy_reference(f64(logits)[[0, 5]], labels[[0, 5]].cpu(), reduction="none")
     assert_close(loss[[0, 5]], ref[[0, 1]], F32)
 

@@ -45,3 +45,27 @@ def test_same_errors(device, fn, kwargs, match):
             cross_entropy(hidden @ weight.t(), labels, **kwargs)
         else:
             fused_linear_cross_entropy(hidden, weight, labels, **kwargs)
+
+
+def test_same_out_of_range_label_rule(device):
+    """Checked: the same ValueError. Unchecked (validate_labels=False): NaN token loss at the same rows, zero
+    gradient there, the other rows as with valid labels."""
+    hidden = randn(N, H, device=device, requires_grad=True)
+    weight = randn(V, H, device=device, scale=H ** -0.5)
+    labels = torch.randint(0, V, (N,), device=device)
+    labels[[3, 7]] = torch.tensor([V, -5], device=device)
+    labels[0] = -100
+    for f in (lambda **k: cross_entropy(hidden @ weight.t(), labels, **k),
+              lambda **k: fused_linear_cross_entropy(hidden, weight, labels, chunk_size=8, **k)):
+        with pytest.raises(ValueError, match="labels"):
+            f(validate_labels=True)
+    a = cross_entropy(hidden @ weight.t(), labels, reduction="none", validate_labels=False)
+    b = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=8, reduction="none", validate_labels=False)
+    for tok in (a, b):
+        assert torch.isnan(tok[[3, 7]]).all() and tok[0] == 0
+        assert torch.isfinite(tok[[i for i in range(N) if i not in (3, 7)]]).all()
+    assert_close(b[[1, 2, 4]], a[[1, 2, 4]].double(), torch.float32, slack=4.0, name="valid rows")
+    for tok in (a, b):
+        hidden.grad = None
+        tok.sum().backward(retain_graph=True)
+        assert torch.isfinite(hidden.grad).all() and (hidden.grad[[3, 7]] == 0).all() and (hidden.grad[1] != 0).any()
