@@ -143,9 +143,10 @@ def test_fields_injected_into_dataclass_and_subclass(fake_swift):
                           "errors": errors}))
     """, pythonpath=str(fake_swift))
     res = out_json(proc)
-    ours = ["use_liger", "liger_config", "liger_rms_norm", "liger_rope", "liger_qk_norm_rope", "liger_swiglu",
-            "liger_lora_fusion", "liger_cross_entropy", "liger_rolling_cache", "liger_compile_layers", "liger_strict",
-            "liger_metrics"]   # the plugin's flags around one per fusion of the registry, in its order
+    from swift_liger.fusions import REGISTRY
+    # the plugin's flags around one per fusion of the registry, in its order
+    ours = ["use_liger", "liger_config", *(f.flag for f in REGISTRY), "liger_strict", "liger_metrics"]
+    assert ours[2:5] == ["liger_rms_norm", "liger_rope", "liger_qk_norm_rope"]
     assert res["sft"] == ["model", "use_liger_kernel"] + ours
     assert res["rlhf"] == ["model", "use_liger_kernel"] + ours + ["rlhf_type"]
     assert res["events"][:2] == [["post_init", True], ["post_init", True]]  # fields set before __post_init__
