@@ -10,6 +10,7 @@
 # logprobs: the preference-loss head op benchmark (python -m swift_liger.bench logprobs)
 # families: stock vs swift_liger per model family, LoRA and full (python -m swift_liger.bench.families; FAMILY_ARGS)
 # rolling: RollingKVCache decode benchmark (ROLLING_ARGS)
+# longctx: longest trainable context per variant, 8B LoRA (python -m swift_liger.bench.long_context; LONGCTX_ARGS)
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/bench"
 source "$(dirname "$0")/device_env.sh"
@@ -122,6 +123,12 @@ PY
     timeout "${ROLLING_TIMEOUT:-240}" python3 -m swift_liger.bench.rolling_cache --out "$OUT/bench" ${ROLLING_ARGS:-} \
       >"$OUT/rc.log" 2>&1
     grep -E "ms/tok|long run|agreement|targets|Error|error" "$OUT/rc.log" | head -60 ;;
+  longctx)
+    stamp longctx
+    timeout "${LONGCTX_TIMEOUT:-570}" python3 -m swift_liger.bench.long_context --out "$OUT/bench" \
+      ${LONGCTX_ARGS:---deadline 540} >"$OUT/longctx.log" 2>&1; echo "longctx rc $?"
+    grep -E "^  [a-z_]+ +[0-9]+[kM]? @|^  [a-z_]+: skipped|^longest trained|^Stopped|Error|error" \
+      "$OUT/longctx.log" | cut -c1-200 | tail -40 ;;
   *) echo "unknown section $section" ;;
   esac
 done
