@@ -60,3 +60,22 @@ def inputs_unchanged(*tensors: torch.Tensor):
     yield
     for i, (b, t) in enumerate(zip(before, tensors)):
         assert torch.equal(b, t.detach()), f"input #{i} was modified in place"
+
+
+def close_scaled(a: torch.Tensor, b: torch.Tensor, name: str = "", atol: float = 2e-5, rtol: float = 2e-4):
+    """Model-level comparison (losses, logits, gradients): atol scaled by max(1, |b|max)."""
+    scale = max(1.0, b.detach().abs().max().item())
+    torch.testing.assert_close(a.detach(), b.detach(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_grads_match(model, ref, **tol):
+    """Every parameter of `model` has a gradient exactly where `ref`'s has one, and close to it; at least one."""
+    named = dict(ref.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        q = named[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            close_scaled(p.grad, q.grad, name, **tol)
+            checked += 1
+    assert checked, "no gradients to compare"

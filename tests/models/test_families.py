@@ -16,6 +16,8 @@ import warnings
 import pytest
 import torch
 
+from helpers import assert_grads_match, close_scaled as close
+
 import swift_liger
 from swift_liger.models import FAMILIES, call_counts
 from swift_liger.models.head import head_for
@@ -87,21 +89,7 @@ def pair(model_type: str, **kw):
     return ref, copy.deepcopy(ref)
 
 
-def close(a, b, name="", atol=2e-5, rtol=2e-4):
-    scale = max(1.0, b.detach().abs().max().item())
-    torch.testing.assert_close(a.detach(), b.detach(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{name}: {m}")
 
-
-def assert_grads_match(model, ref, **tol):
-    named = dict(ref.named_parameters())
-    checked = 0
-    for name, p in model.named_parameters():
-        q = named[name]
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            close(p.grad, q.grad, name, **tol)
-            checked += 1
-    assert checked
 
 
 def instance_dicts(model) -> dict:

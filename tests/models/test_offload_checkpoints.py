@@ -10,6 +10,8 @@ import copy
 import pytest
 import torch
 
+from helpers import assert_grads_match, close_scaled as close
+
 import swift_liger
 from swift_liger.models.state import STATE_ATTR
 
@@ -37,19 +39,7 @@ def batch(seed=0):
     return ids, labels
 
 
-def close(a, b, name=""):
-    scale = max(1.0, b.detach().abs().max().item())
-    torch.testing.assert_close(a.detach(), b.detach(), atol=2e-5 * scale, rtol=2e-4, msg=lambda m: f"{name}: {m}")
 
-
-def assert_grads_match(model, ref):
-    n = 0
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            close(p.grad, q.grad, name)
-            n += 1
-    assert n
 
 
 def offload_calls(model):

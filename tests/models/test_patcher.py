@@ -14,6 +14,8 @@ import json
 import pytest
 import torch
 
+from helpers import assert_grads_match, close_scaled as close
+
 import swift_liger
 from swift_liger.models import FAMILIES, LigerConfig, PatchReport, get_report, keep_logits
 from swift_liger.fusions.rope import identity_forward
@@ -58,18 +60,7 @@ def pair(model_type: str, **kw):
     return ref, copy.deepcopy(ref)
 
 
-def close(a, b, name="", atol=2e-5, rtol=2e-4):
-    scale = max(1.0, b.detach().abs().max().item())
-    torch.testing.assert_close(a.detach(), b.detach(), atol=atol * scale, rtol=rtol, msg=lambda m: f"{name}: {m}")
 
-
-def assert_grads_match(model, ref, **tol):
-    named = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        q = named[name]
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            close(p.grad, q.grad, name, **tol)
 
 
 def instance_forwards(model) -> dict:

@@ -8,6 +8,8 @@ import copy
 import pytest
 import torch
 
+from helpers import close_scaled as close
+
 import swift_liger
 from swift_liger.config import LigerConfig
 from swift_liger.fusions.tiled_mlp import DEFAULT_TILE, parse_flag
@@ -35,10 +37,6 @@ def batch(seq=21, seed=0):   # 2 x 21 = 42 tokens: 6 tiles of 8, the last one sh
     labels[0, :3] = -100
     return ids, labels
 
-
-def close(a, b, name=""):
-    scale = max(1.0, b.detach().abs().max().item())
-    torch.testing.assert_close(a.detach(), b.detach(), atol=2e-5 * scale, rtol=2e-4, msg=lambda m: f"{name}: {m}")
 
 
 def rows_seen(model, names=("gate_proj", "up_proj", "down_proj", "gate_up_proj")):
