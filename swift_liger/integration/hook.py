@@ -19,7 +19,11 @@ TARGETS = {
     "swift.pipelines.train.tuner": "patch_tuner",
     "swift.pipelines.train.sft": "patch_sft_pipeline",
     "swift.pipelines.train.rlhf": "patch_rlhf_pipeline",
+    "swift.arguments.infer_args": "patch_infer_args",
+    "swift.pipelines.infer.infer": "patch_infer_pipeline",
 }
+# argument modules whose dataclasses get subclassed in other modules: they cannot be patched after the fact
+ARGUMENT_MODULES = ("swift.arguments.sft_args", "swift.arguments.infer_args")
 _MARK = "_swift_liger_patched"
 
 
@@ -85,8 +89,8 @@ def install() -> bool:
     """Install the finder once. Returns True when the hook is active after the call.
 
     When some target module is already imported (the hook was installed late, e.g. by hand on a machine where the
-    .pth is not processed), the cheap patches are applied now; `sft_args` cannot be patched late (its subclasses
-    already exist), which is an error naming the fix.
+    .pth is not processed), the cheap patches are applied now; `sft_args` and `infer_args` cannot be patched late
+    (their subclasses already exist), which is an error naming the fix.
     """
     if disabled():
         return False
@@ -95,7 +99,7 @@ def install() -> bool:
     for name in TARGETS:
         module = sys.modules.get(name)
         if module is not None and not getattr(module, _MARK, False):
-            if name == "swift.arguments.sft_args":
+            if name in ARGUMENT_MODULES:
                 raise RuntimeError(
                     "swift_liger: ms-swift's arguments were imported before the swift_liger hook was installed; "
                     "call swift_liger.integration.hook.install() before importing swift (the installed "

@@ -10,6 +10,12 @@
 * swift.pipelines.train.rlhf -> side models (ref, reward, teacher) are patched before their adapters load, with
                                  the loss fusion off (their loss is never used), except a preference trainer's
                                  reference model, whose log-probs come from hidden states too.
+* swift.arguments.infer_args -> InferArguments (so also swift deploy / app / eval) gains the same fields, validated
+                                 the same way; --use_liger needs --infer_backend transformers (pt), the only engine
+                                 that runs the PyTorch model.
+* swift.pipelines.infer.infer -> SwiftInfer (swift infer, deploy, and app through deploy) patches the model it loads
+                                 for the transformers engine, before --adapters wrap it; with liger_rolling_cache
+                                 every generate call of the engine then runs on a fresh RollingKVCache.
 * swift.pipelines.train.sft  -> SwiftSft.train attaches the per-step metrics and the runtime record (runtime.py) to
                                  the trainer; TrainerFactory.get_trainer_cls hands dpo/orpo/cpo/simpo/kto runs the
                                  same trainer with its log-prob seam on hidden states (preference.py).
@@ -181,7 +187,8 @@ def patch_model(args, model, role: str):
         if report.supported:
             logger.info(f"swift_liger: patched the {role} model{where}:\n{report}")
         else:
-            logger.warning(f"swift_liger: the {role} model trains unpatched:\n{report}")
+            verb = "runs" if role == "inference" else "trains"
+            logger.warning(f"swift_liger: the {role} model {verb} unpatched:\n{report}")
         if not same:
             logger.warning(f"swift_liger: the ranks patched the {role} model differently: {ranks}")
         head_note = _lm_head_note(args, role, report)
@@ -355,6 +362,127 @@ def patch_sft_pipeline(module) -> None:
         return orig_train(self, trainer)
 
     sft_cls.train = train
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# swift.arguments.infer_args, swift.pipelines.infer.infer
+# ---------------------------------------------------------------------------------------------------------------
+
+INFER_BACKENDS = ("transformers", "pt")   # `pt`: ms-swift 3.x's name, mapped to transformers in __post_init__
+INFER_ROLE = "inference"
+
+
+def check_infer_backend(args) -> None:
+    backend = getattr(args, "infer_backend", None)
+    if backend is not None and backend not in INFER_BACKENDS:
+        raise ValueError(f"swift_liger: --use_liger patches the PyTorch model of --infer_backend transformers (pt); "
+                         f"--infer_backend {backend} runs its own engine, which swift_liger does not patch: use "
+                         "--infer_backend transformers, or drop --use_liger")
+
+
+def patch_infer_args(module) -> None:
+    """InferArguments (and DeployArguments, AppArguments, EvalArguments, defined after it) take the same --use_liger /
+    --liger_* fields as SftArguments, validated the same way before any model loads; the model-type check, which
+    sft runs before creating its run directory, runs at the end of __post_init__ (the model dir is resolved then)."""
+    _check_version()
+    from .arguments import check_model, inject_fields
+    cls = _require(module, "InferArguments", "swift.arguments.infer_args")
+    inject_fields(cls)
+    post_init = cls.__post_init__   # inject_fields' wrapper: validate, ms-swift's __post_init__, finalize
+
+    @functools.wraps(post_init)
+    def __post_init__(self, *a, **kw):
+        if getattr(self, "use_liger", False):
+            check_infer_backend(self)
+        post_init(self, *a, **kw)
+        check_model(self)   # a no-op without --use_liger
+
+    cls.__post_init__ = __post_init__
+
+
+def _rolling_cache_note(model, report):
+    """(level, message) on what the rolling cache does in the transformers engine, or None if it is off.
+
+    ms-swift's TransformersEngine calls template.generate(model, ...) -> model.generate(...) with no past_key_values
+    of its own (it only drops the returned one), so the cache install_rolling_cache adds to every call is the one
+    used; a generation_config that picks its own cache (cache_implementation, use_cache=False) would keep it, which
+    is said here rather than silently ignored."""
+    if not getattr(report, "patched", {}).get("rolling_cache"):
+        return None
+    from swift_liger.cache.rolling import _INSTALL_ATTR
+    settings = (getattr(model, _INSTALL_ATTR, None) or {}).get("settings", {})
+    gen = getattr(model, "generation_config", None)
+    impl, use_cache = getattr(gen, "cache_implementation", None), getattr(gen, "use_cache", True)
+    if impl is not None or use_cache is False:
+        return "warning", (f"the model's generation_config has cache_implementation={impl!r}, use_cache={use_cache}: "
+                           "generate keeps that and does NOT use the RollingKVCache (edit generation_config.json)")
+    window, sinks = settings.get("window"), settings.get("sinks")
+    return "info", (f"every generate call of the inference engine runs on a fresh RollingKVCache(window={window}, "
+                    f"sinks={sinks}, mode={settings.get('mode')!r}): KV storage is fixed at {sinks}+{window} tokens "
+                    "per layer however long the chat history grows (ms-swift re-sends the whole history each turn; "
+                    f"tokens older than the window, past the {sinks} sinks, fall out of attention)")
+
+
+def patch_infer_pipeline(module) -> None:
+    """SwiftInfer.__init__ (also SwiftDeploy's, which `swift app` runs) loads the model for the transformers engine
+    through this module's prepare_model_template(args): args.get_model_processor() loads it, prepare_adapter() wraps
+    it in --adapters. The model is patched between the two, once, before the engine is built (other backends are
+    refused with --use_liger when the arguments are built). merge_lora's own load (--merge_lora) is not patched."""
+    _require(module, "SwiftInfer", "swift.pipelines.infer.infer")
+    orig = _require(module, "prepare_model_template", "swift.pipelines.infer.infer")
+
+    @functools.wraps(orig)
+    def prepare_model_template(args, *a, **kw):
+        if not getattr(args, "use_liger", False):
+            return orig(args, *a, **kw)
+        load = args.get_model_processor   # the bound method of this args object
+
+        @functools.wraps(load)
+        def get_model_processor(*ga, **gkw):
+            model, processor = load(*ga, **gkw)
+            if model is not None:
+                report = patch_model(args, model, INFER_ROLE)   # before prepare_adapter wraps it
+                note = _rolling_cache_note(model, report) if report is not None else None
+                if note is not None and _is_master():
+                    getattr(_logger(), note[0])(f"swift_liger: {note[1]}")
+            return model, processor
+
+        args.__dict__["get_model_processor"] = get_model_processor   # this call only
+        try:
+            return orig(args, *a, **kw)
+        finally:
+            args.__dict__.pop("get_model_processor", None)
+
+    module.prepare_model_template = prepare_model_template
+
+    infer_cls = module.SwiftInfer
+    orig_cli = _require(infer_cls, "infer_cli", "swift.pipelines.infer.infer.SwiftInfer")
+
+    @functools.wraps(orig_cli)
+    def infer_cli(self, *a, **kw):
+        try:
+            return orig_cli(self, *a, **kw)
+        finally:
+            if getattr(self.args, "use_liger", False):
+                _join_stream_generate_threads()
+
+    infer_cls.infer_cli = infer_cli
+
+
+def _join_stream_generate_threads(timeout: float = 60.0) -> None:
+    """Wait for the generate threads of TransformersEngine's streaming path before `exit` ends the process.
+
+    _infer_stream runs model.generate in a Thread it never joins, started from the engine's daemon worker thread, so
+    it is a daemon too: when the user types `exit` right after the last streamed token, the interpreter can tear down
+    while that thread is still inside a forward, and the process aborts ("terminate called without an active
+    exception", exit status 250) after every answer was printed. Seen with the patched model in about a third of
+    streamed CLI chats on CPU; joining the thread first makes the exit clean."""
+    import threading
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        target = getattr(thread, "_target", None)
+        if thread is not current and getattr(target, "__name__", "") == "_model_generate":
+            thread.join(timeout)
 
 
 def update_record(args, key, value) -> None:
