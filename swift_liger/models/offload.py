@@ -115,8 +115,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.run, ctx.offloader, ctx.device = run, offloader, hidden.device
         ctx.stream = offloader.stream(hidden.device)
         ctx.rng = _rng_state(hidden.device)
-        ctx.autocast = {t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
-                        for t in ("cuda", "cpu") if (t == "cuda") == (hidden.device.type == "cuda")}
+        kind = hidden.device.type   # the recompute runs under the forward's autocast state for this device
+        ctx.autocast = {kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))}
         ctx.host, ctx.d2h_event = _to_host(hidden, ctx.stream)
         ctx.fetched, ctx.device_input, ctx.h2d_event = False, None, None
         ctx.hidden_requires_grad = hidden.requires_grad

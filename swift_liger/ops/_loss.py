@@ -83,7 +83,7 @@ def int_labels(labels: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def tanh(x):
-    """tanh from tl.exp (no libdevice: the interpreter runs it); exp(-2|x|) never overflows, +-1 at large |x|."""
+    """tanh from tl.exp only (the interpreter runs it); exp(-2|x|) never overflows, +-1 at large |x|."""
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x >= 0, t, -t)
