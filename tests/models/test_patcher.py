@@ -590,6 +590,8 @@ def test_compile_layers_every_family_on_each_cpu_backend(monkeypatch, family, ba
     auto), and on the Triton interpreter: same training loss and gradients as the unpatched eager model. A graph break inside a rebuilt
     attention forward (our ops' one-time CPU notice was one) fails here with dynamo's NameError."""
     from swift_liger.ops import _common
+    if backend == "triton" and not _common.INTERPRET:
+        pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 (set for the CPU suite only)")
     monkeypatch.setenv("SWIFT_LIGER_BACKEND", backend)
     _common._notice_cpu_fallback.cache_clear()   # as in a fresh process: the notice is still to come
     ref, model = pair(family, layers=2)   # two layers: dynamo reuses the first layer's code for the second
