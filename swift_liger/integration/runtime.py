@@ -79,8 +79,8 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         line = (f"lora_fusion {when}: {lora['ops.lora_linear']} LoRA projection calls through ops.lora_linear, "
                 f"{lora['peft']} through PEFT's forward")
         if lora["peft"]:
-            line += (" (lora_fusion takes plain LoRA on nn.Linear layers; QLoRA, DoRA, merged, disabled (a DPO "
-                     "reference pass) or several active adapters run PEFT's own forward)")
+            line += (" (lora_fusion takes plain LoRA on nn.Linear and bitsandbytes 4-bit layers; DoRA, 8-bit bases, "
+                     "merged, disabled (a DPO reference pass) or several active adapters run PEFT's own forward)")
         lines.append(line)
     return lines
 

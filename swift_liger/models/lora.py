@@ -1,7 +1,8 @@
 """lora_fusion: PEFT LoRA projections inside the patched MLP and attention run through ops.lora_linear.
 
 This module knows PEFT's lora.Linear (one active adapter, unmerged, vanilla LoRA, a frozen nn.Linear base, no
-biases or hooks); whether ops.lora_linear can take the call (dtypes, dropout, contiguity) is decided in one place,
+biases or hooks) and PEFT's lora.Linear4bit over a bitsandbytes 4-bit base (QLoRA: the base weight goes to the op as
+an ops.lora_linear_kernel.DequantizedWeight, dequantized the way bitsandbytes' own training matmul does); whether ops.lora_linear can take the call (dtypes, dropout, contiguity) is decided in one place,
 ``ops.lora_linear_kernel.lora_linear_problem``. Anything else runs PEFT's own forward. Every call is counted in the
 patch state of the model (``lora_fused`` / ``lora_peft``), read back through state.call_counts.
 """
@@ -15,9 +16,38 @@ import torch
 from .state import CALLS_ATTR, count
 
 
+LORA_CLASSES = ("Linear", "Linear4bit")     # peft.tuners.lora.layer.Linear, peft.tuners.lora.bnb.Linear4bit
+
+
 def is_peft_lora_linear(module) -> bool:
     cls = type(module)
-    return cls.__name__ == "Linear" and cls.__module__.startswith("peft.tuners.lora")
+    return cls.__name__ in LORA_CLASSES and cls.__module__.startswith("peft.tuners.lora")
+
+
+def _is_bnb_4bit(base) -> bool:
+    cls = type(base)
+    return cls.__name__ in ("Linear4bit", "LinearNF4", "LinearFP4") and cls.__module__.startswith("bitsandbytes")
+
+
+def _base_weight(base: torch.nn.Module, x: torch.Tensor):
+    """The base layer's frozen weight for ops.lora_linear: nn.Linear's own, or a 4-bit bitsandbytes weight wrapped to
+    be dequantized per matmul (None where this set-up is not the one bitsandbytes' forward computes as
+    F.linear(x, dequantized W) for training-sized inputs: a compute dtype other than x's, or no quant state)."""
+    if type(base) is torch.nn.Linear:
+        return base.weight
+    if not _is_bnb_4bit(base):
+        return None
+    import bitsandbytes.functional as bnbf
+    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+    from ..ops.lora_linear_kernel import DequantizedWeight
+    fix_4bit_weight_quant_state_from_module(base)   # what its forward does first: FSDP may drop the state
+    packed = base.weight
+    state = getattr(packed, "quant_state", None)
+    cdt = base.compute_dtype if base.compute_dtype is not None else x.dtype
+    if state is None or cdt != x.dtype or len(state.shape) != 2 or packed.device != x.device:
+        return None
+    return DequantizedWeight(lambda: bnbf.dequantize_4bit(packed.data, state).to(cdt), state.shape, cdt,
+                             packed.device)
 
 
 def plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]:
@@ -40,7 +70,10 @@ def plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]
         base = layer.get_base_layer()
     except (AttributeError, KeyError, TypeError):
         return None
-    if type(base) is not torch.nn.Linear or type(lora_a) is not torch.nn.Linear or type(lora_b) is not torch.nn.Linear:
+    if type(lora_a) is not torch.nn.Linear or type(lora_b) is not torch.nn.Linear:
+        return None
+    weight = _base_weight(base, x)
+    if weight is None:
         return None
     if lora_a.bias is not None or lora_b.bias is not None or not isinstance(scaling, (int, float)):
         return None
@@ -53,10 +86,10 @@ def plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]
     if p > 0 and (not x.is_contiguous() or dropout.inplace):   # the op draws dropout only on a contiguous x
         p, module_dropout = 0.0, True
     from ..ops.lora_linear_kernel import lora_linear_problem
-    if lora_linear_problem(x, x if module_dropout else None, base.weight, base.bias, lora_a.weight, lora_b.weight,
+    if lora_linear_problem(x, x if module_dropout else None, weight, base.bias, lora_a.weight, lora_b.weight,
                            p) is not None:
         return None
-    return base.weight, base.bias, lora_a.weight, lora_b.weight, float(scaling), dropout, p, module_dropout
+    return weight, base.bias, lora_a.weight, lora_b.weight, float(scaling), dropout, p, module_dropout
 
 
 def fused_lora(x: torch.Tensor, parts: tuple) -> torch.Tensor:

@@ -201,3 +201,46 @@ def test_upcast_dropout_is_nn_dropout_on_cpu():
     xa = torch.nn.Dropout(0.2)(x.detach().float())
     y_ref = (F.linear(x.detach(), w, b) + F.linear(F.linear(xa, a.detach()), bb.detach()) * 2.0).to(torch.bfloat16)
     assert torch.equal(y, y_ref)
+
+
+@pytest.mark.parametrize("dropout_p,upcast", [(0.0, False), (0.25, False), (0.0, True), (0.25, True)])
+def test_dequantized_weight_made_per_matmul_and_never_saved(dropout_p, upcast):
+    """A DequantizedWeight base (QLoRA): the same values and gradients as the dense weight it stands for; get() runs
+    once in the forward and once in the backward's input gradient, and no tensor it returned is saved for the
+    backward. upcast: fp32 adapters on a bf16 x without autocast (LoRALinearUpcastFunction)."""
+    from swift_liger.ops.lora_linear_kernel import DequantizedWeight
+    dtype = torch.bfloat16 if upcast else torch.float32
+    x, w, b, a, bb = make(dtype=dtype, adapter_dtype=torch.float32, bias=not upcast, seed=4)
+    made = []
+
+    def get():
+        made.append(w.clone())
+        return made[-1]
+    qw = DequantizedWeight(get, w.shape, w.dtype, w.device)
+    x2 = x.detach().clone().requires_grad_()
+    a2, b2 = a.detach().clone().requires_grad_(), bb.detach().clone().requires_grad_()
+    dy = torch.randn(3, 5, 40).to(dtype)
+    torch.manual_seed(9)
+    y_dense = lora_linear(x, None, w, b, a, bb, 2.0, dropout_p)
+    saved = set()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.add(t.untyped_storage().data_ptr()) or t,
+                                                  lambda t: t):
+        torch.manual_seed(9)
+        y = lora_linear(x2, None, qw, b, a2, b2, 2.0, dropout_p)
+    assert len(made) == 1 and made[0].untyped_storage().data_ptr() not in saved
+    y_dense.backward(dy), y.backward(dy)
+    assert len(made) == 2
+    torch.testing.assert_close(y, y_dense, atol=0, rtol=0)
+    for got, want in ((x2.grad, x.grad), (a2.grad, a.grad), (b2.grad, bb.grad)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_dequantized_weight_checked_like_a_tensor():
+    from swift_liger.ops.lora_linear_kernel import DequantizedWeight
+    x, w, b, a, bb = make()
+    qw = DequantizedWeight(lambda: w, (40, 23), w.dtype, w.device)
+    with pytest.raises(ValueError, match=r"weight must be \[out, 24\]"):
+        lora_linear(x, None, qw, b, a, bb, 2.0)
+    qw = DequantizedWeight(lambda: w, w.shape, torch.bfloat16, w.device)
+    with pytest.raises(ValueError, match="weight has dtype torch.bfloat16"):
+        lora_linear(x, None, qw, b, a, bb, 2.0)
