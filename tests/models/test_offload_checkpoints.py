@@ -161,3 +161,41 @@ def test_no_checkpointing_eval_deepcopy_and_revert(torch_backend):
     assert "_set_gradient_checkpointing" not in model.__dict__
     layers = model.model.layers
     assert all(layer._gradient_checkpointing_func.func is torch.utils.checkpoint.checkpoint for layer in layers)
+
+
+@pytest.mark.parametrize("first", [1, 2, 99])
+def test_partial_offload_first_n_layers(torch_backend, first):
+    """offload_checkpoints=N: the first N decoder layers' checkpoints go to the host, the others keep HF's own
+    checkpoint function; same loss and gradients. N above the layer count offloads every layer."""
+    ref = build("llama")
+    model = copy.deepcopy(ref)
+    enable(ref, False)
+    enable(model, False)
+    report = swift_liger.apply(model, offload_checkpoints=first)
+    n = min(first, LAYERS)
+    assert report.patched["offload_checkpoints"] == n
+    from swift_liger.models.offload import checkpoint_offloaded
+    assert [getattr(layer._gradient_checkpointing_func, "func", None) is checkpoint_offloaded
+            for layer in model.model.layers] == [i < n for i in range(LAYERS)]
+    ids, labels = batch()
+    out, expected = model(ids, labels=labels), ref(ids, labels=labels)
+    close(out.loss, expected.loss, "loss")
+    out.loss.backward(), expected.loss.backward()
+    assert_grads_match(model, ref)
+    assert offload_calls(model)["offloaded"] == n
+
+
+@pytest.mark.parametrize("value,canonical", [(True, True), (False, False), (0, False), (3, 3), ("5", 5),
+                                             ("true", True), ("off", False)])
+def test_offload_checkpoints_values(value, canonical):
+    from swift_liger.config import LigerConfig
+    from swift_liger.fusions.offload_checkpoints import parse_flag
+    assert LigerConfig(offload_checkpoints=parse_flag(value)).offload_checkpoints == canonical
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "two"])
+def test_offload_checkpoints_bad_values(value):
+    from swift_liger.config import LigerConfig
+    from swift_liger.fusions.offload_checkpoints import parse_flag
+    with pytest.raises((ValueError, TypeError), match="offload_checkpoints"):
+        LigerConfig(offload_checkpoints=parse_flag(value))
