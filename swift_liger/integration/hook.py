@@ -21,6 +21,7 @@ TARGETS = {
     "swift.pipelines.train.rlhf": "patch_rlhf_pipeline",
     "swift.arguments.infer_args": "patch_infer_args",
     "swift.pipelines.infer.infer": "patch_infer_pipeline",
+    "swift.cli._megatron.main": "patch_megatron_cli",
 }
 # argument modules whose dataclasses get subclassed in other modules: they cannot be patched after the fact
 ARGUMENT_MODULES = ("swift.arguments.sft_args", "swift.arguments.infer_args")

@@ -141,6 +141,50 @@ def patch_cli_utils(module) -> None:
     print_help(getattr(swift.arguments, HELP_SCRIPTS[name]), FIELD_NAMES)
 
 
+MEGATRON_REFUSAL = ("swift_liger: --use_liger / --liger_* do not apply to `megatron {cmd}`: Megatron-Core builds its own "
+                    "model, not the Hugging Face modules swift_liger patches. Supported: `swift sft|pt|rlhf --use_liger`, "
+                    "on one GPU or many (DDP, --deepspeed zero2/zero3, --fsdp), and `swift infer|deploy "
+                    "--infer_backend transformers --use_liger`.")
+
+
+def _liger_requested(tokens) -> bool:
+    """--use_liger (not followed by false) or any --liger_* flag in argv, or use_liger / liger_* keys in a YAML
+    config given as the first argument."""
+    for i, tok in enumerate(tokens):
+        key = tok.split("=", 1)[0]
+        if key.startswith("--liger_"):
+            return True
+        if key == "--use_liger":
+            value = tok.split("=", 1)[1] if "=" in tok else (tokens[i + 1] if i + 1 < len(tokens) else "true")
+            if value.startswith("--") or value.strip().lower() not in ("false", "0", "no", "off"):
+                return True
+    if tokens and tokens[0].endswith((".yaml", ".yml")) and os.path.exists(tokens[0]):
+        try:
+            import yaml
+            with open(tokens[0]) as f:
+                cfg = yaml.safe_load(f) or {}
+        except Exception:
+            return False
+        if isinstance(cfg, dict):
+            return bool(cfg.get("use_liger")) or any(str(k).startswith("liger_") for k in cfg)
+    return False
+
+
+def patch_megatron_cli(module) -> None:
+    """`megatron sft|pt|rlhf|export --use_liger`: a clear refusal before anything starts (ms-swift would otherwise
+    fail later with an unused-argument error, or train unpatched)."""
+    orig = _require(module, "cli_main", "swift.cli._megatron.main")
+
+    @functools.wraps(orig)
+    def cli_main(*a, **kw):
+        if _liger_requested(sys.argv[2:]):
+            cmd = sys.argv[1] if len(sys.argv) > 1 else "..."
+            sys.exit(MEGATRON_REFUSAL.format(cmd=cmd))
+        return orig(*a, **kw)
+
+    module.cli_main = cli_main
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Patching one model
 # ---------------------------------------------------------------------------------------------------------------

@@ -190,7 +190,8 @@ def test_late_install_is_an_error_for_arguments(fake_swift):
 def test_targets_are_the_documented_modules():
     assert set(hook.TARGETS) == {"swift.arguments.sft_args", "swift.pipelines.train.tuner",
                                  "swift.pipelines.train.sft", "swift.pipelines.train.rlhf", "swift.pipelines.base",
-                                 "swift.cli.utils", "swift.arguments.infer_args", "swift.pipelines.infer.infer"}
+                                 "swift.cli.utils", "swift.arguments.infer_args", "swift.pipelines.infer.infer",
+                                 "swift.cli._megatron.main"}
     import importlib.util
     for name in hook.TARGETS:   # each is a module of the installed ms-swift
         assert importlib.util.find_spec(name) is not None, name

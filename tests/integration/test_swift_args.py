@@ -228,3 +228,26 @@ def test_environment_is_checked(monkeypatch, env, match):
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
         liger_args.check_environment()
+
+
+@pytest.mark.parametrize("argv,requested", [
+    (["--model", "m", "--use_liger"], True), (["--use_liger", "true"], True), (["--use_liger=1"], True),
+    (["--use_liger", "false"], False), (["--use_liger", "--model", "m"], True), (["--liger_swiglu", "false"], True),
+    (["--model", "m", "--use_liger_kernel", "true"], False), (["--model", "m"], False)])
+def test_megatron_liger_request_detection(argv, requested):
+    from swift_liger.integration.swift_patches import _liger_requested
+    assert _liger_requested(argv) is requested
+
+
+def test_megatron_with_use_liger_is_refused_before_anything_starts(tmp_path):
+    """`megatron sft --use_liger` (and a YAML config with use_liger) exits at once naming what is supported; without
+    our flags the megatron CLI is untouched."""
+    import subprocess
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("model: /nonexistent\nuse_liger: true\n")
+    for args in (["sft", "--model", "/nonexistent", "--use_liger"], ["rlhf", str(cfg)]):
+        proc = subprocess.run([sys.executable, "-c", "import sys; from swift.cli._megatron.main import cli_main; "
+                               "sys.argv = ['megatron', *sys.argv[1:]]; cli_main()", *args],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode != 0 and f"do not apply to `megatron {args[0]}`" in proc.stderr, proc.stderr[-2000:]
+        assert "swift sft|pt|rlhf --use_liger" in proc.stderr
