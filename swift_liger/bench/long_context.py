@@ -1,37 +1,45 @@
-"""Longest trainable context per variant: peak memory and speed against sequence length (plain PyTorch loop).
+"""Longest trainable context (or largest batch at one length) per variant: peak memory and speed (plain PyTorch loop).
 
     python -m swift_liger.bench.long_context --out DIR [--variants plain,liger,swift_liger,long_context]
         [--seqs 8k,16k,32k,64k,128k,256k,512k] [--layers 32] [--steps 2] [--model llama3-8b|qwen2.5-7b|tiny]
-        [--tuner lora|full] [--deadline SECONDS] [--mem-cap-gib 24 | --mem-fraction F] [--project-layers 32]
+        [--tuner lora|qlora|full] [--deadline SECONDS] [--mem-cap-gib 24 | --mem-fraction F] [--project-layers 32]
+    python -m swift_liger.bench.long_context --out DIR --seqs 8k --batches 1,2,4,8 [...]   # batch sweep at one length
     python -m swift_liger.bench.long_context --model tiny --device cpu --seqs 32,64 --steps 1 --out /tmp/lc
                                                                         # pipeline check on CPU (no memory numbers)
 
 Random-init model of the released shapes (llama3-8b: hidden 4096, intermediate 14336, 32 layers, 32/8 heads of 128,
 vocab 128256, rope_theta 5e5; qwen2.5-7b: hidden 3584, intermediate 18944, 28 layers, 28/4 heads of 128, vocab
-152064, rope_theta 1e6), batch 1, bf16, SDPA, gradient checkpointing (non-reentrant, input grads enabled), LoRA
-r=16 alpha 32 dropout 0 on every linear (or full fine-tuning), AdamW. Variants:
+152064, rope_theta 1e6), batch 1 (or --batches), bf16, SDPA, gradient checkpointing (non-reentrant, input grads
+enabled), LoRA r=16 alpha 32 dropout 0 on every linear (or full fine-tuning), AdamW. --tuner qlora is that LoRA over
+a 4-bit base: after the variant's patch, every nn.Linear of the decoder layers (not lm_head, not the embeddings)
+becomes a bitsandbytes Linear4bit, NF4 with double quantization and the model dtype as compute dtype (what
+transformers' BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+loads), one layer at a time. Variants:
 
 * plain:        the model as transformers builds it;
 * liger:        Liger-Kernel (rope, rms_norm, swiglu, fused linear cross-entropy), skipped when not importable;
 * swift_liger:  `swift_liger.apply(model)` (defaults);
 * long_context: `swift_liger.apply(model, tiled_mlp=8192, offload_checkpoints=True)` (configs/liger/long_context.yaml).
 
-For each sequence length (increasing) every variant still in the race trains 1 warm-up + --steps measured steps in
-a process of its own (`--one VARIANT SEQ`, one JSON line on stdout), so an OOM or a fragmented allocator never
+A point is a (sequence length, batch size) pair: (s, 1) for each of --seqs, or with --batches (one --seqs value)
+(seq, b) for each b, the [b, seq] batches of a point starting with the same row as batch 1's. For each point
+(increasing) every variant still in the race trains 1 warm-up + --steps measured steps in a process of its own
+(`--one VARIANT SEQ --batch B`, one JSON line on stdout), so an OOM or a fragmented allocator never
 touches the next point. A variant leaves the race at its first point that is not ok: "oom"
 (torch.cuda.OutOfMemoryError), "timeout" (the point ran past min(remaining --deadline, --point-timeout); not an
 OOM: the peak so far is kept as a lower bound) or "error". Measured per point: peak allocated and peak reserved
 GiB (torch.cuda.max_memory_* over all steps, reset right before the first step: weights, optimizer state and
-activations), tokens/s and seconds per step over the measured steps, the loss of every step (same seed, same
-batches in every variant, so the losses of two variants at one length are comparable).
+activations), tokens/s (seq * batch tokens per step) and seconds per step over the measured steps, the loss of every
+step (same seed, same batches in every variant, so the losses of two variants at one point are comparable).
 
 --mem-cap-gib G caps each child's allocator at exactly G GiB (set_per_process_memory_fraction(G GiB / total), the
 first thing a child does): a smaller card emulated on a big one. --layers N < the model's layers measures an N-layer
 model; --project-layers L then adds a separate "projection" section (never a measured row): each ok point is run
 again at N//2 layers and peak(L) = peak(N) + (L - N) * (peak(N) - peak(N//2)) / (N - N//2).
 
-Writes DIR/long_context.json, DIR/long_context.md and DIR/long_context.png (peak allocated against length; not on
-CPU, where there are no memory numbers) after every point, so a killed run keeps what it measured.
+Writes DIR/long_context.json, DIR/long_context.md and DIR/long_context.png (peak allocated against length, or
+against batch size with --batches; not on CPU, where there are no memory numbers) after every point, so a killed run
+keeps what it measured.
 """
 from __future__ import annotations
 
@@ -53,7 +61,7 @@ VARIANTS = ("plain", "liger", "swift_liger", "long_context")
 OURS = ("swift_liger", "long_context")
 DEFAULT_SEQS = "8k,16k,32k,64k,128k,256k,512k"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LR = {"lora": 1e-4, "full": 1e-5}
+LR = {"lora": 1e-4, "qlora": 1e-4, "full": 1e-5}
 SEED = 0
 DATA_SEED = 1234
 GiB = 1024 ** 3
@@ -137,11 +145,37 @@ def patch(model, variant: str, family: str, tiled_mlp: int) -> Optional[str]:
     return str(swift_liger.apply(model, **overrides))
 
 
-def make_batches(n: int, seq: int, vocab: int, device) -> list:
+def quantize_4bit(model, dtype) -> int:
+    """Every nn.Linear of model.model.layers -> bitsandbytes Linear4bit (NF4, double quant, compute dtype `dtype`), in
+    place, one at a time (the full-precision weight is freed as its layer is replaced). Returns how many."""
+    import bitsandbytes as bnb
     import torch
 
-    gen = torch.Generator().manual_seed(DATA_SEED)   # same batches in every variant
-    return [torch.randint(0, vocab, (1, seq), generator=gen).to(device) for _ in range(n)]
+    layers = model.model.layers
+    names = [n for n, m in layers.named_modules() if type(m) is torch.nn.Linear]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = layers.get_submodule(parent_name)
+        lin = getattr(parent, child)
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, compute_dtype=dtype,
+                              compress_statistics=True, quant_type="nf4", device="meta")
+        q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4",
+                                     compress_statistics=True).to(lin.weight.device)   # quantizes here
+        if lin.bias is not None:
+            q.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
+        setattr(parent, child, q)
+        del lin
+    model.is_loaded_in_4bit = True   # PEFT then wraps Linear4bit bases with its lora.bnb.Linear4bit
+    return len(names)
+
+
+def make_batches(n: int, seq: int, vocab: int, device, batch: int = 1) -> list:
+    import torch
+
+    gen = torch.Generator().manual_seed(DATA_SEED)   # same batches in every variant; row 0 the same at every batch
+    more = torch.Generator().manual_seed(DATA_SEED + 1)
+    return [torch.cat([torch.randint(0, vocab, (1, seq), generator=gen),
+                       torch.randint(0, vocab, (batch - 1, seq), generator=more)]).to(device) for _ in range(n)]
 
 
 def _progress(t0: float, phase: str, cuda: bool) -> None:
@@ -179,11 +213,11 @@ def _is_oom(exc: BaseException) -> bool:
 
 def run_point(variant: str, seq: int, *, shape: Shape, layers: int, steps: int, warmup: int, tuner: str,
               device: str, dtype_name: str, mem_fraction: Optional[float], mem_cap_gib: Optional[float],
-              tiled_mlp: int) -> Dict[str, Any]:
+              tiled_mlp: int, batch: int = 1) -> Dict[str, Any]:
     import torch
 
     cuda = torch.device(device).type == "cuda"
-    row: Dict[str, Any] = {"variant": variant, "seq": seq, "layers": layers, "status": "ok"}
+    row: Dict[str, Any] = {"variant": variant, "seq": seq, "batch": batch, "layers": layers, "status": "ok"}
     t0 = time.perf_counter()
     if cuda:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -200,10 +234,12 @@ def run_point(variant: str, seq: int, *, shape: Shape, layers: int, steps: int, 
     try:
         model = build_model(shape, layers, seq, device, dtype)
         row["patch"] = patch(model, variant, shape.family, tiled_mlp)
+        if tuner == "qlora":
+            row["quantized_linears"] = quantize_4bit(model, dtype)
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-        if tuner == "lora":
+        if tuner in ("lora", "qlora"):
             from peft import LoraConfig, get_peft_model
             torch.manual_seed(SEED + 1)   # identical adapter init in every variant
             model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
@@ -212,7 +248,7 @@ def run_point(variant: str, seq: int, *, shape: Shape, layers: int, steps: int, 
         params = [p for p in model.parameters() if p.requires_grad]
         row["trainable_params"] = sum(p.numel() for p in params)
         opt = torch.optim.AdamW(params, lr=LR[tuner])
-        batches = make_batches(warmup + steps, seq, shape.vocab, device)
+        batches = make_batches(warmup + steps, seq, shape.vocab, device, batch)
         gc.collect()
         if cuda:
             torch.cuda.synchronize()
@@ -256,7 +292,7 @@ def run_point(variant: str, seq: int, *, shape: Shape, layers: int, steps: int, 
     row["losses"] = losses
     row["step_seconds"] = times
     row["seconds_per_step"] = sum(measured) / len(measured) if measured and row["status"] == "ok" else None
-    row["tokens_per_s"] = seq * len(measured) / sum(measured) if measured and row["status"] == "ok" else None
+    row["tokens_per_s"] = seq * batch * len(measured) / sum(measured) if measured and row["status"] == "ok" else None
     ok = row["status"] == "ok"
     row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB if cuda and ok else None
     row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB if cuda and ok else None
@@ -267,9 +303,9 @@ def run_point(variant: str, seq: int, *, shape: Shape, layers: int, steps: int, 
 
 # ------------------------------------------------------------------------------------------------ parent: the sweep
 
-def _child_cmd(variant: str, seq: int, layers: int, args) -> List[str]:
-    cmd = [sys.executable, "-m", MODULE, "--one", variant, str(seq), "--layers", str(layers), "--steps",
-           str(args.steps), "--warmup", str(args.warmup), "--model", args.model, "--tuner", args.tuner,
+def _child_cmd(variant: str, seq: int, batch: int, layers: int, args) -> List[str]:
+    cmd = [sys.executable, "-m", MODULE, "--one", variant, str(seq), "--batch", str(batch), "--layers", str(layers),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model, "--tuner", args.tuner,
            "--device", args.device, "--dtype", args.dtype, "--tiled-mlp", str(args.tiled_mlp)]
     if args.mem_cap_gib is not None:
         cmd += ["--mem-cap-gib", repr(args.mem_cap_gib)]
@@ -324,9 +360,9 @@ def _on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def run_child(variant: str, seq: int, layers: int, timeout: float, args) -> Dict[str, Any]:
+def run_child(variant: str, seq: int, batch: int, layers: int, timeout: float, args) -> Dict[str, Any]:
     """One point in its own process (own session, so a timeout kills all of it). Always returns a row."""
-    cmd = _child_cmd(variant, seq, layers, args)
+    cmd = _child_cmd(variant, seq, batch, layers, args)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_child_env(args.device), start_new_session=True)
@@ -347,8 +383,8 @@ def run_child(variant: str, seq: int, layers: int, timeout: float, args) -> Dict
     wall = time.perf_counter() - t0
     if timed_out:
         prog = _last_progress(err) or {}
-        return {"variant": variant, "seq": seq, "layers": layers, "status": "timeout", "timeout_s": timeout,
-                "wall_seconds": wall, "last_phase": prog.get("phase"),
+        return {"variant": variant, "seq": seq, "batch": batch, "layers": layers, "status": "timeout",
+                "timeout_s": timeout, "wall_seconds": wall, "last_phase": prog.get("phase"),
                 # lower bounds: the point was killed before it finished
                 "peak_allocated_gib_so_far": prog.get("peak_allocated_gib"),
                 "peak_reserved_gib_so_far": prog.get("peak_reserved_gib"),
@@ -368,7 +404,7 @@ def run_child(variant: str, seq: int, layers: int, timeout: float, args) -> Dict
         if proc.returncode is not None and proc.returncode < 0:
             why = f"killed by signal {-proc.returncode}" + (" (host out of memory?)"
                                                             if -proc.returncode == signal.SIGKILL else "")
-        row = {"variant": variant, "seq": seq, "layers": layers, "status": "error",
+        row = {"variant": variant, "seq": seq, "batch": batch, "layers": layers, "status": "error",
                "error": f"{why}: {_tail(err or out)}", "peak_allocated_gib": None, "peak_reserved_gib": None,
                "tokens_per_s": None, "seconds_per_step": None, "losses": []}
     elif row.get("status") == "error" and err:
@@ -401,32 +437,49 @@ def longest(rows: List[Dict[str, Any]], variant: str) -> Dict[str, Any]:
             "stopped_by": None if stop is None else {"seq": stop["seq"], "status": stop["status"]}}
 
 
-def summary_line(variants: Sequence[str], rows, skipped: Dict[str, str]) -> str:
+def largest_batch(rows: List[Dict[str, Any]], variant: str) -> Dict[str, Any]:
+    mine = [r for r in rows if r["variant"] == variant]
+    ok = [r["batch"] for r in mine if r["status"] == "ok"]
+    stop = next((r for r in mine if r["status"] != "ok"), None)
+    return {"batch": max(ok) if ok else None,
+            "stopped_by": None if stop is None else {"batch": stop["batch"], "status": stop["status"]}}
+
+
+def summary_line(variants: Sequence[str], rows, skipped: Dict[str, str], batch_seq: Optional[int] = None) -> str:
+    """'longest trained: ...', or with batch_seq (a batch sweep at that length) 'largest batch at 8k: ...'."""
+    key, fmt, best = ("seq", seq_label, longest) if batch_seq is None else ("batch", str, largest_batch)
     parts = []
     for v in variants:
         if v in skipped:
             parts.append(f"{v} skipped")
             continue
-        info = longest(rows, v)
-        text = f"{v} {seq_label(info['seq']) if info['seq'] else 'none'}"
+        info = best(rows, v)
+        text = f"{v} {fmt(info[key]) if info[key] else 'none'}"
         if info["stopped_by"]:
             st = info["stopped_by"]["status"]
-            text += f" ({seq_label(info['stopped_by']['seq'])}: {'OOM' if st == 'oom' else st})"
+            text += f" ({fmt(info['stopped_by'][key])}: {'OOM' if st == 'oom' else st})"
         parts.append(text)
-    return "longest trained: " + ", ".join(parts) + f" (ours: {', '.join(v for v in variants if v in OURS)})"
+    head = "longest trained" if batch_seq is None else f"largest batch at {seq_label(batch_seq)}"
+    return head + ": " + ", ".join(parts) + f" (ours: {', '.join(v for v in variants if v in OURS)})"
+
+
+def _batch_seq(setup) -> Optional[int]:
+    """The one length of a batch sweep (--batches); None in a length sweep."""
+    return setup["seqs"][0] if setup.get("batches") else None
 
 
 def projections(rows, halves, target: int) -> List[Dict[str, Any]]:
     """Projected peaks at `target` layers from the measured ones at N and N//2 layers (see the module docstring)."""
     out = []
     for r in rows:
-        h = halves.get((r["variant"], r["seq"]))
+        h = halves.get((r["variant"], r["seq"], r["batch"]))
         if r["status"] != "ok" or h is None:
             continue
         n, m = r["layers"], h["layers"]
-        p = {"variant": r["variant"], "seq": r["seq"], "layers_measured": [m, n], "target_layers": target,
-             "peak_at_n_gib": r.get("peak_allocated_gib"), "peak_at_half_gib": h.get("peak_allocated_gib"),
-             "status_half": h["status"], "per_layer_gib": None, "projected_peak_gib": None}
+        p = {"variant": r["variant"], "seq": r["seq"], "batch": r["batch"], "layers_measured": [m, n],
+             "target_layers": target, "peak_at_n_gib": r.get("peak_allocated_gib"),
+             "peak_at_half_gib": h.get("peak_allocated_gib"), "status_half": h["status"], "per_layer_gib": None,
+             "projected_peak_gib": None}
         if p["peak_at_n_gib"] is not None and p["peak_at_half_gib"] is not None and n > m:
             slope = (p["peak_at_n_gib"] - p["peak_at_half_gib"]) / (n - m)
             p["per_layer_gib"] = slope
@@ -440,17 +493,24 @@ def to_markdown(env, setup, rows, skipped, projection, png: Optional[str]) -> st
     shape = s["shape"]
     variants = s["variants"]
     full = s["layers"] == shape["layers"]
-    lines = [f"# Longest trainable context: {s['model']} {s['tuner']}", "",
+    batch_seq = _batch_seq(s)
+    title = "Longest trainable context" if batch_seq is None else f"Largest batch at {seq_label(batch_seq)}"
+    tuner = {"lora": "LoRA r=16 alpha 32 dropout 0 on all linears",
+             "qlora": "QLoRA: NF4 double-quant base (bitsandbytes), LoRA r=16 alpha 32 dropout 0 on all linears "
+                      f"(the decoder layers' linears in 4 bit, compute dtype {s['dtype']}; lm_head and embeddings "
+                      "not)",
+             "full": "full fine-tuning"}[s["tuner"]]
+    lines = [f"# {title}: {s['model']} {s['tuner']}", "",
              f"GPU: {env.get('gpu')} · torch {env.get('torch')} (CUDA {env.get('cuda')}) · triton "
-             f"{env.get('triton')} · transformers {env.get('transformers')} · peft {env.get('peft')} · liger-kernel "
-             f"{env.get('liger_kernel')} · {env.get('date')}", "",
+             f"{env.get('triton')} · transformers {env.get('transformers')} · peft {env.get('peft')} · "
+             + (f"bitsandbytes {env.get('bitsandbytes')} · " if s["tuner"] == "qlora" else "")
+             + f"liger-kernel {env.get('liger_kernel')} · {env.get('date')}", "",
              f"Command: `{env['command']}`", "",
              f"Random init, {s['layers']} of {shape['layers']} layers, hidden {shape['hidden']}, intermediate "
              f"{shape['intermediate']}, {shape['heads']}/{shape['kv_heads']} heads of {shape['head_dim']}, vocab "
-             f"{shape['vocab']}, rope_theta {shape['rope_theta']:g}; batch 1, {s['dtype']} on {s['device']}, SDPA, "
-             f"gradient checkpointing (non-reentrant), "
-             + ("LoRA r=16 alpha 32 dropout 0 on all linears" if s["tuner"] == "lora" else "full fine-tuning")
-             + f", AdamW lr {LR[s['tuner']]:g}; {s['warmup']} warm-up + {s['steps']} measured steps per point, "
+             f"{shape['vocab']}, rope_theta {shape['rope_theta']:g}; batch {'/'.join(map(str, s['batches'] or [1]))}, "
+             f"{s['dtype']} on {s['device']}, SDPA, gradient checkpointing (non-reentrant), {tuner}, AdamW lr "
+             f"{LR[s['tuner']]:g}; {s['warmup']} warm-up + {s['steps']} measured steps per point, "
              f"each point in its own process. long_context = swift_liger defaults + tiled_mlp={s['tiled_mlp']} + "
              f"offload_checkpoints. Peak = torch.cuda.max_memory_allocated / _reserved over all steps (reset right "
              f"before the first step; weights and optimizer state included). A variant stops at its first point "
@@ -474,7 +534,7 @@ def to_markdown(env, setup, rows, skipped, projection, png: Optional[str]) -> st
         lines += ["No warm-up step: tok/s includes first-step costs.", ""]
     if s.get("alloc_conf"):
         lines += [f"PYTORCH_CUDA_ALLOC_CONF={s['alloc_conf']}", ""]
-    lines += [summary_line(variants, rows, skipped)
+    lines += [summary_line(variants, rows, skipped, batch_seq)
               + ("" if full else f" — at {s['layers']} layers, not {shape['layers']}"), ""]
     for v in variants:
         lines += [f"## {v}", ""]
@@ -485,14 +545,15 @@ def to_markdown(env, setup, rows, skipped, projection, png: Optional[str]) -> st
         if not mine:
             lines += ["no point finished", ""]
             continue
-        lines += ["| seq | peak alloc GiB | peak reserved GiB | tok/s | s/step | host peak RSS GiB | status |",
-                  "|---:|---:|---:|---:|---:|---:|---|"]
+        lines += ["| seq | batch | peak alloc GiB | peak reserved GiB | tok/s | s/step | host peak RSS GiB | status |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in mine:
             alloc, reserved = _f(r.get("peak_allocated_gib"), ".2f"), _f(r.get("peak_reserved_gib"), ".2f")
             if r["status"] == "timeout" and r.get("peak_allocated_gib_so_far") is not None:
                 alloc = f"≥ {r['peak_allocated_gib_so_far']:.2f}"
                 reserved = f"≥ {r['peak_reserved_gib_so_far']:.2f}"
-            lines.append(f"| {seq_label(r['seq'])} | {alloc} | {reserved} | {_f(r.get('tokens_per_s'), '.0f')} | "
+            lines.append(f"| {seq_label(r['seq'])} | {r['batch']} | {alloc} | {reserved} | "
+                         f"{_f(r.get('tokens_per_s'), '.0f')} | "
                          f"{_f(r.get('seconds_per_step'), '.2f')} | {_f(r.get('host_peak_rss_gib'), '.1f')} | "
                          f"{_status(r).replace('|', '/')} |")
         lines.append("")
@@ -504,15 +565,16 @@ def to_markdown(env, setup, rows, skipped, projection, png: Optional[str]) -> st
                   f"{s['layers']}, N/2 = {s['layers'] // 2}, L = {s['project_layers']}; peak(N) is the measured row "
                   f"above, peak(N/2) a measured run of the same point at N/2 layers. Linear in layers by assumption; "
                   f"nothing at L layers was run.", "",
-                  "| variant | seq | peak @N/2 GiB (measured) | peak @N GiB (measured) | GiB per layer | "
+                  "| variant | seq | batch | peak @N/2 GiB (measured) | peak @N GiB (measured) | GiB per layer | "
                   f"projected peak @{s['project_layers']} GiB |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for p in projection:
-            lines.append(f"| {p['variant']} | {seq_label(p['seq'])} | {_f(p['peak_at_half_gib'], '.2f')} | "
+            lines.append(f"| {p['variant']} | {seq_label(p['seq'])} | {p['batch']} | "
+                         f"{_f(p['peak_at_half_gib'], '.2f')} | "
                          f"{_f(p['peak_at_n_gib'], '.2f')} | {_f(p['per_layer_gib'], '.3f')} | "
                          f"{_f(p['projected_peak_gib'], '.2f')} (projected) |")
         if not projection:
-            lines.append("| — | | | | | no ok point with both layer counts |")
+            lines.append("| — | | | | | | no ok point with both layer counts |")
         lines.append("")
     lines += [f"Plot: `{png}`" if png else
               "No plot: no memory numbers (CPU run, or no point finished on the GPU).", ""]
@@ -520,7 +582,8 @@ def to_markdown(env, setup, rows, skipped, projection, png: Optional[str]) -> st
 
 
 def plot(path: str, env, setup, rows) -> Optional[str]:
-    """Peak allocated GiB against length, one line per variant; None (nothing written) without memory numbers."""
+    """Peak allocated GiB against length (against batch size in a batch sweep), one line per variant; None (nothing
+    written) without memory numbers."""
     if not any(r.get("peak_allocated_gib") is not None or r.get("peak_allocated_gib_so_far") is not None
                for r in rows):
         return None
@@ -534,12 +597,14 @@ def plot(path: str, env, setup, rows) -> Optional[str]:
         cap = setup["mem_fraction"] * total
     peaks = [r.get("peak_allocated_gib") or r.get("peak_allocated_gib_so_far") or 0 for r in rows]
     top = 1.12 * max([p for p in peaks] + ([cap] if cap else []) + [1e-3])
+    batch_seq = _batch_seq(setup)
+    key, fmt = ("seq", seq_label) if batch_seq is None else ("batch", str)
     fig, ax = plt.subplots(figsize=(9.5, 5))
     markers = "osD^v"
     oom_labelled = timeout_labelled = False
     for i, v in enumerate(setup["variants"]):
-        mine = sorted((r for r in rows if r["variant"] == v), key=lambda r: r["seq"])
-        ok = [(r["seq"], r["peak_allocated_gib"]) for r in mine if r["status"] == "ok"
+        mine = sorted((r for r in rows if r["variant"] == v), key=lambda r: r[key])
+        ok = [(r[key], r["peak_allocated_gib"]) for r in mine if r["status"] == "ok"
               and r.get("peak_allocated_gib") is not None]
         color = f"C{i}"
         if ok:
@@ -548,31 +613,33 @@ def plot(path: str, env, setup, rows) -> Optional[str]:
         else:
             ax.plot([], [], color=color, label=v)
         for r in mine:
-            if r["status"] == "oom":   # nudged sideways per variant, so OOMs of two variants at one length both show
+            if r["status"] == "oom":   # nudged sideways per variant, so OOMs of two variants at one point both show
                 nudge = 2 ** (0.06 * (i - (len(setup["variants"]) - 1) / 2))
-                ax.plot([r["seq"] * nudge], [top * 0.97], marker="x", markersize=11, mew=2.5, color=color, linestyle="",
+                ax.plot([r[key] * nudge], [top * 0.97], marker="x", markersize=11, mew=2.5, color=color, linestyle="",
                         label=None if oom_labelled else "OOM (at the top)")
                 oom_labelled = True
             elif r["status"] == "timeout" and r.get("peak_allocated_gib_so_far") is not None:
-                ax.plot([r["seq"]], [r["peak_allocated_gib_so_far"]], marker="o", markersize=9, mfc="none",
+                ax.plot([r[key]], [r["peak_allocated_gib_so_far"]], marker="o", markersize=9, mfc="none",
                         color=color, linestyle="", label=None if timeout_labelled else "timeout (peak so far)")
                 timeout_labelled = True
     if cap:
         ax.axhline(cap, linestyle="--", color="gray", label=f"cap {cap:.3g} GiB")
-    seqs = sorted({r["seq"] for r in rows})
+    xs = sorted({r[key] for r in rows})
     ax.set_xscale("log", base=2)
-    ax.set_xticks(seqs)
-    ax.set_xticklabels([seq_label(x) for x in seqs])
+    ax.set_xticks(xs)
+    ax.set_xticklabels([fmt(x) for x in xs])
     ax.minorticks_off()
     ax.set_ylim(0, top)
-    ax.set_xlabel("sequence length (tokens, batch 1)")
+    ax.set_xlabel("sequence length (tokens, batch 1)" if batch_seq is None else
+                  f"batch size (sequences of {seq_label(batch_seq)} tokens)")
     ax.set_ylabel("peak allocated GiB")
     ax.grid(alpha=0.3)
-    ax.set_xlim(seqs[0] / 2 ** 0.3, seqs[-1] * 2 ** 0.3)
+    ax.set_xlim(xs[0] / 2 ** 0.3, xs[-1] * 2 ** 0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     layers = f"{setup['layers']} layers" + ("" if setup["layers"] == setup["shape"]["layers"] else
                                             f" of {setup['shape']['layers']}")
-    ax.set_title(f"{setup['model']} {setup['tuner']} ({layers}), {setup['dtype']}: peak memory vs length\n"
+    ax.set_title(f"{setup['model']} {setup['tuner']} ({layers}), {setup['dtype']}: peak memory vs "
+                 f"{'length' if batch_seq is None else 'batch size at ' + seq_label(batch_seq)}\n"
                  f"{env.get('gpu') or setup['device']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110, format="png")
@@ -585,11 +652,12 @@ def environment(argv: Sequence[str]) -> Dict[str, Any]:
 
     env = base()
     env["command"] = f"python -m {MODULE} " + shlex.join(list(argv))
-    try:
-        from importlib.metadata import version
-        env["peft"] = version("peft")
-    except Exception:
-        env["peft"] = None
+    from importlib.metadata import version
+    for name in ("peft", "bitsandbytes"):
+        try:
+            env[name] = version(name)
+        except Exception:
+            env[name] = None
     env["swift_liger_backend"] = os.environ.get("SWIFT_LIGER_BACKEND", "auto")
     return env
 
@@ -600,8 +668,11 @@ def write(out_dir: str, env, setup, rows, skipped, projection, halves) -> str:
     png = plot(png_path, env, setup, rows)
     if png is None and os.path.exists(png_path):
         os.remove(png_path)
-    data = {"environment": env, "setup": setup, "rows": rows, "skipped_variants": skipped,
-            "longest": {v: longest(rows, v) for v in setup["variants"] if v not in skipped}}
+    data = {"environment": env, "setup": setup, "rows": rows, "skipped_variants": skipped}
+    if _batch_seq(setup) is None:
+        data["longest"] = {v: longest(rows, v) for v in setup["variants"] if v not in skipped}
+    else:
+        data["largest_batch"] = {v: largest_batch(rows, v) for v in setup["variants"] if v not in skipped}
     if projection is not None:
         data["projection"] = {"note": "projected, not measured", "formula": "peak(L) = peak(N) + (L - N) * "
                               "(peak(N) - peak(N//2)) / (N - N//2)", "half_layer_runs": list(halves.values()),
@@ -626,7 +697,8 @@ def _skip_reason(variant: str, device: str) -> Optional[str]:
 
 
 def _line(r: Dict[str, Any]) -> str:
-    return (f"  {r['variant']:13s} {seq_label(r['seq']):>6s} @{r['layers']}L  {_status(r)[:90]:40s} peak "
+    return (f"  {r['variant']:13s} {seq_label(r['seq']):>6s} x{r['batch']:<3d} @{r['layers']}L  "
+            f"{_status(r)[:90]:40s} peak "
             f"{_f(r.get('peak_allocated_gib'), '.2f')} GiB  {_f(r.get('tokens_per_s'), '.0f')} tok/s  "
             f"{_f(r.get('seconds_per_step'), '.2f')} s/step  ({r.get('wall_seconds', 0):.0f} s)")
 
@@ -636,6 +708,8 @@ def main(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--out", help="output directory (required unless --one)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--seqs", default=DEFAULT_SEQS, help="increasing lengths: 8k, 16384, 1m, ...")
+    ap.add_argument("--batches", default=None,
+                    help="increasing batch sizes (1,2,4,8): a batch sweep at the one length of --seqs")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     ap.add_argument("--project-layers", type=int, default=None,
@@ -656,6 +730,7 @@ def main(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--point-timeout", type=float, default=POINT_TIMEOUT,
                     help="seconds per point at most (also capped by the remaining deadline)")
     ap.add_argument("--one", nargs=2, metavar=("VARIANT", "SEQ"), help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)   # of the --one point
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     if args.dtype == "auto":
@@ -669,7 +744,7 @@ def main(argv: Optional[Sequence[str]] = None):
             os.environ.setdefault("SWIFT_LIGER_BACKEND", "torch")
         row = run_point(variant, seq, shape=shape, layers=layers, steps=args.steps, warmup=args.warmup,
                         tuner=args.tuner, device=args.device, dtype_name=args.dtype, mem_fraction=args.mem_fraction,
-                        mem_cap_gib=args.mem_cap_gib, tiled_mlp=args.tiled_mlp)
+                        mem_cap_gib=args.mem_cap_gib, tiled_mlp=args.tiled_mlp, batch=args.batch)
         print(json.dumps(row, default=str), flush=True)
         return row
 
@@ -682,22 +757,41 @@ def main(argv: Optional[Sequence[str]] = None):
     seqs = [parse_seq(s) for s in args.seqs.split(",") if s.strip()]
     if seqs != sorted(set(seqs)):
         ap.error("--seqs must be strictly increasing")
+    batches = None
+    if args.batches is not None:
+        try:
+            batches = [int(b) for b in args.batches.split(",") if b.strip()]
+        except ValueError:
+            ap.error(f"--batches takes comma-separated integers, got {args.batches!r}")
+        if not batches or batches[0] < 1 or batches != sorted(set(batches)):
+            ap.error("--batches must be strictly increasing positive integers")
+        if len(seqs) != 1:
+            ap.error(f"--batches sweeps one length: --seqs must have exactly one value, got {len(seqs)}")
+    points = [(seqs[0], b) for b in batches] if batches else [(s, 1) for s in seqs]
     if args.project_layers is not None and not (2 <= layers < args.project_layers):
         ap.error("--project-layers L needs 2 <= --layers N < L (the slope comes from N and N//2 layers)")
     if args.device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
             sys.exit("--device cuda but CUDA is not available (use --model tiny --device cpu for a CPU check)")
+    if args.tuner == "qlora":
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as exc:
+            sys.exit(f"--tuner qlora needs bitsandbytes, which is not importable ({type(exc).__name__}: {exc}); "
+                     f"pip install bitsandbytes")
 
     env = environment(argv)
     skipped = {v: why for v in variants if (why := _skip_reason(v, args.device))}
     setup: Dict[str, Any] = {
         "model": args.model, "shape": dataclasses.asdict(shape), "layers": layers, "tuner": args.tuner,
-        "variants": variants, "seqs": seqs, "steps": args.steps, "warmup": args.warmup, "batch": 1,
+        "variants": variants, "seqs": seqs, "steps": args.steps, "warmup": args.warmup, "batches": batches,
         "device": args.device, "dtype": args.dtype, "attn": "sdpa", "mem_cap_gib": args.mem_cap_gib,
         "mem_fraction": args.mem_fraction, "tiled_mlp": args.tiled_mlp, "deadline": args.deadline,
         "point_timeout": args.point_timeout, "project_layers": args.project_layers,
-        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "targets": LORA_TARGETS} if args.tuner == "lora" else None,
+        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "targets": LORA_TARGETS} if args.tuner != "full" else None,
+        "qlora": {"quant_type": "nf4", "double_quant": True, "compute_dtype": args.dtype, "quantized": "every "
+                  "nn.Linear of model.model.layers", "library": "bitsandbytes"} if args.tuner == "qlora" else None,
         "lr": LR[args.tuner], "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "stopped": None}
     rows: List[Dict[str, Any]] = []
     halves: Dict[tuple, Dict[str, Any]] = {}
@@ -721,22 +815,23 @@ def main(argv: Optional[Sequence[str]] = None):
     except ValueError:
         pass
     try:
-        return _sweep(args, env, setup, rows, halves, projection, skipped, layers, seqs, variants, remaining, flush)
+        return _sweep(args, env, setup, rows, halves, projection, skipped, layers, points, variants, remaining, flush)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _sweep(args, env, setup, rows, halves, projection, skipped, layers, seqs, variants, remaining, flush):
+def _sweep(args, env, setup, rows, halves, projection, skipped, layers, points, variants, remaining, flush):
     active = [v for v in variants if v not in skipped]
-    for seq in seqs:
+    for seq, batch in points:
+        at = f"batch {batch}" if setup["batches"] else seq_label(seq)
         for v in list(active):
             left = remaining()
             if left < MIN_START_S:
-                setup["stopped"] = (f"deadline ({args.deadline:g} s) reached before {v} at {seq_label(seq)}; "
-                                    f"not run: {', '.join(active)} from {seq_label(seq)} on")
+                setup["stopped"] = (f"deadline ({args.deadline:g} s) reached before {v} at {at}; "
+                                    f"not run: {', '.join(active)} from {at} on")
                 break
-            row = run_child(v, seq, layers, min(left, args.point_timeout), args)
+            row = run_child(v, seq, batch, layers, min(left, args.point_timeout), args)
             if row["status"] == "timeout" and left < args.point_timeout:
                 row["cut_by_deadline"] = True
             rows.append(row)
@@ -753,8 +848,8 @@ def _sweep(args, env, setup, rows, halves, projection, skipped, layers, seqs, va
             if left < MIN_START_S:
                 setup["stopped"] = (setup["stopped"] or "") + " projection runs at N/2 layers cut by the deadline"
                 break
-            h = run_child(r["variant"], r["seq"], half, min(left, args.point_timeout), args)
-            halves[(r["variant"], r["seq"])] = h
+            h = run_child(r["variant"], r["seq"], r["batch"], half, min(left, args.point_timeout), args)
+            halves[(r["variant"], r["seq"], r["batch"])] = h
             print(_line(h) + "  [for the projection]", flush=True)
             projection[:] = projections(rows, halves, args.project_layers)
             flush()
