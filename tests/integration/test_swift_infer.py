@@ -135,7 +135,10 @@ def _ok(result, allow_swift_exit_abort=False):
         rc = 0
     assert rc == 0, log[-6000:]
     assert len(answers) == len(TURNS) and all(answers), (answers, log[-3000:])
-    assert len(rows) == len(TURNS), rows
+    if allow_swift_exit_abort:   # unjoined: the last turn's generate thread can die at exit before the probe writes
+        assert len(TURNS) - 1 <= len(rows) <= len(TURNS), rows
+    else:
+        assert len(rows) == len(TURNS), rows
     prompts = [r["prompt_tokens"] for r in rows]
     assert prompts == sorted(prompts) and prompts[-1] > prompts[0] + 5 * MAX_NEW, prompts   # the history grows
     return log, answers, rows
