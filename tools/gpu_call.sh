@@ -127,7 +127,7 @@ PY
     stamp longctx
     timeout "${LONGCTX_TIMEOUT:-570}" python3 -m swift_liger.bench.long_context --out "$OUT/bench" \
       ${LONGCTX_ARGS:---deadline 540} >"$OUT/longctx.log" 2>&1; echo "longctx rc $?"
-    grep -E "^  [a-z_]+ +[0-9]+[kM]? @|^  [a-z_]+: skipped|^longest trained|^Stopped|Error|error" \
+    grep -E "^  [a-z_]+ +[0-9]+[kM]? x[0-9]|^  [a-z_]+: skipped|^longest trained|^Stopped|Error|error" \
       "$OUT/longctx.log" | cut -c1-200 | tail -40 ;;
   *) echo "unknown section $section" ;;
   esac
