@@ -13,14 +13,60 @@ Pure kernel module: no transformers imports. Inference only (no autograd).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from . import _common
 
-BLOCK_N = 64            # keys per inner step
 PROGRAMS_PER_SM = 2     # split the keys until there are about this many programs per SM
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+    """Launch configuration of the split kernel: keys per inner step, software-pipeline depth, warps."""
+    block_n: int = 64
+    num_stages: int = 3   # Triton's default
+    num_warps: int = 4
+
+
+# Most preferred first. The K/V tiles are [block_n, BLOCK_D] per pipeline stage; the first candidate whose estimated
+# shared memory fits the device's per-block limit is launched (tests/ops/test_portability.py compiles the choice
+# for sm_75..sm_90 and checks the real usage). On the H100/H200 every head dim in bf16/fp16 keeps the first one.
+CANDIDATES = (SplitConfig(64, 3), SplitConfig(64, 2), SplitConfig(32, 2), SplitConfig(64, 1), SplitConfig(32, 1),
+              SplitConfig(16, 1))
+DEFAULT = CANDIDATES[0]
+
+
+def shared_estimate(cfg: SplitConfig, block_d: int, elt_bytes: int) -> int:
+    """An upper estimate of the split kernel's shared memory, bytes: K and V tiles for max(1, stages - 1) buffered
+    stages plus 24 KiB for the dot operands. Compiled for sm_75/86/90 at D 64-256, block_n 16-64, 1-3 stages,
+    fp32 and 16-bit, the real figure was at most 20544 B above the tiles (fp32 D=256 block_n 64, 2 stages: 151616
+    real, 155648 estimated)."""
+    return max(1, cfg.num_stages - 1) * 2 * cfg.block_n * block_d * elt_bytes + 24 * 1024
+
+
+def split_config(block_d: int, elt_bytes: int, max_shared: int) -> SplitConfig:
+    for cfg in CANDIDATES:
+        if shared_estimate(cfg, block_d, elt_bytes) <= max_shared:
+            return cfg
+    return CANDIDATES[-1]
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
+
+
+def config_for(device: torch.device, block_d: int, elt_bytes: int) -> SplitConfig:
+    if device.type != "cuda":   # the interpreter: no shared-memory limit
+        return DEFAULT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return split_config(block_d, elt_bytes, _max_shared(index))
 
 
 @triton.jit
@@ -97,14 +143,14 @@ def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, splits, so_b, so_h, HQ,
     tl.store(out_ptr + b * so_b + h * so_h + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def _plan(B: int, HKV: int, C: int, device: torch.device):
-    """(keys per split, splits): about PROGRAMS_PER_SM programs per SM, whole BLOCK_N steps, no empty split."""
+def _plan(B: int, HKV: int, C: int, device: torch.device, block_n: int = DEFAULT.block_n):
+    """(keys per split, splits): about PROGRAMS_PER_SM programs per SM, whole block_n steps, no empty split."""
     if _common.INTERPRET:
         target = 4
     else:
         target = PROGRAMS_PER_SM * _common.sm_count(device.index or 0)
     want = max(1, min(64, target // max(1, B * HKV)))
-    per = _common.cdiv(_common.cdiv(C, want), BLOCK_N) * BLOCK_N
+    per = _common.cdiv(_common.cdiv(C, want), block_n) * block_n
     return per, _common.cdiv(C, per)
 
 
@@ -115,16 +161,18 @@ def _decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if out.numel() == 0:
         return out
     G = HQ // HKV
-    per, splits = _plan(B, HKV, C, q.device)
-    s_pad = max(2, _common.next_pow2(splits))
     block_d = max(16, _common.next_pow2(D))
+    cfg = config_for(q.device, block_d, q.element_size())
+    per, splits = _plan(B, HKV, C, q.device, cfg.block_n)
+    s_pad = max(2, _common.next_pow2(splits))
     o_part = torch.empty((B * HQ, s_pad, block_d), dtype=torch.float32, device=q.device)
     lse = torch.empty((B * HQ, s_pad), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B * HKV, splits)](
         q, k, v, o_part, lse, C, HKV, per, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        G=G, G_PAD=max(16, _common.next_pow2(G)), D=D, BLOCK_D=block_d, S_PAD=s_pad, BLOCK_N=BLOCK_N,
-        UPCAST=_common.INTERPRET, IEEE=q.dtype == torch.float32, num_warps=4)
+        G=G, G_PAD=max(16, _common.next_pow2(G)), D=D, BLOCK_D=block_d, S_PAD=s_pad, BLOCK_N=cfg.block_n,
+        UPCAST=_common.INTERPRET, IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     _decode_merge_kernel[(B * HQ,)](o_part, lse, out, splits, out.stride(0), out.stride(2), HQ,
                                     D=D, BLOCK_D=block_d, S_PAD=s_pad, num_warps=4)
     return out

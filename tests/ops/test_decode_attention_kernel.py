@@ -57,3 +57,30 @@ def test_bad_inputs(device):
         decode_attention(q, k, v, 0.0)
     with pytest.raises((TypeError, ValueError), match="dtype"):
         decode_attention(q, k.half(), v.half(), 0.25)
+
+
+@pytest.mark.parametrize("cfg_index", [1, 2, 5])
+def test_every_candidate_config_matches_reference(device, monkeypatch, cfg_index):
+    """The smaller tiles / shallower pipelines picked on cards with less shared memory (T4, A10, L4; fp32 or
+    D=256) give the same result: each candidate forced."""
+    from swift_liger.ops import decode_attention_kernel as da
+    cfg = da.CANDIDATES[cfg_index]
+    monkeypatch.setattr(da, "config_for", lambda *a: cfg)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = make(2, 8, 2, 300, 24, dtype, device)
+        out = decode_attention(q, k, v, 24 ** -0.5)
+        assert_close(out, f64_reference(q, k, v, 24 ** -0.5), dtype, name=f"decode_attention {cfg}")
+
+
+def test_split_config_fits_every_architecture():
+    """The chosen configuration's estimate fits each target's per-block shared memory; on the H100/H200 16-bit
+    inputs keep the default at every head dim (the speed measured there)."""
+    from swift_liger.ops import _targets
+    from swift_liger.ops import decode_attention_kernel as da
+    for arch in _targets.ARCHS.values():
+        for block_d in (16, 32, 64, 128, 256):
+            for elt in (2, 4):
+                cfg = da.split_config(block_d, elt, arch.max_shared)
+                assert da.shared_estimate(cfg, block_d, elt) <= arch.max_shared, (arch, block_d, elt, cfg)
+    assert all(da.split_config(d, 2, _targets.ARCHS["sm_90"].max_shared) == da.DEFAULT for d in (64, 128, 256))
+    assert da.split_config(256, 4, 1) == da.CANDIDATES[-1]   # nothing fits: the smallest

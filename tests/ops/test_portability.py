@@ -6,7 +6,8 @@ Triton compiles for a target offline; registers come from the cubin via the cuob
 How the configurations are enumerated: the launchers' own selection functions (rms_norm_kernel.launch_config in
 both backward schedules, rope.launch_blocks / auto_warps, swiglu _config / _row_block / _warps, cross_entropy
 _block_v, the fused-linear-CE _launch_rows / _launch_slice block rules over default_chunk_size / _slice_width,
-qk_norm_rope's launch_blocks + TUNING, decode_attention _plan (per architecture SM count), kv_ring_write _rows_for,
+qk_norm_rope's launch_blocks + TUNING, decode_attention split_config + _plan (per architecture shared memory and SM
+count), kv_ring_write _rows_for,
 the dropout_mask constants; lora_linear and logprobs launch no kernels of their own: dropout_mask and the
 fused-linear-CE kernels) are called over a grid of realistic shapes (hidden 1024..8192, intermediate
 4864..28672, heads 8/8..64/8 and a few GQA layouts with D 64/128/256 and full or half rotary, vocab 32000 /
@@ -49,16 +50,8 @@ UNSUPPORTED: dict = {}
 
 # (kernel, arch, dtype, D) -> what: configurations a launcher selects today that exceed the architecture's shared
 # memory (they would raise OutOfResources at launch). Asserted exactly, so a fix shows up as a failure to update.
-# decode attention: the K/V loop is software-pipelined (Triton's default num_stages=3) with [BLOCK_N, BLOCK_D]
-# tiles; fp32 (IEEE) at D=128/256 and fp16/bf16 at D=256 (sm_75, no cp.async) need more than the block may have.
-KNOWN_OVER_LIMIT = {
-    ("_decode_split_kernel", "sm_75", "fp32", 128), ("_decode_split_kernel", "sm_86", "fp32", 128),
-    ("_decode_split_kernel", "sm_89", "fp32", 128),
-    ("_decode_split_kernel", "sm_75", "fp16", 256), ("_decode_split_kernel", "sm_75", "bf16", 256),
-    ("_decode_split_kernel", "sm_75", "fp32", 256), ("_decode_split_kernel", "sm_80", "fp32", 256),
-    ("_decode_split_kernel", "sm_86", "fp32", 256), ("_decode_split_kernel", "sm_89", "fp32", 256),
-    ("_decode_split_kernel", "sm_90", "fp32", 256),
-}
+# Empty: decode attention picks its tiles and pipeline depth per device (decode_attention_kernel.split_config).
+KNOWN_OVER_LIMIT: set = set()
 
 HIDDEN = (1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)
 INTERMEDIATE = (4864, 8960, 11008, 13824, 14336, 18944, 22016, 28672)
@@ -215,22 +208,24 @@ def _enumerate():
                 add("fused_linear_cross_entropy_kernel", "_flce_slice_kernel", dict(f, BLOCK_V=block),
                     _common.num_warps_for(block))
 
-    # decode attention: S_PAD depends on the SM count of the target.
+    # decode attention: S_PAD depends on the SM count of the target, the tiles and stages on its shared memory.
+    from swift_liger.ops import _targets
     for arch, sms in SM_COUNTS.items():
         for (HQ, HKV), D, B, C in itertools.product(HEADS, HEAD_DIMS, (1, 8, 64), (1, 64, 4096, 131072)):
-            target = da.PROGRAMS_PER_SM * sms
-            want = max(1, min(64, target // max(1, B * HKV)))
-            per = _common.cdiv(_common.cdiv(C, want), da.BLOCK_N) * da.BLOCK_N
-            splits = _common.cdiv(C, per)
-            s_pad = max(2, _common.next_pow2(splits))
             block_d = max(16, _common.next_pow2(D))
             G = HQ // HKV
             for ieee in (False, True):   # IEEE = fp32 inputs: only compiled with fp32 pointers (see _dtypes_for)
+                cfg = da.split_config(block_d, 4 if ieee else 2, _targets.ARCHS[arch].max_shared)
+                target = da.PROGRAMS_PER_SM * sms
+                want = max(1, min(64, target // max(1, B * HKV)))
+                per = _common.cdiv(_common.cdiv(C, want), cfg.block_n) * cfg.block_n
+                s_pad = max(2, _common.next_pow2(_common.cdiv(C, per)))
                 add("decode_attention_kernel", "_decode_split_kernel",
                     dict(G=G, G_PAD=max(16, _common.next_pow2(G)), D=D, BLOCK_D=block_d, S_PAD=s_pad,
-                         BLOCK_N=da.BLOCK_N, UPCAST=False, IEEE=ieee), 4, archs=(arch,))
-            add("decode_attention_kernel", "_decode_merge_kernel", dict(D=D, BLOCK_D=block_d, S_PAD=s_pad), 4,
-                archs=(arch,))
+                         BLOCK_N=cfg.block_n, UPCAST=False, IEEE=ieee), cfg.num_warps, cfg.num_stages,
+                    archs=(arch,))
+                add("decode_attention_kernel", "_decode_merge_kernel", dict(D=D, BLOCK_D=block_d, S_PAD=s_pad), 4,
+                    archs=(arch,))
 
     # kv ring write (+ sink refresh / rotate).
     for D, n_rows in itertools.product(HEAD_DIMS, (1, 2, 8, 16, 32, 64, 512, 4096)):
