@@ -1,5 +1,6 @@
 """End-to-end under torchrun: `swift sft --use_liger` with NPROC_PER_NODE=2 on CPU (gloo) patches the model on every
-rank, before LoRA wraps it, and trains with the same per-step losses as the same 2-rank run without --use_liger.
+rank, before LoRA wraps it, and trains with the same per-step losses as the same 2-rank run without --use_liger; and
+against one process with gradient accumulation 2 (the same global batch), patched and stock.
 
 ms-swift's own launcher does the torchrun part: with NPROC_PER_NODE (and MASTER_PORT) set, `swift sft` re-runs
 swift/cli/sft.py through `python -m torch.distributed.run`. Two CPU gotchas, both handled by TORCHRUN_CPU below:
@@ -52,10 +53,18 @@ def runs(tiny_qwen3, tmp_path_factory):
            "--save_strategy", "no"]
     specs = {"liger": sft + ["--use_liger"], "base": sft}
     ports = dict(zip(specs, _free_ports(len(specs))))
+    # one process, gradient accumulation 2: the same global batch of 2 rows per step
+    # (without the torchrun-only flags: --ddp_backend in one process asks for a process group that does not exist)
+    i = sft.index(TORCHRUN_CPU[0])
+    assert sft[i:i + len(TORCHRUN_CPU)] == TORCHRUN_CPU
+    one = sft[:i] + sft[i + len(TORCHRUN_CPU):] + ["--gradient_accumulation_steps", str(NPROC)]
+    single = {"liger_ga2": one + ["--use_liger"], "base_ga2": one}
     with ThreadPoolExecutor(max_workers=len(specs)) as pool:
         futures = {name: pool.submit(run_swift, "sft", argv, str(root / name),
                                      swift_env(NPROC_PER_NODE=NPROC, MASTER_PORT=ports[name]))
                    for name, argv in specs.items()}
+        futures.update({name: pool.submit(run_swift, "sft", argv, str(root / name))
+                        for name, argv in single.items()})
         return {name: f.result() for name, f in futures.items()}
 
 
@@ -68,6 +77,8 @@ def _train_summary(run):
 
 def test_both_runs_are_real_ddp(runs):
     for name, run in runs.items():
+        if name.endswith("_ga2"):
+            continue
         run.check()
         assert "-m torch.distributed.run --nproc_per_node 2" in run.log, name  # ms-swift's launcher used torchrun
         assert f"world_size: {NPROC}" in run.log and NOT_DDP not in run.log, name
@@ -83,6 +94,22 @@ def test_torchrun_losses_match_unpatched(runs):
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(base, liger)]
     assert max(diffs) <= 1e-5, diffs
     assert len({r["loss"] for r in base}) > 1  # it trained
+
+
+def test_two_ranks_against_one_process_with_accumulation(runs):
+    """2 ranks x 1 row against 1 process x 2 accumulated rows, patched and stock. Step 1 sees the same two rows: equal
+    losses. After it the trainers differ by themselves (DDP averages the ranks' mean losses, accumulation weights the
+    rows by their token counts): the patched runs reproduce stock's per-step losses in both set-ups, so the gap
+    between the set-ups is the same with and without --use_liger."""
+    steps = {name: [r["loss"] for r in runs[name].check().steps()] for name in ("liger", "base", "liger_ga2",
+                                                                              "base_ga2")}
+    assert all(len(v) == STEPS for v in steps.values()), steps
+    assert abs(steps["liger"][0] - steps["liger_ga2"][0]) <= 1e-5, steps
+    assert max(abs(a - b) for a, b in zip(steps["liger_ga2"], steps["base_ga2"])) <= 1e-5, steps
+    for i in range(STEPS):
+        gap_ours = steps["liger"][i] - steps["liger_ga2"][i]
+        gap_stock = steps["base"][i] - steps["base_ga2"][i]
+        assert abs(gap_ours - gap_stock) <= 2e-5, (i, steps)
 
 
 def test_every_rank_patched_before_lora(runs):
