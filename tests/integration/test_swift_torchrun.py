@@ -132,3 +132,50 @@ def test_every_rank_patched_before_lora(runs):
     assert log.index(line) < log.index("lora_config: LoraConfig") < log.index("model_parameter_info: PeftModel")
     assert "the ranks patched the policy model differently" not in log
     assert not os.path.exists(os.path.join(runs["base"].run_dir, "liger_patch.json"))
+
+
+RLHF_STEPS = 3
+RLHF_SKIP = {"step_time(s)", "tokens/s", "rss(GiB)", "elapsed_time", "remaining_time", "train_speed(s/it)",
+             "global_step/max_steps", "memory(GiB)", "epoch"}
+
+
+@pytest.fixture(scope="module")
+def rlhf_runs(tiny_llama, tmp_path_factory):
+    """`swift rlhf --rlhf_type dpo` (LoRA) on 2 ranks and in 1 process with gradient accumulation 2, each with and
+    without --use_liger. The reference/policy log-prob passes are ours on every rank in the patched runs."""
+    root = tmp_path_factory.mktemp("rlhf_torchrun")
+    common = [*tiny_llama["swift_flags"], "--dataset", tiny_llama["pref"], "--rlhf_type", "dpo", "--tuner_type", "lora",
+              *CPU_FLAGS, "--per_device_train_batch_size", "1", "--max_length", "128", "--learning_rate", "2e-3",
+              "--max_steps", str(RLHF_STEPS), "--report_to", "none", "--save_strategy", "no"]
+    ddp = common + TORCHRUN_CPU
+    one = common + ["--gradient_accumulation_steps", str(NPROC)]
+    specs = {"ddp_liger": (ddp + ["--use_liger"], True), "ddp_base": (ddp, True),
+             "ga2_liger": (one + ["--use_liger"], False), "ga2_base": (one, False)}
+    ports = dict(zip(specs, _free_ports(len(specs))))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run_swift, "rlhf", argv, str(root / name),
+                                     swift_env(NPROC_PER_NODE=NPROC, MASTER_PORT=ports[name]) if dist else None)
+                   for name, (argv, dist) in specs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("setup", ["ddp", "ga2"])
+def test_rlhf_dpo_patched_equals_stock_on_two_ranks_and_with_accumulation(rlhf_runs, setup):
+    liger, base = rlhf_runs[f"{setup}_liger"].check(), rlhf_runs[f"{setup}_base"].check()
+    a, b = base.steps(), liger.steps()
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, RLHF_STEPS + 1))
+    compared = 0
+    for ra, rb in zip(a, b):
+        for key, value in ra.items():
+            if key in RLHF_SKIP or not isinstance(value, (int, float)) or not isinstance(rb.get(key), (int, float)):
+                continue
+            assert abs(value - rb[key]) <= 1e-4 * max(1.0, abs(value)), (setup, ra["step"], key, value, rb[key])
+            compared += 1
+    assert compared >= 5 * RLHF_STEPS
+    record = liger.patch_record()
+    total = record["runtime"]["total"]["policy"]
+    assert total["fused_linear_logprobs"] > 0 and total["lm_head_logits"] == 0, total
+    if setup == "ddp":
+        assert record["world_size"] == NPROC
+        assert [r["rank"] for r in record["models"]["policy"]["ranks"]] == list(range(NPROC))
+        assert "-m torch.distributed.run --nproc_per_node 2" in liger.log
