@@ -179,3 +179,35 @@ def test_rlhf_dpo_patched_equals_stock_on_two_ranks_and_with_accumulation(rlhf_r
         assert record["world_size"] == NPROC
         assert [r["rank"] for r in record["models"]["policy"]["ranks"]] == list(range(NPROC))
         assert "-m torch.distributed.run --nproc_per_node 2" in liger.log
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tiny_qwen3, tmp_path_factory):
+    """`swift sft --fsdp fsdp2` on 2 gloo ranks (FSDP2 runs on CPU; ms-swift wraps each decoder layer): every
+    parameter is a DTensor shard between forwards, gathered by FSDP2 around each wrapped module."""
+    root = tmp_path_factory.mktemp("fsdp_torchrun")
+    argv = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], "--tuner_type", "lora", *CPU_FLAGS, *SMALL,
+            *TORCHRUN_CPU, "--fsdp", "fsdp2", "--learning_rate", "2e-3", "--max_steps", "3", "--report_to", "none",
+            "--save_strategy", "no"]
+    specs = {"liger": argv + ["--use_liger"], "base": argv}
+    ports = dict(zip(specs, _free_ports(len(specs))))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run_swift, "sft", a, str(root / name),
+                                     swift_env(NPROC_PER_NODE=NPROC, MASTER_PORT=ports[name]))
+                   for name, a in specs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def test_fsdp2_losses_match_unpatched_with_the_fused_head(fsdp_runs):
+    liger, base = fsdp_runs["liger"].check(), fsdp_runs["base"].check()
+    for run in (liger, base):
+        assert "Using FSDP2" in run.log and "-m torch.distributed.run --nproc_per_node 2" in run.log
+    a, b = base.steps(), liger.steps()
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    assert max(abs(x["grad_norm"] - y["grad_norm"]) for x, y in zip(a, b)) <= 1e-4 * max(r["grad_norm"] for r in a)
+    record = liger.patch_record()
+    total = record["runtime"]["total"]["policy"]
+    assert total["fused_linear_cross_entropy"] > 0 and total["lm_head_logits"] == 0, total
+    assert total["lora_fused"] > 0 and total["lora_peft"] == 0, total
+    assert record["world_size"] == NPROC
