@@ -16,7 +16,9 @@ import torch
 from .state import CALLS_ATTR, count
 
 
-LORA_CLASSES = ("Linear", "Linear4bit")     # peft.tuners.lora.layer.Linear, peft.tuners.lora.bnb.Linear4bit
+# PEFT's LoRA linears: layer.Linear, bnb.Linear4bit (both fused when plain_lora_parts accepts the call) and
+# bnb.Linear8bitLt (always PEFT's forward: its int8 matmul is not a dequantize-then-matmul; counted as such)
+LORA_CLASSES = ("Linear", "Linear4bit", "Linear8bitLt")
 
 
 def is_peft_lora_linear(module) -> bool:

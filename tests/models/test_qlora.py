@@ -137,3 +137,26 @@ def test_qlora_saves_the_same_adapter(saved_model, device, cpu_reference_ops, tm
     assert a.keys() == b.keys() and all("lora_" in k for k in a)
     for k in a:
         close(b[k], a[k], k, atol=2e-3, rtol=2e-3)
+
+
+def test_8bit_lora_runs_peft_forward_and_is_counted(saved_model, device, cpu_reference_ops):
+    """LoRA over bitsandbytes 8-bit layers: PEFT's own forward (an int8 matmul, not a dequantize-then-matmul), every
+    projection counted as a PEFT call, the same loss as the unpatched model."""
+    q = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    models = []
+    for patched in (False, True):
+        m = transformers.AutoModelForCausalLM.from_pretrained(saved_model["llama"], quantization_config=q,
+                                                              dtype=torch.float32, device_map=device.type,
+                                                              attn_implementation="eager")
+        if patched:
+            swift_liger.apply(m, lora_fusion=True)
+        torch.manual_seed(3)
+        models.append(peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                             target_modules=list(PROJECTIONS))))
+    ref, model = models
+    ids, labels = batch(device)
+    call_counts(model, reset=True)
+    expected, out = ref(ids, labels=labels), model(ids, labels=labels)
+    counts = call_counts(model)
+    assert (counts["lora_fused"], counts["lora_peft"]) == (0, len(PROJECTIONS) * LAYERS)
+    close(out.loss, expected.loss, "loss", atol=1e-4, rtol=1e-4)
