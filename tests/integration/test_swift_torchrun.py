@@ -141,15 +141,18 @@ RLHF_SKIP = {"step_time(s)", "tokens/s", "rss(GiB)", "elapsed_time", "remaining_
 
 @pytest.fixture(scope="module")
 def rlhf_runs(tiny_llama, tmp_path_factory):
-    """`swift rlhf --rlhf_type dpo` (LoRA) on 2 ranks and in 1 process with gradient accumulation 2, each with and
-    without --use_liger. The reference/policy log-prob passes are ours on every rank in the patched runs."""
+    """`swift rlhf --rlhf_type dpo` (LoRA) on 2 ranks (DDP, and FSDP2) and in 1 process with gradient accumulation 2,
+    each with and without --use_liger. The reference/policy log-prob passes are ours on every rank in the patched
+    runs."""
     root = tmp_path_factory.mktemp("rlhf_torchrun")
     common = [*tiny_llama["swift_flags"], "--dataset", tiny_llama["pref"], "--rlhf_type", "dpo", "--tuner_type", "lora",
               *CPU_FLAGS, "--per_device_train_batch_size", "1", "--max_length", "128", "--learning_rate", "2e-3",
               "--max_steps", str(RLHF_STEPS), "--report_to", "none", "--save_strategy", "no"]
     ddp = common + TORCHRUN_CPU
     one = common + ["--gradient_accumulation_steps", str(NPROC)]
+    fsdp = ddp + ["--fsdp", "fsdp2"]
     specs = {"ddp_liger": (ddp + ["--use_liger"], True), "ddp_base": (ddp, True),
+             "fsdp_liger": (fsdp + ["--use_liger"], True), "fsdp_base": (fsdp, True),
              "ga2_liger": (one + ["--use_liger"], False), "ga2_base": (one, False)}
     ports = dict(zip(specs, _free_ports(len(specs))))
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -159,7 +162,7 @@ def rlhf_runs(tiny_llama, tmp_path_factory):
         return {name: f.result() for name, f in futures.items()}
 
 
-@pytest.mark.parametrize("setup", ["ddp", "ga2"])
+@pytest.mark.parametrize("setup", ["ddp", "fsdp", "ga2"])
 def test_rlhf_dpo_patched_equals_stock_on_two_ranks_and_with_accumulation(rlhf_runs, setup):
     liger, base = rlhf_runs[f"{setup}_liger"].check(), rlhf_runs[f"{setup}_base"].check()
     a, b = base.steps(), liger.steps()
@@ -175,10 +178,11 @@ def test_rlhf_dpo_patched_equals_stock_on_two_ranks_and_with_accumulation(rlhf_r
     record = liger.patch_record()
     total = record["runtime"]["total"]["policy"]
     assert total["fused_linear_logprobs"] > 0 and total["lm_head_logits"] == 0, total
-    if setup == "ddp":
+    if setup != "ga2":
         assert record["world_size"] == NPROC
         assert [r["rank"] for r in record["models"]["policy"]["ranks"]] == list(range(NPROC))
         assert "-m torch.distributed.run --nproc_per_node 2" in liger.log
+        assert ("Using FSDP2" in liger.log) == (setup == "fsdp")
 
 
 @pytest.fixture(scope="module")
