@@ -9,6 +9,8 @@
 # tinyrlhf: tiny `swift rlhf` (dpo bf16 + fp32, orpo, kto; LoRA): stock vs --use_liger, every logged metric compared
 # logprobs: the preference-loss head op benchmark (python -m swift_liger.bench logprobs)
 # families: stock vs swift_liger per model family, LoRA and full (python -m swift_liger.bench.families; FAMILY_ARGS)
+# qlora:   QLoRA tests on CUDA (no xdist), then tiny `swift sft --quant_method bnb --quant_bits 4` bf16: stock vs
+#          --use_liger, per-step losses (needs the bitsandbytes wheel in .whl/: ../shared/gpu/slim_bnb.sh)
 # rolling: RollingKVCache decode benchmark (ROLLING_ARGS)
 # longctx: longest trainable context per variant, 8B LoRA (python -m swift_liger.bench.long_context; LONGCTX_ARGS)
 set -uo pipefail
@@ -118,6 +120,27 @@ PY
     timeout "${FAMILIES_TIMEOUT:-300}" python3 -m swift_liger.bench.families --out "$OUT/bench" ${FAMILY_ARGS:-} \
       >"$OUT/families.log" 2>&1; echo "families rc $?"
     grep -E "^\| |Error|error" "$OUT/families.log" | cut -c1-200 | tail -30 ;;
+  qlora)
+    stamp qlora
+    SWIFT_LIGER_TEST_GPU=1 timeout "${QLORA_TESTS_TIMEOUT:-150}" python3 -m pytest tests/models/test_qlora.py \
+      tests/ops/test_lora_linear_kernel.py -rf -p no:cacheprovider >"$OUT/gpu_qlora_tests.log" 2>&1
+    echo "pytest rc $?"; grep -E "passed|failed|^FAILED" "$OUT/gpu_qlora_tests.log" | tail -8
+    python3 -m swift_liger.cli tiny /tmp/tinyq --arch llama >/dev/null 2>&1
+    F="--model /tmp/tinyq/model --model_type llama --template chatml --dataset /tmp/tinyq/sft.jsonl --tuner_type lora
+       --torch_dtype bfloat16 --check_model false --gradient_accumulation_steps 1 --dataloader_num_workers 0
+       --max_steps 10 --logging_steps 1 --max_length 256 --per_device_train_batch_size 8 --save_strategy no
+       --report_to none --seed 42 --target_modules all-linear --quant_method bnb --quant_bits 4
+       --bnb_4bit_use_double_quant true"
+    for d in stock liger; do
+      extra=""; [ "$d" = liger ] && extra="--use_liger"
+      timeout 90 swift sft $F --output_dir /tmp/oq_$d $extra >"$OUT/qlora_$d.log" 2>&1; echo "$d rc $?"
+    done
+    grep -h "lora_fusion in the first step" "$OUT"/qlora_liger.log | cut -c1-200
+    for d in stock liger; do
+      f=$(ls /tmp/oq_$d/v*/logging.jsonl 2>/dev/null | head -1); [ -n "$f" ] || continue
+      python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(sys.argv[2], \
+[round(x['loss'], 5) for x in r if 'loss' in x and 'global_step/max_steps' in x])" "$f" "$d"
+    done ;;
   rolling)
     stamp rolling
     timeout "${ROLLING_TIMEOUT:-240}" python3 -m swift_liger.bench.rolling_cache --out "$OUT/bench" ${ROLLING_ARGS:-} \
