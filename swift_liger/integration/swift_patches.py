@@ -141,9 +141,9 @@ def patch_cli_utils(module) -> None:
     print_help(getattr(swift.arguments, HELP_SCRIPTS[name]), FIELD_NAMES)
 
 
-MEGATRON_REFUSAL = ("swift_liger: --use_liger / --liger_* do not apply to `megatron {cmd}`: Megatron-Core builds its own "
-                    "model, not the Hugging Face modules swift_liger patches. Supported: `swift sft|pt|rlhf --use_liger`, "
-                    "on one GPU or many (DDP, --deepspeed zero2/zero3, --fsdp), and `swift infer|deploy "
+MEGATRON_REFUSAL = ("swift_liger: --use_liger / --liger_* do not apply to `megatron {cmd}`: Megatron-Core builds "
+                    "its own model, not the Hugging Face modules swift_liger patches. Supported: `swift sft|pt|rlhf "
+                    "--use_liger`, on one GPU or many (DDP, --deepspeed zero2/zero3, --fsdp), and `swift infer|deploy "
                     "--infer_backend transformers --use_liger`.")
 
 

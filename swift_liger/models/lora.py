@@ -1,8 +1,9 @@
 """lora_fusion: PEFT LoRA projections inside the patched MLP and attention run through ops.lora_linear.
 
 This module knows PEFT's lora.Linear (one active adapter, unmerged, vanilla LoRA, a frozen nn.Linear base, no
-biases or hooks) and PEFT's lora.Linear4bit over a bitsandbytes 4-bit base (QLoRA: the base weight goes to the op as
-an ops.lora_linear_kernel.DequantizedWeight, dequantized the way bitsandbytes' own training matmul does); whether ops.lora_linear can take the call (dtypes, dropout, contiguity) is decided in one place,
+biases or hooks) and PEFT's lora.Linear4bit over a bitsandbytes 4-bit base (QLoRA: the base weight goes to the op
+as an ops.lora_linear_kernel.DequantizedWeight, dequantized the way bitsandbytes' own training matmul does).
+Whether ops.lora_linear can take the call (dtypes, dropout, contiguity) is decided in one place,
 ``ops.lora_linear_kernel.lora_linear_problem``. Anything else runs PEFT's own forward. Every call is counted in the
 patch state of the model (``lora_fused`` / ``lora_peft``), read back through state.call_counts.
 """

@@ -587,8 +587,9 @@ def test_compile_layers_with_lora_and_checkpointing(torch_backend):
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_compile_layers_every_family_on_each_cpu_backend(monkeypatch, family, backend):
     """compile_layers (inductor) on the CPU reference backend users without CUDA run (SWIFT_LIGER_BACKEND unset:
-    auto), and on the Triton interpreter: same training loss and gradients as the unpatched eager model. A graph break inside a rebuilt
-    attention forward (our ops' one-time CPU notice was one) fails here with dynamo's NameError."""
+    auto), and on the Triton interpreter: same training loss and gradients as the unpatched eager model. A graph
+    break inside a rebuilt attention forward (our ops' one-time CPU notice was one) fails here with dynamo's
+    NameError."""
     from swift_liger.ops import _common
     if backend == "triton" and not _common.INTERPRET:
         pytest.skip("the Triton backend on CPU tensors needs TRITON_INTERPRET=1 (set for the CPU suite only)")
