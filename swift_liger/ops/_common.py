@@ -11,10 +11,12 @@ Backends
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
 import os
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -131,11 +133,94 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_programs_hint(t: torch.Tensor) -> int:
-    """Number of persistent programs to launch: a few per SM on GPU, a handful under the interpreter."""
-    if t.is_cuda:
-        return sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    return 4
+# ---------------------------------------------------------------------------------------------------------------
+# Launch configurations
+#
+# Every kernel module defines a frozen dataclass per kernel (its constexpr tile sizes, num_warps, num_stages, grid
+# size where the grid is a choice), ``LAUNCH_CONFIGS = {kind: that class}`` (kind None when the module has one) and
+# a pure ``launch_config(...)`` that picks the configuration from the shape and a device (a torch.device or a
+# ``Target``). Benchmarks and tuners force fields through ``launch_override`` / ``set_launch_override``.
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What launch selection reads about a device. ``type`` is "cuda" for a GPU, anything else for the interpreter.
+
+    cc: compute capability (90 = sm_90); sm_count: streaming multiprocessors (4 under the interpreter: a handful of
+    programs); max_shared: opt-in shared memory per block, bytes (0 under the interpreter: no limit).
+    """
+    type: str
+    cc: int = 0
+    sm_count: int = 4
+    max_shared: int = 0
+
+
+INTERPRETER_TARGET = Target("cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_target(device_index: int) -> Target:
+    props = torch.cuda.get_device_properties(device_index)
+    shared = int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
+    return Target("cuda", props.major * 10 + props.minor, props.multi_processor_count, shared)
+
+
+def target(device: Union[torch.device, Target]) -> Target:
+    """The ``Target`` of a device (queried once per CUDA device); a ``Target`` is returned as is."""
+    if isinstance(device, Target):
+        return device
+    if device.type != "cuda":
+        return INTERPRETER_TARGET
+    return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_OVERRIDES: Dict[Tuple[str, Optional[str]], Dict[str, Any]] = {}
+
+
+def _override_key(module, kind: Optional[str]) -> Tuple[str, Optional[str]]:
+    configs = getattr(module, "LAUNCH_CONFIGS", None)
+    if not configs:
+        raise TypeError(f"{getattr(module, '__name__', module)!r} defines no LAUNCH_CONFIGS")
+    if kind not in configs:
+        raise ValueError(f"{module.__name__} has launch kinds {sorted(configs, key=str)}, got {kind!r}")
+    return module.__name__, kind
+
+
+def set_launch_override(module, kind: Optional[str] = None, **fields) -> None:
+    """Force ``fields`` of every configuration ``module.launch_config`` returns for ``kind``, at every shape,
+    until the next call for (module, kind); no fields clears it. Values are used verbatim (the caller keeps them
+    valid for the shapes it runs, e.g. rms_norm's block_h >= H)."""
+    key = _override_key(module, kind)
+    names = {f.name for f in dataclasses.fields(module.LAUNCH_CONFIGS[kind])}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        raise TypeError(f"{module.LAUNCH_CONFIGS[kind].__name__} has no field(s) {', '.join(unknown)}")
+    if fields:
+        _OVERRIDES[key] = dict(fields)
+    else:
+        _OVERRIDES.pop(key, None)
+
+
+@contextlib.contextmanager
+def launch_override(module, kind: Optional[str] = None, **fields) -> Iterator[None]:
+    """``with launch_override(rms_norm_kernel, "bwd", num_warps=8): ...``: set_launch_override for the block (added
+    to an enclosing override of the same kind), the previous state restored on exit."""
+    key = _override_key(module, kind)
+    saved = _OVERRIDES.get(key)
+    set_launch_override(module, kind, **{**(saved or {}), **fields})
+    try:
+        yield
+    finally:
+        if saved is None:
+            _OVERRIDES.pop(key, None)
+        else:
+            _OVERRIDES[key] = saved
+
+
+def apply_override(module_name: str, kind: Optional[str], cfg):
+    """``cfg`` with the forced fields of (module, kind) replaced; called at the end of every launch_config."""
+    fields = _OVERRIDES.get((module_name, kind))
+    return dataclasses.replace(cfg, **fields) if fields else cfg
 
 
 def compiled_or_eager(op_name: str, eager: Callable) -> Callable:

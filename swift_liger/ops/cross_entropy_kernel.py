@@ -18,6 +18,7 @@ writes N*V (the minimum without holding dlogits across the two passes).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple, Union
 
 import torch
@@ -30,8 +31,7 @@ from . import _common
 from ._loss import LABEL_DTYPES, check_label_range, check_options, int_labels, labels_checked, reduce
 from ._loss import tanh as _tanh
 
-# Launch configuration (tune on the GPU): one program per row, vocabulary walked in blocks of MAX_BLOCK_V.
-MAX_BLOCK_V = 8192
+MAX_BLOCK_V = 8192   # one program per row walks the vocabulary in blocks of at most this many columns
 
 
 @triton.jit
@@ -120,9 +120,21 @@ def _ce_bwd_kernel(logits_ptr, labels_ptr, lse_ptr, grad_ptr, dlogits_ptr,
 # Launchers (2-D logits [N, V] with unit column stride, labels [N])
 # ---------------------------------------------------------------------------------------------------------------
 
-def _block_v(n_cols: int) -> Tuple[int, int]:
+@dataclasses.dataclass(frozen=True)
+class CEConfig:
+    """Launch of _ce_fwd_kernel / _ce_bwd_kernel (one program per row): block_v (BLOCK_V) vocabulary columns per
+    loop step, num_warps."""
+    block_v: int
+    num_warps: int
+
+
+LAUNCH_CONFIGS = {None: CEConfig}
+
+
+def launch_config(n_cols: int, device) -> CEConfig:
+    """next_pow2(V) capped at MAX_BLOCK_V columns, warps by block size (_common.num_warps_for); every device."""
     block = min(_common.next_pow2(n_cols), MAX_BLOCK_V)
-    return block, _common.num_warps_for(block)
+    return _common.apply_override(__name__, None, CEConfig(block, _common.num_warps_for(block)))
 
 
 def _ce_forward(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, label_smoothing: float,
@@ -136,12 +148,12 @@ def _ce_forward(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, l
     lse = _common.new_empty((n_rows,), dtype=torch.float32, device=logits.device)
     if n_rows == 0:
         return loss, lse
-    block, warps = _block_v(n_cols)
+    cfg = launch_config(n_cols, logits.device)
     _ce_fwd_kernel[(n_rows,)](
         logits, labels, loss, lse, logits.stride(0), labels.stride(0), n_cols, ignore_index,
         float(label_smoothing), float(softcap or 1.0), float(z_loss),
         HAS_SMOOTHING=label_smoothing > 0, HAS_SOFTCAP=softcap is not None, HAS_Z_LOSS=z_loss > 0,
-        ALL_LSE=bool(all_lse), BLOCK_V=block, num_warps=warps)
+        ALL_LSE=bool(all_lse), BLOCK_V=cfg.block_v, num_warps=cfg.num_warps)
     return loss, lse
 
 
@@ -154,12 +166,12 @@ def _ce_backward_into(dlogits: torch.Tensor, logits: torch.Tensor, labels: torch
     grad_loss = grad_loss.reshape(-1)
     if grad_loss.dtype != torch.float32:
         grad_loss = grad_loss.float()
-    block, warps = _block_v(n_cols)
+    cfg = launch_config(n_cols, logits.device)
     _ce_bwd_kernel[(n_rows,)](
         logits, labels, lse, grad_loss, dlogits, logits.stride(0), labels.stride(0), grad_loss.stride(0),
         dlogits.stride(0), n_cols, ignore_index, float(label_smoothing), float(softcap or 1.0), float(z_loss),
         HAS_SMOOTHING=label_smoothing > 0, HAS_SOFTCAP=softcap is not None, HAS_Z_LOSS=z_loss > 0,
-        BLOCK_V=block, num_warps=warps)
+        BLOCK_V=cfg.block_v, num_warps=cfg.num_warps)
 
 
 def _ce_backward(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor,

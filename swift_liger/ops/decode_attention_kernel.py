@@ -14,7 +14,6 @@ Pure kernel module: no transformers imports. Inference only (no autograd).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -56,17 +55,22 @@ def split_config(block_d: int, elt_bytes: int, max_shared: int) -> SplitConfig:
     return CANDIDATES[-1]
 
 
-@functools.lru_cache(maxsize=None)
-def _max_shared(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
-
-
-def config_for(device: torch.device, block_d: int, elt_bytes: int) -> SplitConfig:
-    if device.type != "cuda":   # the interpreter: no shared-memory limit
+def config_for(device, block_d: int, elt_bytes: int) -> SplitConfig:
+    """The selection: split_config for the device's shared memory (torch.device or _common.Target); DEFAULT under
+    the interpreter (no shared-memory limit)."""
+    t = _common.target(device)
+    if t.type != "cuda":
         return DEFAULT
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return split_config(block_d, elt_bytes, _max_shared(index))
+    return split_config(block_d, elt_bytes, t.max_shared)
+
+
+LAUNCH_CONFIGS = {None: SplitConfig}
+
+
+def launch_config(block_d: int, elt_bytes: int, device) -> SplitConfig:
+    """Launch parameters of the split kernel for BLOCK_D = block_d and elt_bytes-byte inputs: config_for, with any
+    _common.launch_override applied. The merge kernel always runs 4 warps."""
+    return _common.apply_override(__name__, None, config_for(device, block_d, elt_bytes))
 
 
 @triton.jit
@@ -143,12 +147,11 @@ def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, splits, so_b, so_h, HQ,
     tl.store(out_ptr + b * so_b + h * so_h + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def _plan(B: int, HKV: int, C: int, device: torch.device, block_n: int = DEFAULT.block_n):
-    """(keys per split, splits): about PROGRAMS_PER_SM programs per SM, whole block_n steps, no empty split."""
-    if _common.INTERPRET:
-        target = 4
-    else:
-        target = PROGRAMS_PER_SM * _common.sm_count(device.index or 0)
+def _plan(B: int, HKV: int, C: int, device, block_n: int = DEFAULT.block_n):
+    """(keys per split, splits): about PROGRAMS_PER_SM programs per SM of ``device`` (torch.device or
+    _common.Target; 4 programs under the interpreter), whole block_n steps, no empty split."""
+    t = _common.target(device)
+    target = PROGRAMS_PER_SM * t.sm_count if t.type == "cuda" else 4
     want = max(1, min(64, target // max(1, B * HKV)))
     per = _common.cdiv(_common.cdiv(C, want), block_n) * block_n
     return per, _common.cdiv(C, per)
@@ -162,7 +165,7 @@ def _decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return out
     G = HQ // HKV
     block_d = max(16, _common.next_pow2(D))
-    cfg = config_for(q.device, block_d, q.element_size())
+    cfg = launch_config(block_d, q.element_size(), q.device)
     per, splits = _plan(B, HKV, C, q.device, cfg.block_n)
     s_pad = max(2, _common.next_pow2(splits))
     o_part = torch.empty((B * HQ, s_pad, block_d), dtype=torch.float32, device=q.device)

@@ -14,15 +14,36 @@ bytes per element, masked_scale 2 x t's element size + 1/8.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from . import _common
 
-PACK_BLOCK = 1024          # bytes of output per program (8192 mask elements)
-SCALE_BLOCK = 4096         # elements per program
-NUM_WARPS = 4
+
+@dataclasses.dataclass(frozen=True)
+class DropoutMaskConfig:
+    """Launch of _pack_kernel (block: BLOCK, output bytes per program, 8 mask elements each) or _masked_scale_kernel
+    (block: BLOCK, elements per program); num_warps."""
+    block: int
+    num_warps: int
+
+
+LAUNCH_CONFIGS = {"pack": DropoutMaskConfig, "scale": DropoutMaskConfig}
+
+
+def launch_config(kind: str, n: int, device) -> DropoutMaskConfig:
+    """``kind`` "pack" (1024 bytes = 8192 mask elements a program) or "scale" (4096 elements a program) for n
+    elements, 4 warps; every shape and device."""
+    if kind == "pack":
+        cfg = DropoutMaskConfig(1024, 4)
+    elif kind == "scale":
+        cfg = DropoutMaskConfig(4096, 4)
+    else:
+        raise ValueError(f"kind must be 'pack' or 'scale', got {kind!r}")
+    return _common.apply_override(__name__, kind, cfg)
 
 
 @triton.jit
@@ -66,8 +87,9 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
         return (flat.view(n_bytes, 8) << shifts).sum(1, dtype=torch.uint8)
     bits = torch.empty(n_bytes, dtype=torch.uint8, device=mask.device)
     if n:
-        _pack_kernel[(triton.cdiv(n_bytes, PACK_BLOCK),)](mask.view(torch.uint8), bits, n, n_bytes,
-                                                         BLOCK=PACK_BLOCK, num_warps=NUM_WARPS)
+        cfg = launch_config("pack", n, mask.device)
+        _pack_kernel[(triton.cdiv(n_bytes, cfg.block),)](mask.view(torch.uint8), bits, n, n_bytes, BLOCK=cfg.block,
+                                                        num_warps=cfg.num_warps)
     return bits
 
 
@@ -91,6 +113,7 @@ def masked_scale(t: torch.Tensor, bits: torch.Tensor, scale: float, *, out: torc
         keep = ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[:n].view(t.shape).bool()
         return out.copy_(torch.where(keep, t.float() * scale, 0.0))
     if n:
-        _masked_scale_kernel[(triton.cdiv(n, SCALE_BLOCK),)](t, bits, out, n, float(scale), BLOCK=SCALE_BLOCK,
-                                                             num_warps=NUM_WARPS)
+        cfg = launch_config("scale", n, t.device)
+        _masked_scale_kernel[(triton.cdiv(n, cfg.block),)](t, bits, out, n, float(scale), BLOCK=cfg.block,
+                                                           num_warps=cfg.num_warps)
     return out

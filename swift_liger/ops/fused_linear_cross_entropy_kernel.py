@@ -30,6 +30,7 @@ z-loss adds z_loss * lse^2. Ignored tokens contribute 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Optional, Union
 
@@ -42,14 +43,12 @@ from ._loss import LABEL_DTYPES, check_label_range, check_options, int_labels, l
 from ._loss import tanh as _tanh
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tunables (H200 defaults; see the module docstring for the arithmetic)
+# Sizing (H200 defaults; see the module docstring for the arithmetic)
 # ---------------------------------------------------------------------------------------------------------------
 WORKSPACE_BYTES = 256 << 20          # rolling [C, V] logits buffer (and the pass-2 [N, Vs] buffer)
 CHUNK_ALIGN = 128                    # token chunk rows: a multiple of the GEMM M tile
 SLICE_ALIGN = 128                    # vocab slice width in pass 2: a multiple of the GEMM N tile
 DW_ACCUMULATE_BUDGET_BYTES = 256 << 20  # "auto": accumulate dW in fp32 only when V*H*4 fits in this
-ROW_BLOCK_V = 4096                   # pass-1 kernel: columns per loop step (one program per token row)
-SLICE_BLOCK_V = 4096                 # pass-2 kernel: columns per program (2-D grid rows x column blocks)
 
 DW_STRATEGIES = ("auto", "accumulate", "recompute")
 
@@ -196,24 +195,44 @@ def _flce_slice_kernel(
     tl.store(ptrs, g.to(z_ptr.dtype.element_ty), mask=mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class FLCEConfig:
+    """Launch of a Triton FLCE kernel: block_v (BLOCK_V) vocabulary columns per loop step ("rows", one program per
+    token row) or per program ("slice", a 2-D grid of rows x column blocks), num_warps."""
+    block_v: int
+    num_warps: int
+
+
+LAUNCH_CONFIGS = {"rows": FLCEConfig, "slice": FLCEConfig}
+
+
+def launch_config(kind: str, n_cols: int, device) -> FLCEConfig:
+    """``kind`` "rows" (pass 1, n_cols = V) or "slice" (pass 2, n_cols = the slice width): next_pow2(n_cols)
+    capped at 4096 columns, warps by block size (_common.num_warps_for); every device."""
+    if kind not in LAUNCH_CONFIGS:
+        raise ValueError(f"kind must be 'rows' or 'slice', got {kind!r}")
+    block = min(4096, _common.next_pow2(n_cols))
+    return _common.apply_override(__name__, kind, FLCEConfig(block, _common.num_warps_for(block)))
+
+
 def _launch_rows(z, labels, loss, lse, logit_sum, V, ignore_index, eps, cap, z_loss, temperature, write_grad):
-    block = min(ROW_BLOCK_V, _common.next_pow2(V))
+    cfg = launch_config("rows", V, z.device)
     _flce_rows_kernel[(z.shape[0],)](
         z, z.stride(0), labels, loss, lse, logit_sum if logit_sum is not None else lse, V, ignore_index, float(eps),
         float(cap or 1.0), float(z_loss), 1.0 / float(temperature),
         HAS_CAP=cap is not None and cap > 0, HAS_EPS=eps > 0, HAS_ZLOSS=z_loss > 0, HAS_TEMP=temperature != 1.0,
         WRITE_GRAD=write_grad, WRITE_SUM=logit_sum is not None,
-        BLOCK_V=block, num_warps=_common.num_warps_for(block))
+        BLOCK_V=cfg.block_v, num_warps=cfg.num_warps)
 
 
 def _launch_slice(z, labels, lse, scale, v0, V, ignore_index, eps, cap, z_loss, temperature):
     n, vs = z.shape
-    block = min(SLICE_BLOCK_V, _common.next_pow2(vs))
-    _flce_slice_kernel[(n, _common.cdiv(vs, block))](
+    cfg = launch_config("slice", vs, z.device)
+    _flce_slice_kernel[(n, _common.cdiv(vs, cfg.block_v))](
         z, z.stride(0), labels, lse, scale, 0 if scale.dim() == 0 else 1, v0, vs, V, ignore_index,
         float(eps), float(cap or 1.0), float(z_loss), 1.0 / float(temperature),
         HAS_CAP=cap is not None and cap > 0, HAS_EPS=eps > 0, HAS_ZLOSS=z_loss > 0, HAS_TEMP=temperature != 1.0,
-        BLOCK_V=block, num_warps=_common.num_warps_for(block))
+        BLOCK_V=cfg.block_v, num_warps=cfg.num_warps)
 
 
 # ---------------------------------------------------------------------------------------------------------------

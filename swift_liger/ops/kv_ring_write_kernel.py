@@ -23,6 +23,7 @@ Pure kernel module: no transformers / ms-swift imports. Inference only (no autog
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -137,12 +138,45 @@ def _kv_sink_rotate_kernel(src_ptr, dst_ptr, cos_ptr, sin_ptr, n_rows, S, H,
 # Launchers (custom ops so a compiled region keeps each launch as one node)
 # ---------------------------------------------------------------------------------------------------------------
 
-TILE_ELEMS = 4096   # elements of one [rows, D] tile
+@dataclasses.dataclass(frozen=True)
+class KVWriteConfig:
+    """Launch of _kv_ring_write_kernel: rows (ROWS) [row, D] rows per program, block_d (BLOCK_D) = next_pow2(D)."""
+    rows: int
+    block_d: int
+    num_warps: int
 
 
-def _rows_for(n_rows: int, width: int) -> int:
-    """Rows per tile: fill ~TILE_ELEMS elements, no more rows than there are (power of 2, at least 2)."""
-    return max(2, min(_common.next_pow2(n_rows), max(2, TILE_ELEMS // width)))
+@dataclasses.dataclass(frozen=True)
+class KVSinkConfig:
+    """Launch of _kv_sink_refresh_kernel / _kv_sink_rotate_kernel: rows (ROWS) sink rows per program, block_half
+    (BLOCK_HALF) = next_pow2(D / 2), at least 2."""
+    rows: int
+    block_half: int
+    num_warps: int
+
+
+LAUNCH_CONFIGS = {"write": KVWriteConfig, "refresh": KVSinkConfig, "rotate": KVSinkConfig}
+
+
+def _rows_per_tile(n_rows: int, width: int) -> int:
+    """Fill ~4096-element tiles, no more rows than there are (power of 2, at least 2)."""
+    return max(2, min(_common.next_pow2(n_rows), max(2, 4096 // width)))
+
+
+def launch_config(kind: str, n_rows: int, D: int, device):
+    """``kind`` "write" (n_rows = B * H * T new rows), "refresh" or "rotate" (n_rows = B * H * sinks): tiles of
+    ~4096 elements; the ring write uses 4 warps from 2048 elements a tile, else 2; the sink kernels 2. Every
+    device."""
+    if kind == "write":
+        block_d = _common.next_pow2(D)
+        rows = _rows_per_tile(n_rows, block_d)
+        cfg = KVWriteConfig(rows, block_d, 4 if rows * block_d >= 2048 else 2)
+    elif kind in ("refresh", "rotate"):
+        block_half = max(2, _common.next_pow2(D // 2))
+        cfg = KVSinkConfig(_rows_per_tile(n_rows, 2 * block_half), block_half, 2)
+    else:
+        raise ValueError(f"kind must be 'write', 'refresh' or 'rotate', got {kind!r}")
+    return _common.apply_override(__name__, kind, cfg)
 
 
 def _kv_ring_write_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -163,19 +197,17 @@ def _kv_ring_write_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch
     cos = sink_cos if rotate else k
     sin = sink_sin if rotate else k
     n_rows = B * H * T
-    block_d = _common.next_pow2(D)
-    rows = _rows_for(n_rows, block_d)
-    grid = _common.cdiv(n_rows, rows)
+    cfg = launch_config("write", n_rows, D, k.device)
+    grid = _common.cdiv(n_rows, cfg.rows)
     if rotate:
         # Sinks stored by earlier calls (slots < start) never overlap the slots this call writes: order-free.
         n_sink = B * H * sinks
-        block_half = max(2, _common.next_pow2(D // 2))
-        srows = _rows_for(n_sink, 2 * block_half)
-        _kv_sink_refresh_kernel[(_common.cdiv(n_sink, srows),)](
+        sc = launch_config("refresh", n_sink, D, k.device)
+        _kv_sink_refresh_kernel[(_common.cdiv(n_sink, sc.rows),)](
             ks, k_cache, cos, sin, start_t, pos0, n_sink, sinks, H,
             ks.stride(0), ks.stride(1), ks.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             cos.stride(0), sin.stride(0),
-            LIMIT=2 if uniform else 1, HALF=D // 2, ROWS=srows, BLOCK_HALF=block_half, num_warps=2)
+            LIMIT=2 if uniform else 1, HALF=D // 2, ROWS=sc.rows, BLOCK_HALF=sc.block_half, num_warps=sc.num_warps)
     _kv_ring_write_kernel[(grid,)](
         k, v, k_cache, v_cache, ks, pos_t, end_t,
         pos0, n_rows, T, H, sinks, window,
@@ -184,8 +216,7 @@ def _kv_ring_write_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2),
         0 if uniform else pos.stride(0), 0 if uniform else pos.stride(1),
-        D=D, UNIFORM=uniform, SPLIT_SINKS=split, ROWS=rows, BLOCK_D=block_d,
-        num_warps=4 if rows * block_d >= 2048 else 2)
+        D=D, UNIFORM=uniform, SPLIT_SINKS=split, ROWS=cfg.rows, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps)
 
 
 def _kv_sink_rotate_launch(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -193,13 +224,12 @@ def _kv_sink_rotate_launch(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tens
     if B == 0 or H == 0 or S == 0 or D == 0:
         return
     n_rows = B * H * S
-    block_half = max(2, _common.next_pow2(D // 2))
-    rows = _rows_for(n_rows, 2 * block_half)
-    _kv_sink_rotate_kernel[(_common.cdiv(n_rows, rows),)](
+    cfg = launch_config("rotate", n_rows, D, src.device)
+    _kv_sink_rotate_kernel[(_common.cdiv(n_rows, cfg.rows),)](
         src, dst, cos, sin, n_rows, S, H,
         src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), dst.stride(2),
         cos.stride(0), sin.stride(0),
-        HALF=D // 2, ROWS=rows, BLOCK_HALF=block_half, num_warps=2)
+        HALF=D // 2, ROWS=cfg.rows, BLOCK_HALF=cfg.block_half, num_warps=cfg.num_warps)
 
 
 @torch.library.custom_op("swift_liger::kv_ring_write", mutates_args=("k_cache", "v_cache", "k_sink"))

@@ -15,6 +15,7 @@ Pure kernel module: no transformers / ms-swift imports.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Tuple
 
 import torch
@@ -22,19 +23,10 @@ import triton
 import triton.language as tl
 
 from . import _common
-from .rope import (apply_rope_reference, auto_warps, check_rope_args, cos_sin_strides, last_dim_contiguous,
-                   launch_blocks, load_cos_sin, load_heads, rotate, store_heads, token_coords, token_grid)
+from .rope import (RoPEConfig, apply_rope_reference, check_rope_args, cos_sin_strides, last_dim_contiguous,
+                   load_cos_sin, load_heads, rotary_config, rotate, store_heads, token_coords)
 
 CASTINGS = ("llama", "gemma")
-
-# Launch knobs (edit, or override from a benchmark with ``qk_norm_rope_kernel.TUNING.update(...)``); see rope.TUNING.
-#   bwd_programs_per_sm: the backward is persistent (each program keeps fp32 weight-gradient partials), so its
-#   grid is SMs x this, capped at the token count.
-TUNING = {
-    "fwd_tile_elems": 4096, "fwd_num_warps": None, "fwd_programs_per_sm": None,
-    "bwd_tile_elems": 4096, "bwd_num_warps": 8, "bwd_programs_per_sm": 4,
-    "reduce_block_d": 32,
-}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -266,6 +258,39 @@ def _dw_reduce_kernel(part_ptr, dwq_ptr, dwk_ptr, P, D: tl.constexpr, BLOCK_P: t
 # Launch
 # ---------------------------------------------------------------------------------------------------------------
 
+QKNormRoPEConfig = RoPEConfig   # forward and backward kernels: the rotary head tiles, warps and grid
+
+
+@dataclasses.dataclass(frozen=True)
+class DWReduceConfig:
+    """Launch of _dw_reduce_kernel: block_p (BLOCK_P) partial rows and block_d (BLOCK_D) columns per step."""
+    block_p: int
+    block_d: int
+    num_warps: int
+
+
+LAUNCH_CONFIGS = {"fwd": QKNormRoPEConfig, "bwd": QKNormRoPEConfig, "reduce": DWReduceConfig}
+
+
+def launch_config(kind: str, n_tok: int, HQ: int, HK: int, D: int, half: int, device):
+    """Launch parameters for ``kind`` in ("fwd", "bwd", "reduce"); arguments as rope.launch_config.
+
+    fwd: one program per token. bwd: a persistent grid of 4 programs per SM (each keeps fp32 weight-gradient
+    partials) capped at the token count, 8 warps. reduce: sums the bwd grid's partials, 32 columns per program.
+    """
+    if kind == "reduce":
+        programs = launch_config("bwd", n_tok, HQ, HK, D, half, device).programs
+        cfg = DWReduceConfig(min(64, _common.next_pow2(programs)), min(32, _common.next_pow2(D)), 4)
+    elif kind == "fwd":
+        cfg = rotary_config(n_tok, HQ, HK, D, half)
+    elif kind == "bwd":
+        programs = max(1, min(n_tok, _common.target(device).sm_count * 4))
+        cfg = rotary_config(n_tok, HQ, HK, D, half, num_warps=8, programs=programs)
+    else:
+        raise ValueError(f"kind must be 'fwd', 'bwd' or 'reduce', got {kind!r}")
+    return _common.apply_override(__name__, kind, cfg)
+
+
 def _round_y(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     """HF's ``weight * x.to(dtype)`` is rounded to x's dtype unless the weight's dtype promotes it (to fp32)."""
     return torch.promote_types(x_dtype, w_dtype) == x_dtype
@@ -282,17 +307,14 @@ def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps: float, offset: float, g
     n_tok = B * T
     if n_tok == 0 or (HQ == 0 and HK == 0):
         return qo, ko
-    cfg = TUNING
-    bhq, bhk, bhalf, bpass = launch_blocks(HQ, HK, D, half, cfg["fwd_tile_elems"])
-    grid = (token_grid(q, n_tok, cfg["fwd_programs_per_sm"]),)
-    _qk_norm_rope_fwd_kernel[grid](
+    cfg = launch_config("fwd", n_tok, HQ, HK, D, half, q.device)
+    _qk_norm_rope_fwd_kernel[(cfg.programs,)](
         q, k, q_weight, k_weight, cos, sin, qo, ko, n_tok, T, float(eps), float(offset),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         *cos_sin_strides(cos, sin),
-        HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HALF=bhalf, BLOCK_PASS=bpass,
-        GEMMA=gemma, ROUND_Y=_round_y(q.dtype, q_weight.dtype),
-        num_warps=auto_warps(bhq, bhk, bhalf, bpass, cfg["fwd_num_warps"]))
+        HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk, BLOCK_HALF=cfg.block_half,
+        BLOCK_PASS=cfg.block_pass, GEMMA=gemma, ROUND_Y=_round_y(q.dtype, q_weight.dtype), num_warps=cfg.num_warps)
     return qo, ko
 
 
@@ -317,9 +339,8 @@ def _bwd_launch(q, k, gq, gk, q_weight, k_weight, cos, sin, eps: float, offset: 
             dqw.zero_()
             dkw.zero_()
         return dq, dk, dqw, dkw
-    cfg = TUNING
-    bhq, bhk, bhalf, bpass = launch_blocks(HQ, HK, D, half, cfg["bwd_tile_elems"])
-    P = token_grid(q, n_tok, cfg["bwd_programs_per_sm"])
+    cfg = launch_config("bwd", n_tok, HQ, HK, D, half, q.device)
+    P = cfg.programs
     part = _common.new_empty((2, P, D) if compute_dw else (1,), dtype=torch.float32, device=q.device)
     _qk_norm_rope_bwd_kernel[(P,)](
         q, k, gq, gk, q_weight, k_weight, cos, sin, dq, dk, part, n_tok, T, float(eps), float(offset),
@@ -327,12 +348,12 @@ def _bwd_launch(q, k, gq, gk, q_weight, k_weight, cos, sin, eps: float, offset: 
         gq.stride(0), gq.stride(1), gq.stride(2), gk.stride(0), gk.stride(1), gk.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         *cos_sin_strides(cos, sin),
-        HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HALF=bhalf, BLOCK_PASS=bpass,
-        GEMMA=gemma, COMPUTE_DW=compute_dw, num_warps=auto_warps(bhq, bhk, bhalf, bpass, cfg["bwd_num_warps"]))
+        HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk, BLOCK_HALF=cfg.block_half,
+        BLOCK_PASS=cfg.block_pass, GEMMA=gemma, COMPUTE_DW=compute_dw, num_warps=cfg.num_warps)
     if compute_dw:
-        block_d = min(cfg["reduce_block_d"], _common.next_pow2(D))
-        _dw_reduce_kernel[(_common.cdiv(D, block_d), 2)](
-            part, dqw, dkw, P, D=D, BLOCK_P=min(64, _common.next_pow2(P)), BLOCK_D=block_d, num_warps=4)
+        red = launch_config("reduce", n_tok, HQ, HK, D, half, q.device)
+        _dw_reduce_kernel[(_common.cdiv(D, red.block_d), 2)](
+            part, dqw, dkw, P, D=D, BLOCK_P=red.block_p, BLOCK_D=red.block_d, num_warps=red.num_warps)
     return dq, dk, dqw, dkw
 
 

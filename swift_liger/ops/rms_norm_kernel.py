@@ -4,9 +4,7 @@
 
 Forward: one pass over x (whole row in registers), writes y (and s = x + residual) plus rstd (fp32, one per row).
 Backward: a persistent grid; every program walks rows with a stride, writes dx and keeps its dW partial in fp32
-registers; the partials ([programs, H] fp32) are summed by one small torch reduction. No atomics. An alternative
-schedule (``BWD_SCHEDULE = "blocked"``, for tuning) runs a non-persistent grid of blocks of consecutive rows, with
-the same math and the same partial-sum reduction.
+registers; the partials ([programs, H] fp32) are summed by one small torch reduction. No atomics.
 
 Casting modes (``casting``), matching Hugging Face eager code:
 * ``"llama"`` (LlamaRMSNorm, Qwen, Mistral, ...): ``xhat = (x.float() * rstd).to(x.dtype)``, then
@@ -23,7 +21,8 @@ straight-through gradient HF's autograd also produces), so gradients are at leas
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple, Union
+import dataclasses
+from typing import Optional, Tuple, Union
 
 import torch
 import triton
@@ -31,7 +30,8 @@ import triton.language as tl
 
 from . import _common
 
-__all__ = ["rms_norm", "rms_norm_reference", "RMSNormFunction", "launch_config", "LaunchConfig"]
+__all__ = ["rms_norm", "rms_norm_reference", "RMSNormFunction", "launch_config", "LaunchConfig",
+           "LAUNCH_CONFIGS"]
 
 CASTING_MODES = ("llama", "gemma", "none")
 _CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
@@ -40,124 +40,50 @@ _CASTING_CODE = {"llama": 0, "gemma": 1, "none": 2}
 # the compiled kernels start to spill; still correct and fused, but a column-chunked variant would be faster.
 MAX_FUSED_H = 65536
 
-# ---------------------------------------------------------------------------------------------------------------
-# Launch tuning knobs (GPU). None = automatic. The lead tunes these on the H200; see launch_config().
-# ---------------------------------------------------------------------------------------------------------------
-FWD_TILE_ELEMS = 4096        # elements per tile: rows per tile = clamp(FWD_TILE_ELEMS // BLOCK_H, 1, MAX_ROWS_PER_TILE)
-FWD_ROWS_PER_TILE: Optional[int] = None   # override rows per tile (power of 2)
-FWD_NUM_WARPS: Optional[int] = None       # override num_warps (default _common.num_warps_for(tile elements))
-FWD_PROGRAMS_PER_SM: Optional[int] = None  # None: one tile per program; k: persistent grid of #SMs * k programs
-FWD_PREFETCH = True          # persistent forward only: load the next tile before reducing the current one
-BWD_TILE_ELEMS = 4096
-BWD_ROWS_PER_TILE: Optional[int] = None
-BWD_NUM_WARPS: Optional[int] = None       # override; default: tile elements / (32 * BWD_ELEMS_PER_THREAD)
-BWD_ELEMS_PER_THREAD = 8     # backward keeps ~8 live fp32 values per element: 8/thread fits 64 registers
-BWD_PROGRAMS_PER_SM: Optional[int] = None  # None: as many as fit on an SM (from the compiled kernel's registers)
-BWD_MAX_PROGRAMS_PER_SM = 8  # cap for the automatic choice (each program adds an fp32 [H] dW partial)
-BWD_FALLBACK_PROGRAMS_PER_SM = 2  # when the register count of the compiled kernel cannot be read
-BWD_PREFETCH = True          # register double-buffering of x / dy / ds across the persistent loop (only used
-                             # when a thread holds <= BWD_ELEMS_PER_THREAD elements, else it would spill)
-MAX_ROWS_PER_TILE = 64
-# Backward schedule. "persistent" (default): the grid above. "blocked": a non-persistent grid where every program
-# takes BWD_BLOCK_ROWS consecutive rows in [rows-per-tile, BLOCK_H] tiles (several rows' loads in flight per step,
-# CTAs retire and refill independently) and writes one fp32 dW partial row; partials summed afterwards (no atomics).
-BWD_SCHEDULE = "persistent"
-BWD_SCHEDULES = ("persistent", "blocked")
-BWD_BLOCK_ROWS = 32          # blocked: rows per program (rounded up to whole tiles); dW partials = n_rows / this rows
-BWD_BLOCKED_TILE_ELEMS = 8192  # blocked: rows per tile = clamp(this // BLOCK_H, 1, MAX_ROWS_PER_TILE) (H=4096: 2)
-BWD_BLOCKED_ROWS_PER_TILE: Optional[int] = None  # blocked: override rows per tile (power of 2)
-BWD_BLOCKED_NUM_WARPS: Optional[int] = None      # blocked: override; default as BWD_NUM_WARPS's rule
-BWD_BLOCKED_PREFETCH = True  # blocked: double-buffer the next tile of the block in registers (same register rule)
-BWD_BLOCKED_STAGES: Optional[int] = None  # blocked: tl.range(num_stages=...) for the tile loop (None: Triton's default)
-BWD_BLOCKED_DW_1D = False    # blocked: fold each tile's dW rows into a [BLOCK_H] accumulator right away (fewer
-                             # registers when rows per tile > 1, one cross-row sum per tile) instead of [rows, BLOCK_H]
-# Interpreter (CPU tests): big tiles and few programs, since every program and loop step costs Python time.
-_INTERP_TILE_ELEMS = 16384
-_INTERP_PROGRAMS = 4
-_INTERP_PREFETCH = True
-_INTERP_BLOCK_ROWS = 8           # blocked schedule under the interpreter: several programs even for 21 test rows
-_INTERP_BLOCKED_ROWS_PER_TILE = 4
+# Backward grid from occupancy: at most this many programs per SM (each adds an fp32 [H] dW partial), and the
+# count used when the compiled kernel's registers cannot be read.
+BWD_MAX_PROGRAMS_PER_SM = 8
+BWD_FALLBACK_PROGRAMS_PER_SM = 2
 
 
-class LaunchConfig(NamedTuple):
-    block_m: int                 # rows per tile (power of 2)
-    block_h: int                 # next_pow2(H): the whole row is one block
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Launch of the forward or backward kernel for an [n_rows, H] problem."""
+    block_m: int                 # BLOCK_M, rows per tile (power of 2)
+    block_h: int                 # BLOCK_H, columns per tile: next_pow2(H), the whole row
     num_warps: int
-    programs: Optional[int]      # grid size; None = from occupancy (backward on GPU, resolved by the launcher)
-    prefetch: bool
-    block_rows: Optional[int] = None  # blocked backward only: rows per program (a multiple of block_m)
-    num_stages: Optional[int] = None  # blocked backward only: tl.range num_stages of the tile loop
-    dw_1d: bool = False               # blocked backward only: [BLOCK_H] dW accumulator (see BWD_BLOCKED_DW_1D)
+    programs: Optional[int]      # grid size; None: the backward's occupancy grid, resolved by the launcher
+    prefetch: bool               # PREFETCH, load the next tile of a persistent loop before reducing this one
 
 
-def launch_config(kind: str, n_rows: int, H: int, device: torch.device) -> LaunchConfig:
-    """Launch parameters for ``kind`` in ("fwd", "bwd") on ``device`` for an [n_rows, H] problem.
+LAUNCH_CONFIGS = {"fwd": LaunchConfig, "bwd": LaunchConfig}
+
+
+def launch_config(kind: str, n_rows: int, H: int, device) -> LaunchConfig:
+    """Launch parameters for ``kind`` in ("fwd", "bwd") on ``device`` (torch.device or _common.Target).
 
     BLOCK_H = next_pow2(H) (whole row in registers; loads vectorise to 16 bytes when H is a multiple of 8 for
-    bf16). Forward: one tile per program unless FWD_PROGRAMS_PER_SM is set. Backward: persistent, #SMs * k
-    programs (k = BWD_PROGRAMS_PER_SM, or the kernel's occupancy). Interpreter: big tiles, at most 4 programs.
+    bf16), tiles of ~4096 elements (at most 64 rows). Forward: one tile per program. Backward: persistent, #SMs x
+    the compiled kernel's occupancy, ~8 live fp32 values per element so 8 elements per thread (64 registers), and
+    register prefetch while a thread holds at most 8 elements. Interpreter: 16384-element tiles, at most 4
+    programs, 4 warps.
     """
+    if kind not in LAUNCH_CONFIGS:
+        raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
     block_h = max(16, _common.next_pow2(H))
     n_rows = max(int(n_rows), 1)
-    fwd = kind == "fwd"
-    if not fwd:
-        if BWD_SCHEDULE not in BWD_SCHEDULES:
-            raise ValueError(f"BWD_SCHEDULE must be one of {', '.join(BWD_SCHEDULES)}; got {BWD_SCHEDULE!r}")
-        if BWD_SCHEDULE == "blocked":
-            return _blocked_bwd_config(n_rows, block_h, device)
     if device.type != "cuda":
-        block_m = min(MAX_ROWS_PER_TILE, max(1, _INTERP_TILE_ELEMS // block_h), _common.next_pow2(n_rows))
-        tiles = _common.cdiv(n_rows, block_m)
-        return LaunchConfig(block_m, block_h, 4, min(tiles, _INTERP_PROGRAMS), _INTERP_PREFETCH)
-    rows_override = FWD_ROWS_PER_TILE if fwd else BWD_ROWS_PER_TILE
-    if rows_override is not None:
-        block_m = int(rows_override)
+        block_m = min(64, max(1, 16384 // block_h), _common.next_pow2(n_rows))
+        cfg = LaunchConfig(block_m, block_h, 4, min(_common.cdiv(n_rows, block_m), 4), True)
     else:
-        tile_elems = FWD_TILE_ELEMS if fwd else BWD_TILE_ELEMS
-        block_m = min(MAX_ROWS_PER_TILE, max(1, tile_elems // block_h), _common.next_pow2(n_rows))
-    warps_override = FWD_NUM_WARPS if fwd else BWD_NUM_WARPS
-    if warps_override is not None:
-        num_warps = int(warps_override)
-    elif fwd:
-        num_warps = _common.num_warps_for(block_m * block_h)
-    else:
-        num_warps = min(32, max(4, _common.next_pow2(block_m * block_h // (32 * BWD_ELEMS_PER_THREAD))))
-    tiles = _common.cdiv(n_rows, block_m)
-    per_sm = FWD_PROGRAMS_PER_SM if fwd else BWD_PROGRAMS_PER_SM
-    if per_sm is None:
-        programs = tiles if fwd else None
-    else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        programs = min(tiles, _common.sm_count(index) * int(per_sm))
-    if fwd:
-        prefetch = FWD_PREFETCH and programs is not None and programs < tiles
-    else:
-        prefetch = BWD_PREFETCH and block_m * block_h <= 32 * num_warps * BWD_ELEMS_PER_THREAD
-    return LaunchConfig(block_m, block_h, num_warps, programs, bool(prefetch))
-
-
-def _blocked_bwd_config(n_rows: int, block_h: int, device: torch.device) -> LaunchConfig:
-    """Backward, BWD_SCHEDULE="blocked": cdiv(n_rows, block_rows) programs of block_rows // block_m tiles each."""
-    if device.type != "cuda":
-        block_m = min(_INTERP_BLOCKED_ROWS_PER_TILE, max(1, _INTERP_TILE_ELEMS // block_h), _common.next_pow2(n_rows))
-        rows, num_warps, prefetch = _INTERP_BLOCK_ROWS, 4, _INTERP_PREFETCH
-    else:
-        if BWD_BLOCKED_ROWS_PER_TILE is not None:
-            block_m = int(BWD_BLOCKED_ROWS_PER_TILE)
+        block_m = min(64, max(1, 4096 // block_h), _common.next_pow2(n_rows))
+        if kind == "fwd":
+            cfg = LaunchConfig(block_m, block_h, _common.num_warps_for(block_m * block_h),
+                               _common.cdiv(n_rows, block_m), False)
         else:
-            block_m = min(MAX_ROWS_PER_TILE, max(1, BWD_BLOCKED_TILE_ELEMS // block_h), _common.next_pow2(n_rows))
-        if BWD_BLOCKED_NUM_WARPS is not None:
-            num_warps = int(BWD_BLOCKED_NUM_WARPS)
-        else:
-            num_warps = min(32, max(4, _common.next_pow2(block_m * block_h // (32 * BWD_ELEMS_PER_THREAD))))
-        rows = BWD_BLOCK_ROWS
-        prefetch = BWD_BLOCKED_PREFETCH and block_m * block_h <= 32 * num_warps * BWD_ELEMS_PER_THREAD
-    # A whole number of tiles per program, and no program larger than the problem (small batches keep a grid).
-    rows = _common.cdiv(max(int(rows), block_m), block_m) * block_m
-    rows = min(rows, _common.cdiv(n_rows, block_m) * block_m)
-    stages = None if BWD_BLOCKED_STAGES is None else int(BWD_BLOCKED_STAGES)  # (the interpreter ignores it)
-    return LaunchConfig(block_m, block_h, num_warps, _common.cdiv(n_rows, rows), bool(prefetch), rows, stages,
-                        bool(BWD_BLOCKED_DW_1D))
+            num_warps = min(32, max(4, _common.next_pow2(block_m * block_h // (32 * 8))))
+            cfg = LaunchConfig(block_m, block_h, num_warps, None, block_m * block_h <= 32 * num_warps * 8)
+    return _common.apply_override(__name__, kind, cfg)
 
 
 _OCCUPANCY: dict = {}
@@ -274,7 +200,7 @@ def _rms_norm_fwd_kernel(
         tl.store(Y + out_offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-# Backward building blocks, shared by the persistent and the blocked schedule (one source of truth for the math).
+# Backward building blocks of the persistent kernel below.
 
 @triton.jit
 def _bwd_scale(W, cols, col_mask, offset, HAS_W: tl.constexpr, CASTING: tl.constexpr):
@@ -306,10 +232,10 @@ def _bwd_load(X, DY, DS, RSTD, tile, n_rows, n_inner, sx_outer, sx_inner, sdy_ou
 @triton.jit
 def _bwd_tile(X, DX, x, dy, ds, rstd, scale, acc, tile, n_rows, H, cols, col_mask, inv_h,
               HAS_W: tl.constexpr, HAS_DS: tl.constexpr, COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
-              CASTING: tl.constexpr, DW_1D: tl.constexpr, BLOCK_M: tl.constexpr):
+              CASTING: tl.constexpr, BLOCK_M: tl.constexpr):
     """Backward of one tile: stores dx (contiguous rows), returns acc + the tile's dW contribution.
 
-    acc is [BLOCK_M, BLOCK_H] (rows summed once at the end, no per-tile shuffles) or, with DW_1D, [BLOCK_H].
+    acc is [BLOCK_M, BLOCK_H] (rows summed once at the end, no per-tile shuffles).
     """
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
@@ -321,10 +247,7 @@ def _bwd_tile(X, DX, x, dy, ds, rstd, scale, acc, tile, n_rows, H, cols, col_mas
             part = dy * xhat.to(X.dtype.element_ty).to(tl.float32)
         else:
             part = dy * xhat
-        if DW_1D:
-            acc += tl.sum(part, axis=0)
-        else:
-            acc += part
+        acc += part
     if COMPUTE_DX:
         if HAS_W:
             g = dy * scale[None, :]
@@ -370,56 +293,9 @@ def _rms_norm_bwd_kernel(
                 X, DY, DS, RSTD, tile, n_rows, n_inner, sx_outer, sx_inner, sdy_outer, sdy_inner, sds_outer,
                 sds_inner, cols, col_mask, HAS_DS, BLOCK_M)
         acc = _bwd_tile(X, DX, x, dy, ds, rstd, scale, acc, tile, n_rows, H, cols, col_mask, inv_h,
-                        HAS_W, HAS_DS, COMPUTE_DX, COMPUTE_DW, CASTING, False, BLOCK_M)
+                        HAS_W, HAS_DS, COMPUTE_DX, COMPUTE_DW, CASTING, BLOCK_M)
     if COMPUTE_DW:
         tl.store(DW_PART + pid.to(tl.int64) * H + cols, tl.sum(acc, axis=0), mask=col_mask)
-
-
-@triton.jit
-def _rms_norm_bwd_blocked_kernel(
-    DY, X, W, RSTD, DS, DX, DW_PART,
-    n_rows, n_inner, H,
-    sx_outer, sx_inner, sdy_outer, sdy_inner, sds_outer, sds_inner,
-    offset, inv_h,
-    HAS_W: tl.constexpr, HAS_DS: tl.constexpr, COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    CASTING: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-    TILES_PER_PROGRAM: tl.constexpr, NUM_STAGES: tl.constexpr, DW_1D: tl.constexpr,
-):
-    """Blocked schedule: program p takes the TILES_PER_PROGRAM consecutive tiles from p * TILES_PER_PROGRAM (a
-    non-persistent grid) and writes dW partial row p. Prefetch stops at the block's end (masked, no traffic)."""
-    pid = tl.program_id(0)
-    first = pid * TILES_PER_PROGRAM
-    row_end = tl.minimum(n_rows, (first + TILES_PER_PROGRAM) * BLOCK_M)  # this block's rows: [first*BM, row_end)
-    cols = tl.arange(0, BLOCK_H)
-    col_mask = cols < H
-    scale = _bwd_scale(W, cols, col_mask, offset, HAS_W, CASTING)
-    if DW_1D:
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-    if PREFETCH:
-        x_next, dy_next, ds_next, rstd_next = _bwd_load(
-            X, DY, DS, RSTD, first, row_end, n_inner, sx_outer, sx_inner, sdy_outer, sdy_inner, sds_outer,
-            sds_inner, cols, col_mask, HAS_DS, BLOCK_M)
-    for t in tl.range(0, TILES_PER_PROGRAM, num_stages=NUM_STAGES):
-        tile = first + t
-        if PREFETCH:
-            x, dy, ds, rstd = x_next, dy_next, ds_next, rstd_next
-            x_next, dy_next, ds_next, rstd_next = _bwd_load(
-                X, DY, DS, RSTD, tile + 1, row_end, n_inner, sx_outer, sx_inner, sdy_outer, sdy_inner,
-                sds_outer, sds_inner, cols, col_mask, HAS_DS, BLOCK_M)
-        else:
-            x, dy, ds, rstd = _bwd_load(
-                X, DY, DS, RSTD, tile, row_end, n_inner, sx_outer, sx_inner, sdy_outer, sdy_inner, sds_outer,
-                sds_inner, cols, col_mask, HAS_DS, BLOCK_M)
-        acc = _bwd_tile(X, DX, x, dy, ds, rstd, scale, acc, tile, row_end, H, cols, col_mask, inv_h,
-                        HAS_W, HAS_DS, COMPUTE_DX, COMPUTE_DW, CASTING, DW_1D, BLOCK_M)
-    if COMPUTE_DW:
-        if DW_1D:
-            part = acc
-        else:
-            part = tl.sum(acc, axis=0)
-        tl.store(DW_PART + pid.to(tl.int64) * H + cols, part, mask=col_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -516,18 +392,13 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
             n_rows, n_inner, H, sx_o, sx_i, sdy_o, sdy_i, sds_o, sds_i, float(offset), 1.0 / H)
     kwargs = dict(HAS_W=weight is not None, HAS_DS=ds is not None, COMPUTE_DX=need_dx, COMPUTE_DW=need_dw,
                   CASTING=casting, PREFETCH=cfg.prefetch, BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h)
-    if cfg.block_rows is not None:  # BWD_SCHEDULE == "blocked": non-persistent grid, no occupancy probe
-        kernel = _rms_norm_bwd_blocked_kernel
-        kwargs.update(TILES_PER_PROGRAM=cfg.block_rows // cfg.block_m, NUM_STAGES=cfg.num_stages, DW_1D=cfg.dw_1d)
-    else:
-        kernel = _rms_norm_bwd_kernel
     programs = cfg.programs
     if programs is None:
         tiles = _common.cdiv(n_rows, cfg.block_m)
         probe = args[:6] + (rstd,) + args[7:]  # any fp32 buffer stands in for the dW partials while compiling
         programs = _programs_by_occupancy(_rms_norm_bwd_kernel, probe, kwargs, cfg.num_warps, tiles, x.device)
     dw_part = _common.new_empty((programs, H), dtype=torch.float32, device=x.device) if need_dw else rstd
-    kernel[(programs,)](*args[:6], dw_part, *args[7:], num_warps=cfg.num_warps, **kwargs)
+    _rms_norm_bwd_kernel[(programs,)](*args[:6], dw_part, *args[7:], num_warps=cfg.num_warps, **kwargs)
     dw = dw_part.sum(0).to(weight.dtype) if need_dw else x.new_empty(0)
     return dx, dw
 

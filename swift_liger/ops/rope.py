@@ -18,22 +18,14 @@ Pure kernel module: no transformers / ms-swift imports.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import dataclasses
+from typing import Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from . import _common
-
-# Launch knobs (edit, or override from a benchmark with ``rope.TUNING.update(...)``):
-#   tile_elems:      max heads * (Dr/2) elements in one register tile of q (or of k). When all q heads and all k
-#                    heads of a token fit (default: 32 x 64 for D=128), a program issues every load of the token
-#                    before its first store; otherwise it loops over head blocks.
-#   num_warps:       warps per program; None = 4, or 8 when a token's tiles hold more than 8192 elements.
-#   programs_per_sm: None = one program per token (plain grid); an int = persistent grid of that many programs
-#                    per SM, each striding over tokens.
-TUNING = {"tile_elems": 4096, "num_warps": None, "programs_per_sm": None}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -181,6 +173,26 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
 # Launch
 # ---------------------------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class RoPEConfig:
+    """Launch of a rotary kernel (rope, qk_norm_rope) for one head layout.
+
+    block_hq / block_hk: BLOCK_HQ / BLOCK_HK, q / k heads per register tile (powers of 2; all heads when they fit,
+    else the kernel loops over head blocks). block_half: BLOCK_HALF, next_pow2(rotary dims / 2). block_pass:
+    BLOCK_PASS, next_pow2(pass-through dims) (1 without). num_warps. programs: grid size; the token count is one
+    program per token, fewer make a persistent grid striding over tokens.
+    """
+    block_hq: int
+    block_hk: int
+    block_half: int
+    block_pass: int
+    num_warps: int
+    programs: int
+
+
+LAUNCH_CONFIGS = {None: RoPEConfig}
+
+
 def head_block(n_heads: int, half: int, tile_elems: int) -> int:
     """Heads per tile: all heads if they fit in ``tile_elems`` half-row elements, else the largest power of 2
     that does (at least 1)."""
@@ -188,23 +200,22 @@ def head_block(n_heads: int, half: int, tile_elems: int) -> int:
     return min(_common.next_pow2(n_heads), 1 << (fit.bit_length() - 1))
 
 
-def token_grid(x: torch.Tensor, n_tok: int, programs_per_sm: Optional[int]) -> int:
-    if programs_per_sm is None:
-        return n_tok
-    return max(1, min(n_tok, _common.num_programs_hint(x) * programs_per_sm))
-
-
-def auto_warps(block_hq: int, block_hk: int, block_half: int, block_pass: int, num_warps: Optional[int]) -> int:
-    if num_warps is not None:
-        return num_warps
-    return 8 if (block_hq + block_hk) * (2 * block_half + block_pass) > 8192 else 4
-
-
-def launch_blocks(HQ: int, HK: int, D: int, half: int, tile_elems: int):
-    """(BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_PASS) for a launch."""
+def rotary_config(n_tok: int, HQ: int, HK: int, D: int, half: int, *, num_warps=None, programs=None) -> RoPEConfig:
+    """Head tiles of at most 4096 q (or k) elements: all 32 heads x 64 of D=128 fit, so a program issues every load
+    of its token before its first store. num_warps None: 4, or 8 when a token's tiles hold more than 8192 elements;
+    programs None: one per token. Shared with qk_norm_rope."""
     pas = D - 2 * half
-    return (head_block(HQ, half, tile_elems), head_block(HK, half, tile_elems), _common.next_pow2(half),
-            _common.next_pow2(pas) if pas > 0 else 1)
+    bhq, bhk = head_block(HQ, half, 4096), head_block(HK, half, 4096)
+    bhalf, bpass = _common.next_pow2(half), (_common.next_pow2(pas) if pas > 0 else 1)
+    if num_warps is None:
+        num_warps = 8 if (bhq + bhk) * (2 * bhalf + bpass) > 8192 else 4
+    return RoPEConfig(bhq, bhk, bhalf, bpass, num_warps, max(1, n_tok) if programs is None else programs)
+
+
+def launch_config(n_tok: int, HQ: int, HK: int, D: int, half: int, device) -> RoPEConfig:
+    """Launch parameters of _rope_kernel (forward and backward) for n_tok = B * T tokens of q [B, HQ, T, D] and
+    k [B, HK, T, D] with ``half`` = rotary dims / 2; the same on every device."""
+    return _common.apply_override(__name__, None, rotary_config(n_tok, HQ, HK, D, half))
 
 
 def cos_sin_strides(cos: torch.Tensor, sin: torch.Tensor):
@@ -225,17 +236,14 @@ def _rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     n_tok = B * T
     if n_tok == 0 or (HQ == 0 and HK == 0) or D == 0:
         return qo, ko
-    cfg = TUNING
-    bhq, bhk, bhalf, bpass = launch_blocks(HQ, HK, D, half, cfg["tile_elems"])
-    grid = (token_grid(q, n_tok, cfg["programs_per_sm"]),)
-    _rope_kernel[grid](
+    cfg = launch_config(n_tok, HQ, HK, D, half, q.device)
+    _rope_kernel[(cfg.programs,)](
         q, k, cos, sin, qo, ko, n_tok, T,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         *cos_sin_strides(cos, sin),
-        HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HALF=bhalf, BLOCK_PASS=bpass,
-        BACKWARD=backward, INTERLEAVED=bool(interleaved),
-        num_warps=auto_warps(bhq, bhk, bhalf, bpass, cfg["num_warps"]))
+        HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk, BLOCK_HALF=cfg.block_half,
+        BLOCK_PASS=cfg.block_pass, BACKWARD=backward, INTERLEAVED=bool(interleaved), num_warps=cfg.num_warps)
     return qo, ko
 
 

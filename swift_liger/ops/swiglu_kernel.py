@@ -13,6 +13,7 @@ Backward recomputes the activation from ``gate`` (nothing but the inputs is save
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Tuple
 
 import torch
@@ -24,12 +25,6 @@ from . import _common
 
 SILU = 0
 GELU_TANH = 1
-
-# Launch configuration (tune on the GPU). Contiguous inputs use a flat 1-D grid over all elements; strided row
-# views use one program per (row, column block).
-FLAT_BLOCK = 4096
-FLAT_NUM_WARPS = 8
-ROW_BLOCKS = (8192, 4096, 2048, 1024, 512)
 
 
 @triton.jit
@@ -116,17 +111,33 @@ def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n_cols, n_col_blocks, 
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------
 
-def _row_block(n_cols: int) -> int:
-    """Column block for the row-strided path: the largest block that wastes at most 1/8 of the lanes."""
-    top = _common.next_pow2(n_cols)
-    for block in ROW_BLOCKS:
-        if block <= top and _common.cdiv(n_cols, block) * block - n_cols <= n_cols // 8:
-            return block
-    return min(top, ROW_BLOCKS[-1])
+@dataclasses.dataclass(frozen=True)
+class GLUConfig:
+    """Launch of _glu_fwd_kernel / _glu_bwd_kernel. flat: FLAT, a 1-D grid over all elements of contiguous inputs
+    (else one program per (row, column block) of row-strided views); block: BLOCK, elements per program; num_warps."""
+    flat: bool
+    block: int
+    num_warps: int
 
 
-def _warps(block: int) -> int:
-    return max(4, min(16, block // 512))
+LAUNCH_CONFIGS = {None: GLUConfig}
+
+
+def launch_config(n_cols: int, contiguous: bool, device) -> GLUConfig:
+    """Contiguous inputs: 4096-element blocks, 8 warps. Row views of n_cols columns: the largest column block of
+    8192..512 that wastes at most 1/8 of the lanes (or the smallest), block / 512 warps in [4, 16]. Same on
+    every device."""
+    if contiguous:
+        cfg = GLUConfig(True, 4096, 8)
+    else:
+        top = _common.next_pow2(n_cols)
+        block = min(top, 512)
+        for b in (8192, 4096, 2048, 1024, 512):
+            if b <= top and _common.cdiv(n_cols, b) * b - n_cols <= n_cols // 8:
+                block = b
+                break
+        cfg = GLUConfig(False, block, max(4, min(16, block // 512)))
+    return _common.apply_override(__name__, None, cfg)
 
 
 def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -137,16 +148,19 @@ def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     return t2
 
 
-def _config(*tensors: torch.Tensor):
-    """(flat, tensors (flat) or their [R, I] row views, n_cols, n_col_blocks, grid, BLOCK, num_warps)."""
+def _layout(*tensors: torch.Tensor):
+    """(config, tensors (flat) or their [R, I] row views, n_cols (all elements when flat), n_col_blocks, grid)."""
     n_cols = tensors[0].shape[-1]
-    if all(t.is_contiguous() for t in tensors):
+    contiguous = all(t.is_contiguous() for t in tensors)
+    cfg = launch_config(n_cols, contiguous, tensors[0].device)
+    if cfg.flat and not contiguous:
+        raise ValueError("GLUConfig.flat=True needs contiguous inputs")
+    if cfg.flat:
         n = tensors[0].numel()
-        return True, tensors, n, 1, (_common.cdiv(n, FLAT_BLOCK),), FLAT_BLOCK, FLAT_NUM_WARPS
+        return cfg, tensors, n, 1, (_common.cdiv(n, cfg.block),)
     rows = tuple(_rows(t, n_cols) for t in tensors)
-    block = _row_block(n_cols)
-    ncb = _common.cdiv(n_cols, block)
-    return False, rows, n_cols, ncb, (rows[0].shape[0] * ncb,), block, _warps(block)
+    ncb = _common.cdiv(n_cols, cfg.block)
+    return cfg, rows, n_cols, ncb, (rows[0].shape[0] * ncb,)
 
 
 def _glu_forward(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
@@ -154,9 +168,10 @@ def _glu_forward(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor
     out = _common.new_empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
-    flat, (g, u), n_cols, ncb, grid, block, warps = _config(gate, up)
+    cfg, (g, u), n_cols, ncb, grid = _layout(gate, up)
+    flat = cfg.flat
     _glu_fwd_kernel[grid](g, u, out, n_cols, ncb, 0 if flat else g.stride(0), 0 if flat else u.stride(0),
-                          ACT=act, FLAT=flat, BLOCK=block, num_warps=warps)
+                          ACT=act, FLAT=flat, BLOCK=cfg.block, num_warps=cfg.num_warps)
     return out
 
 
@@ -165,12 +180,12 @@ def _glu_backward_into(d_gate, d_up, d_out, gate, up, act: int, inplace: bool) -
         return
     if d_out.dtype != gate.dtype:
         d_out = d_out.to(gate.dtype)
-    flat, (do, g, u), n_cols, ncb, grid, block, warps = _config(d_out, gate, up)
+    cfg, (do, g, u), n_cols, ncb, grid = _layout(d_out, gate, up)
     if inplace:
         d_gate, d_up = g, u
-    s = (0, 0, 0) if flat else (do.stride(0), g.stride(0), u.stride(0))
+    s = (0, 0, 0) if cfg.flat else (do.stride(0), g.stride(0), u.stride(0))
     _glu_bwd_kernel[grid](do, g, u, d_gate, d_up, n_cols, ncb, *s,
-                          ACT=act, FLAT=flat, INPLACE=inplace, BLOCK=block, num_warps=warps)
+                          ACT=act, FLAT=cfg.flat, INPLACE=inplace, BLOCK=cfg.block, num_warps=cfg.num_warps)
 
 
 def _glu_backward(d_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,

@@ -60,16 +60,20 @@ def test_bad_inputs(device):
 
 
 @pytest.mark.parametrize("cfg_index", [1, 2, 5])
-def test_every_candidate_config_matches_reference(device, monkeypatch, cfg_index):
+def test_every_candidate_config_matches_reference(device, cfg_index):
     """The smaller tiles / shallower pipelines picked on cards with less shared memory (T4, A10, L4; fp32 or
     D=256) give the same result: each candidate forced."""
+    import dataclasses
+
     from swift_liger.ops import decode_attention_kernel as da
+    from swift_liger.ops._common import launch_override
     cfg = da.CANDIDATES[cfg_index]
-    monkeypatch.setattr(da, "config_for", lambda *a: cfg)
-    for dtype in (torch.float32, torch.bfloat16):
-        q, k, v = make(2, 8, 2, 300, 24, dtype, device)
-        out = decode_attention(q, k, v, 24 ** -0.5)
-        assert_close(out, f64_reference(q, k, v, 24 ** -0.5), dtype, name=f"decode_attention {cfg}")
+    with launch_override(da, **dataclasses.asdict(cfg)):
+        assert da.launch_config(32, 4, device) == cfg
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = make(2, 8, 2, 300, 24, dtype, device)
+            out = decode_attention(q, k, v, 24 ** -0.5)
+            assert_close(out, f64_reference(q, k, v, 24 ** -0.5), dtype, name=f"decode_attention {cfg}")
 
 
 def test_split_config_fits_every_architecture():

@@ -3,16 +3,14 @@ can select, compiles for sm_75 (T4), sm_80 (A100), sm_86 (A10), sm_89 (L4) and s
 architecture's per-block limits (shared memory, 255 registers/thread, 64 Ki registers/block). No GPU needed:
 Triton compiles for a target offline; registers come from the cubin via the cuobjdump bundled with Triton.
 
-How the configurations are enumerated: the launchers' own selection functions (rms_norm_kernel.launch_config in
-both backward schedules, rope.launch_blocks / auto_warps, swiglu _config / _row_block / _warps, cross_entropy
-_block_v, the fused-linear-CE _launch_rows / _launch_slice block rules over default_chunk_size / _slice_width,
-qk_norm_rope's launch_blocks + TUNING, decode_attention split_config + _plan (per architecture shared memory and SM
-count), kv_ring_write _rows_for,
-the dropout_mask constants; lora_linear and logprobs launch no kernels of their own: dropout_mask and the
-fused-linear-CE kernels) are called over a grid of realistic shapes (hidden 1024..8192, intermediate
-4864..28672, heads 8/8..64/8 and a few GQA layouts with D 64/128/256 and full or half rotary, vocab 32000 /
-128256 / 151936 / 256000, 1..131072 token rows), and the results deduplicated to distinct (kernel, constexprs,
-num_warps, num_stages) tuples.
+How the configurations are enumerated: every kernel module's ``launch_config`` (the function its launchers call;
+the fused-linear-CE slice width from default_chunk_size / _slice_width, decode attention's splits from _plan),
+given a ``_common.Target`` per architecture (SM count and shared memory: decode attention, qk_norm_rope's backward
+grid; sm_90 for the modules whose choice depends on the device type only); lora_linear and logprobs launch no
+kernels of their own (dropout_mask and the fused-linear-CE kernels). They are called over a grid of realistic
+shapes (hidden 1024..8192, intermediate 4864..28672, heads 8/8..64/8 and a few GQA layouts with D 64/128/256 and
+full or half rotary, vocab 32000 / 128256 / 151936 / 256000, 1..131072 token rows), and the results deduplicated to
+distinct (kernel, constexprs, num_warps, num_stages) tuples.
 
 Deduplication to keep CI time small (2 cores):
 * Boolean feature flags (HAS_W, HAS_RES, HAS_SOFTCAP, ...) are compiled "all on" and "all off" for every shape
@@ -24,7 +22,7 @@ Deduplication to keep CI time small (2 cores):
   conversions with integer ops, so bf16 elementwise/reduction kernels compile there; UNSUPPORTED lists the
   kernels that still cannot be built for it). The decode-attention split kernel (tl.dot) has no fp32 variant
   without IEEE, so it compiles IEEE=True in fp32 and IEEE=False in bf16 (and fp16 on sm_75 / sm_90).
-Cost with SWIFT_LIGER_PORTABILITY=full: 370 distinct configurations, 1695 compiles; about 20 minutes on 2 cores
+Cost with SWIFT_LIGER_PORTABILITY=full: 354 distinct configurations, about 1600 compiles; about 20 minutes on 2 cores
 with a cold Triton cache (the decode-attention split kernel and qk_norm_rope backward are most of it), about 10 s
 with a warm one. Without it (make test) only the heaviest configuration per kernel, target and dtype compiles.
 Run with -s for a kernel x target summary (configurations ok / max registers / max shared memory).
@@ -111,11 +109,15 @@ def _both(flags, **modes):
 
 def _enumerate():
     """{(module, kernel, constexprs-json, num_warps, num_stages)} over the shape grid, per arch when it matters."""
-    import torch
     from swift_liger.ops import (_common, cross_entropy_kernel as ce, decode_attention_kernel as da, dropout_mask as dm,
                                  fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
                                  qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope, swiglu_kernel as sw)
-    cuda = torch.device("cuda", 0)   # launch_config only reads device.type with the default knobs
+    from swift_liger.ops import _targets
+    # Per architecture: its SM count and shared memory (decode attention, qk_norm_rope's backward grid); the other
+    # modules' choices depend on the device type only, so they are enumerated once for sm_90.
+    targets = {arch: _common.Target("cuda", _targets.ARCHS[arch].cc, sms, _targets.ARCHS[arch].max_shared)
+               for arch, sms in SM_COUNTS.items()}
+    cuda = targets["sm_90"]
     jobs = {}   # key -> set of archs ("*" = all)
 
     seen = {}   # structural key -> the key of its first (representative) configuration
@@ -130,7 +132,7 @@ def _enumerate():
         key = seen.setdefault(skey, (mod, fn, json.dumps(consts, sort_keys=True), int(warps), stages))
         jobs.setdefault(key, set()).update(archs)
 
-    # rms_norm: forward / backward (persistent, default) and the "blocked" backward schedule knob.
+    # rms_norm: forward / backward.
     for H, n in itertools.product(HIDDEN, (1, 2, 4096)):   # n_rows only caps BLOCK_M at next_pow2(n_rows) <= 4
         cfg = rn.launch_config("fwd", n, H, cuda)
         for f in _both(["HAS_W", "HAS_RES", "STORE_RSTD"], CASTING=[0, 1, 2]):
@@ -140,86 +142,68 @@ def _enumerate():
         for f in _both(["HAS_W", "HAS_DS", "COMPUTE_DX", "COMPUTE_DW"], CASTING=[0, 1, 2]):
             add("rms_norm_kernel", "_rms_norm_bwd_kernel",
                 dict(f, PREFETCH=cfg.prefetch, BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h), cfg.num_warps)
-        saved = rn.BWD_SCHEDULE
-        rn.BWD_SCHEDULE = "blocked"
-        try:
-            cfg = rn.launch_config("bwd", n, H, cuda)
-        finally:
-            rn.BWD_SCHEDULE = saved
-        for f in _both(["HAS_W", "HAS_DS", "COMPUTE_DX", "COMPUTE_DW"], CASTING=[0]):   # a tuning knob
-            add("rms_norm_kernel", "_rms_norm_bwd_blocked_kernel",
-                dict(f, PREFETCH=cfg.prefetch, BLOCK_M=cfg.block_m, BLOCK_H=cfg.block_h,
-                     TILES_PER_PROGRAM=cfg.block_rows // cfg.block_m, NUM_STAGES=cfg.num_stages, DW_1D=cfg.dw_1d),
-                cfg.num_warps)
+
+    def blocks(c):
+        return dict(BLOCK_HQ=c.block_hq, BLOCK_HK=c.block_hk, BLOCK_HALF=c.block_half, BLOCK_PASS=c.block_pass)
 
     # rope / qk_norm_rope: head layouts x head dims x (full, half) rotary.
     for (HQ, HK), D, part in [(h, d, p) for h in HEADS for d in HEAD_DIMS for p in (1, 2) if p == 1 or d == 128]:
         half = D // 2 // part
-        bhq, bhk, bhalf, bpass = rope.launch_blocks(HQ, HK, D, half, rope.TUNING["tile_elems"])
-        w = rope.auto_warps(bhq, bhk, bhalf, bpass, rope.TUNING["num_warps"])
-        base = dict(HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HALF=bhalf, BLOCK_PASS=bpass)
+        base = dict(HQ=HQ, HK=HK, HALF=half, D=D)
+        c = rope.launch_config(1, HQ, HK, D, half, cuda)
         for bwd, il in ((False, False), (True, True)):
-            add("rope", "_rope_kernel", dict(base, BACKWARD=bwd, INTERLEAVED=il), w)
-        t = qk.TUNING
-        bhq, bhk, bhalf, bpass = rope.launch_blocks(HQ, HK, D, half, t["fwd_tile_elems"])
-        base = dict(HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HALF=bhalf, BLOCK_PASS=bpass)
+            add("rope", "_rope_kernel", dict(base, **blocks(c), BACKWARD=bwd, INTERLEAVED=il), c.num_warps)
+        c = qk.launch_config("fwd", 1, HQ, HK, D, half, cuda)
         for gemma, round_y in ((False, False), (True, True)):
-            add("qk_norm_rope_kernel", "_qk_norm_rope_fwd_kernel", dict(base, GEMMA=gemma, ROUND_Y=round_y),
-                rope.auto_warps(bhq, bhk, bhalf, bpass, t["fwd_num_warps"]))
-        bhq, bhk, bhalf, bpass = rope.launch_blocks(HQ, HK, D, half, t["bwd_tile_elems"])
-        base = dict(HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_HALF=bhalf, BLOCK_PASS=bpass)
+            add("qk_norm_rope_kernel", "_qk_norm_rope_fwd_kernel", dict(base, **blocks(c), GEMMA=gemma,
+                                                                       ROUND_Y=round_y), c.num_warps)
+        c = qk.launch_config("bwd", 1, HQ, HK, D, half, cuda)
         for gemma, dw in ((False, False), (True, True)):
-            add("qk_norm_rope_kernel", "_qk_norm_rope_bwd_kernel", dict(base, GEMMA=gemma, COMPUTE_DW=dw),
-                rope.auto_warps(bhq, bhk, bhalf, bpass, t["bwd_num_warps"]))
-        for arch, sms in SM_COUNTS.items():
+            add("qk_norm_rope_kernel", "_qk_norm_rope_bwd_kernel", dict(base, **blocks(c), GEMMA=gemma,
+                                                                       COMPUTE_DW=dw), c.num_warps)
+        for arch, t in targets.items():
             for n_tok in ROWS:
-                P = n_tok if t["bwd_programs_per_sm"] is None else max(1, min(n_tok, sms * t["bwd_programs_per_sm"]))
-                add("qk_norm_rope_kernel", "_dw_reduce_kernel",
-                    dict(D=D, BLOCK_P=min(64, _common.next_pow2(P)), BLOCK_D=min(t["reduce_block_d"],
-                                                                                 _common.next_pow2(D))), 4,
-                    archs=(arch,))
+                c = qk.launch_config("reduce", n_tok, HQ, HK, D, half, t)
+                add("qk_norm_rope_kernel", "_dw_reduce_kernel", dict(D=D, BLOCK_P=c.block_p, BLOCK_D=c.block_d),
+                    c.num_warps, archs=(arch,))
 
     # swiglu / geglu: flat (contiguous) and row-strided paths over the intermediate sizes.
     for I in INTERMEDIATE:
-        block = sw._row_block(I)
         for act in (sw.SILU, sw.GELU_TANH):
-            for flat, blk, w in ((True, sw.FLAT_BLOCK, sw.FLAT_NUM_WARPS), (False, block, sw._warps(block))):
-                add("swiglu_kernel", "_glu_fwd_kernel", dict(ACT=act, FLAT=flat, BLOCK=blk), w)
+            for contiguous in (True, False):
+                c = sw.launch_config(I, contiguous, cuda)
+                add("swiglu_kernel", "_glu_fwd_kernel", dict(ACT=act, FLAT=c.flat, BLOCK=c.block), c.num_warps)
                 for inplace in (False, True):
-                    add("swiglu_kernel", "_glu_bwd_kernel", dict(ACT=act, FLAT=flat, INPLACE=inplace, BLOCK=blk), w)
+                    add("swiglu_kernel", "_glu_bwd_kernel", dict(ACT=act, FLAT=c.flat, INPLACE=inplace,
+                                                                 BLOCK=c.block), c.num_warps)
 
     # cross_entropy and the fused linear CE (also what fused_linear_logprobs launches).
     for V in VOCABS:
-        block, w = ce._block_v(V)
+        c = ce.launch_config(V, cuda)
         for f in _both(["HAS_SMOOTHING", "HAS_SOFTCAP", "HAS_Z_LOSS"], ALL_LSE=[False, True]):
-            add("cross_entropy_kernel", "_ce_fwd_kernel", dict(f, BLOCK_V=block), w)
+            add("cross_entropy_kernel", "_ce_fwd_kernel", dict(f, BLOCK_V=c.block_v), c.num_warps)
         for f in _both(["HAS_SMOOTHING", "HAS_SOFTCAP", "HAS_Z_LOSS"]):
-            add("cross_entropy_kernel", "_ce_bwd_kernel", dict(f, BLOCK_V=block), w)
-        block = min(fl.ROW_BLOCK_V, _common.next_pow2(V))
+            add("cross_entropy_kernel", "_ce_bwd_kernel", dict(f, BLOCK_V=c.block_v), c.num_warps)
+        c = fl.launch_config("rows", V, cuda)
         for f in _both(["HAS_CAP", "HAS_EPS", "HAS_ZLOSS", "HAS_TEMP"], WRITE_GRAD=[False, True],
                        WRITE_SUM=[False, True]):
-            add("fused_linear_cross_entropy_kernel", "_flce_rows_kernel", dict(f, BLOCK_V=block),
-                _common.num_warps_for(block))
+            add("fused_linear_cross_entropy_kernel", "_flce_rows_kernel", dict(f, BLOCK_V=c.block_v), c.num_warps)
         for n, elt in itertools.product(ROWS, (2, 4)):
-            c = fl.default_chunk_size(n, V, elt)
-            vs = fl._slice_width(n, V, min(c, n) * V)
-            block = min(fl.SLICE_BLOCK_V, _common.next_pow2(vs))
+            chunk = fl.default_chunk_size(n, V, elt)
+            c = fl.launch_config("slice", fl._slice_width(n, V, min(chunk, n) * V), cuda)
             for f in _both(["HAS_CAP", "HAS_EPS", "HAS_ZLOSS", "HAS_TEMP"]):
-                add("fused_linear_cross_entropy_kernel", "_flce_slice_kernel", dict(f, BLOCK_V=block),
-                    _common.num_warps_for(block))
+                add("fused_linear_cross_entropy_kernel", "_flce_slice_kernel", dict(f, BLOCK_V=c.block_v),
+                    c.num_warps)
 
     # decode attention: S_PAD depends on the SM count of the target, the tiles and stages on its shared memory.
-    from swift_liger.ops import _targets
-    for arch, sms in SM_COUNTS.items():
+    for arch, t in targets.items():
         for (HQ, HKV), D, B, C in itertools.product(HEADS, HEAD_DIMS, (1, 8, 64), (1, 64, 4096, 131072)):
             block_d = max(16, _common.next_pow2(D))
             G = HQ // HKV
             for ieee in (False, True):   # IEEE = fp32 inputs: only compiled with fp32 pointers (see _dtypes_for)
-                cfg = da.split_config(block_d, 4 if ieee else 2, _targets.ARCHS[arch].max_shared)
-                target = da.PROGRAMS_PER_SM * sms
-                want = max(1, min(64, target // max(1, B * HKV)))
-                per = _common.cdiv(_common.cdiv(C, want), cfg.block_n) * cfg.block_n
-                s_pad = max(2, _common.next_pow2(_common.cdiv(C, per)))
+                cfg = da.launch_config(block_d, 4 if ieee else 2, t)
+                _, splits = da._plan(B, HKV, C, t, cfg.block_n)
+                s_pad = max(2, _common.next_pow2(splits))
                 add("decode_attention_kernel", "_decode_split_kernel",
                     dict(G=G, G_PAD=max(16, _common.next_pow2(G)), D=D, BLOCK_D=block_d, S_PAD=s_pad,
                          BLOCK_N=cfg.block_n, UPCAST=False, IEEE=ieee), cfg.num_warps, cfg.num_stages,
@@ -229,22 +213,23 @@ def _enumerate():
 
     # kv ring write (+ sink refresh / rotate).
     for D, n_rows in itertools.product(HEAD_DIMS, (1, 2, 8, 16, 32, 64, 512, 4096)):
-        block_d = _common.next_pow2(D)
-        rows = kv._rows_for(n_rows, block_d)
+        c = kv.launch_config("write", n_rows, D, cuda)
         for uniform, split in ((False, False), (True, True)):
             add("kv_ring_write_kernel", "_kv_ring_write_kernel",
-                dict(D=D, UNIFORM=uniform, SPLIT_SINKS=split, ROWS=rows, BLOCK_D=block_d),
-                4 if rows * block_d >= 2048 else 2)
-        block_half = max(2, _common.next_pow2(D // 2))
-        srows = kv._rows_for(n_rows, 2 * block_half)
+                dict(D=D, UNIFORM=uniform, SPLIT_SINKS=split, ROWS=c.rows, BLOCK_D=c.block_d), c.num_warps)
+        c = kv.launch_config("refresh", n_rows, D, cuda)
         for limit in (1, 2):
             add("kv_ring_write_kernel", "_kv_sink_refresh_kernel",
-                dict(LIMIT=limit, HALF=D // 2, ROWS=srows, BLOCK_HALF=block_half), 2)
-        add("kv_ring_write_kernel", "_kv_sink_rotate_kernel", dict(HALF=D // 2, ROWS=srows, BLOCK_HALF=block_half), 2)
+                dict(LIMIT=limit, HALF=D // 2, ROWS=c.rows, BLOCK_HALF=c.block_half), c.num_warps)
+        c = kv.launch_config("rotate", n_rows, D, cuda)
+        add("kv_ring_write_kernel", "_kv_sink_rotate_kernel", dict(HALF=D // 2, ROWS=c.rows, BLOCK_HALF=c.block_half),
+            c.num_warps)
 
     # dropout mask (the LoRA linear's only kernels).
-    add("dropout_mask", "_pack_kernel", dict(BLOCK=dm.PACK_BLOCK), dm.NUM_WARPS)
-    add("dropout_mask", "_masked_scale_kernel", dict(BLOCK=dm.SCALE_BLOCK), dm.NUM_WARPS)
+    c = dm.launch_config("pack", 1 << 20, cuda)
+    add("dropout_mask", "_pack_kernel", dict(BLOCK=c.block), c.num_warps)
+    c = dm.launch_config("scale", 1 << 20, cuda)
+    add("dropout_mask", "_masked_scale_kernel", dict(BLOCK=c.block), c.num_warps)
     return jobs
 
 

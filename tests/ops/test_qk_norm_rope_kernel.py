@@ -4,6 +4,7 @@ import torch
 
 from helpers import DTYPES, REDUCTION_SLACK, assert_close, f64, inputs_unchanged
 from swift_liger.ops import qk_norm_rope_kernel as qk_mod
+from swift_liger.ops._common import launch_override
 from swift_liger.ops.qk_norm_rope_kernel import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_reference
 from swift_liger.ops.rope import apply_rope_reference
 from test_rope import make_cos_sin, make_heads
@@ -98,12 +99,12 @@ def test_qk_norm_rope_frozen_weights_unsqueeze_2(device):
     run_case(device, torch.float32, 2, 5, 3, 1, 16, 16, "btd", "view", unsqueeze_dim=2, weights_grad=False)
 
 
-def test_qk_norm_rope_head_loop_path(device, monkeypatch):
-    monkeypatch.setitem(qk_mod.TUNING, "fwd_tile_elems", 32)
-    monkeypatch.setitem(qk_mod.TUNING, "bwd_tile_elems", 32)
-    monkeypatch.setitem(qk_mod.TUNING, "bwd_programs_per_sm", 1)
-    monkeypatch.setitem(qk_mod.TUNING, "reduce_block_d", 8)
-    run_case(device, torch.float32, 2, 7, 6, 3, 32, 24, "btd", "view", casting="gemma")
+def test_qk_norm_rope_head_loop_path(device):
+    # Two heads per tile (of 6 and 3), a persistent backward of 4 programs, 8-column dW reduction blocks.
+    with launch_override(qk_mod, "fwd", block_hq=2, block_hk=2), \
+            launch_override(qk_mod, "bwd", block_hq=2, block_hk=2, programs=4), \
+            launch_override(qk_mod, "reduce", block_d=8):
+        run_case(device, torch.float32, 2, 7, 6, 3, 32, 24, "btd", "view", casting="gemma")
 
 
 def test_qk_norm_rope_matches_hf_eager_bf16(device):

@@ -6,16 +6,10 @@ import torch
 from helpers import DTYPES, REDUCTION_SLACK, assert_close, f64, inputs_unchanged, randn
 
 from swift_liger.ops import rms_norm_kernel as rms_mod
+from swift_liger.ops._common import launch_override
 RMSNormFunction, rms_norm, rms_norm_reference = rms_mod.RMSNormFunction, rms_mod.rms_norm, rms_mod.rms_norm_reference
 
 CASTINGS = ["llama", "gemma", "none"]
-
-
-@pytest.fixture(params=rms_mod.BWD_SCHEDULES)
-def bwd_schedule(request, monkeypatch):
-    """Run the test under every backward schedule (module constant BWD_SCHEDULE; "persistent" is the default)."""
-    monkeypatch.setattr(rms_mod, "BWD_SCHEDULE", request.param)
-    return request.param
 
 
 def _run(x, w, r, *, eps=1e-6, offset=0.0, casting="llama", dy=None, ds=None):
@@ -82,7 +76,7 @@ def _inputs(shape, dtype, device, *, weight=True, residual=False, w_dtype=None, 
 @pytest.mark.parametrize("H", [96, 127, 320])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("casting", CASTINGS)
-def test_forward_backward(device, bwd_schedule, H, dtype, casting):
+def test_forward_backward(device, H, dtype, casting):
     for offset, residual in ((0.0, False), (1.0, False), (0.0, True), (1.0, True)):
         x, w, r = _inputs((3, 7, H), dtype, device, residual=residual)
         y, s, dy, ds = _run(x, w, r, offset=offset, casting=casting)
@@ -92,50 +86,26 @@ def test_forward_backward(device, bwd_schedule, H, dtype, casting):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("casting", CASTINGS)
 @pytest.mark.parametrize("residual", [False, True])
-def test_weight_none(device, bwd_schedule, dtype, casting, residual):
+def test_weight_none(device, dtype, casting, residual):
     x, w, r = _inputs((3, 7, 127), dtype, device, weight=False, residual=residual)
     y, s, dy, ds = _run(x, None, r, offset=1.0, casting=casting)  # offset is ignored without a weight
     _check(x, None, r, y, s, dy, ds, offset=1.0, casting=casting)
 
 
-@pytest.mark.parametrize("tile", [128, 512, None])
+@pytest.mark.parametrize("block_m", [1, 4, None])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_many_programs_and_tails(device, bwd_schedule, monkeypatch, tile, residual, prefetch):
+def test_many_programs_and_tails(device, block_m, residual, prefetch):
     """69 rows over several persistent programs and partial tiles (dW partials from uneven programs)."""
-    for name in ("_INTERP_PREFETCH", "FWD_PREFETCH", "BWD_PREFETCH"):
-        monkeypatch.setattr(rms_mod, name, prefetch)
-    if tile is not None:
-        monkeypatch.setattr(rms_mod, "_INTERP_TILE_ELEMS", tile)
-        monkeypatch.setattr(rms_mod, "FWD_TILE_ELEMS", tile)
-        monkeypatch.setattr(rms_mod, "BWD_TILE_ELEMS", tile)
-    x, w, r = _inputs((3, 23, 96), torch.float32, device, residual=residual)
-    y, s, dy, ds = _run(x, w, r, offset=0.5)
-    _check(x, w, r, y, s, dy, ds, offset=0.5)
-
-
-@pytest.mark.parametrize("block_rows,rows_per_tile,dw_1d,prefetch", [
-    (8, 4, False, True), (4, 1, False, False), (12, 4, True, True), (5, 2, True, False), (64, 4, False, True),
-])
-def test_blocked_blocks_and_tails(device, monkeypatch, block_rows, rows_per_tile, dw_1d, prefetch):
-    """Blocked backward: 69 rows in blocks of several tiles (rounded up to whole tiles), a partial last block and
-    tile, prefetch stopping at each block's end, both dW accumulator shapes, tl.range num_stages passed through."""
-    monkeypatch.setattr(rms_mod, "BWD_SCHEDULE", "blocked")
-    monkeypatch.setattr(rms_mod, "_INTERP_BLOCK_ROWS", block_rows)
-    monkeypatch.setattr(rms_mod, "_INTERP_BLOCKED_ROWS_PER_TILE", rows_per_tile)
-    monkeypatch.setattr(rms_mod, "_INTERP_PREFETCH", prefetch)
-    monkeypatch.setattr(rms_mod, "BWD_BLOCKED_DW_1D", dw_1d)
-    monkeypatch.setattr(rms_mod, "BWD_BLOCKED_STAGES", 2 if dw_1d else None)
-    cfg = rms_mod.launch_config("bwd", 69, 96, torch.device("cpu"))
-    assert cfg.block_rows % cfg.block_m == 0 and cfg.block_rows >= block_rows and cfg.programs > 1
-    for residual, dtype in ((False, torch.float32), (True, torch.bfloat16)):
-        x, w, r = _inputs((3, 23, 96), dtype, device, residual=residual)
+    forced = dict(prefetch=prefetch) if block_m is None else dict(prefetch=prefetch, block_m=block_m, programs=4)
+    with launch_override(rms_mod, "fwd", **forced), launch_override(rms_mod, "bwd", **forced):
+        x, w, r = _inputs((3, 23, 96), torch.float32, device, residual=residual)
         y, s, dy, ds = _run(x, w, r, offset=0.5)
         _check(x, w, r, y, s, dy, ds, offset=0.5)
 
 
 @pytest.mark.parametrize("casting", ["llama", "gemma"])
-def test_mixed_weight_dtype(device, bwd_schedule, casting):
+def test_mixed_weight_dtype(device, casting):
     """bf16 activations with an fp32 weight: llama promotes the output to fp32 (as HF does), gemma keeps bf16."""
     x, w, r = _inputs((3, 7, 96), torch.bfloat16, device, w_dtype=torch.float32, residual=True)
     y, s, dy, ds = _run(x, w, r, casting=casting)
@@ -158,7 +128,7 @@ def _view(kind, device, dtype, H):
 
 @pytest.mark.parametrize("kind", ["transposed", "sliced", "permuted3", "1d"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_non_contiguous_inputs(device, bwd_schedule, kind, dtype):
+def test_non_contiguous_inputs(device, kind, dtype):
     H = 127
     xv = _view(kind, device, dtype, H)
     # A contiguous residual (layout differs from x) and a contiguous dy.
@@ -196,7 +166,7 @@ def test_row_layout_avoids_copies():
             assert torch.equal(base[start:start + 16], flat[row].detach()), (kind, row)
 
 
-def test_transposed_dy(device, bwd_schedule):
+def test_transposed_dy(device):
     """Upstream gradient given as a non-contiguous (transposed leading dims) view."""
     x, w, r = _inputs((3, 7, 96), torch.float32, device)
     dy = randn(7, 3, 96, device=device).transpose(0, 1)
@@ -205,7 +175,7 @@ def test_transposed_dy(device, bwd_schedule):
 
 
 @pytest.mark.parametrize("which", ["x", "weight", "residual", "none"])
-def test_partial_requires_grad(device, bwd_schedule, which):
+def test_partial_requires_grad(device, which):
     x, w, r = _inputs((3, 7, 96), torch.bfloat16, device, residual=True, requires_grad=False)
     for name, t in (("x", x), ("weight", w), ("residual", r)):
         t.requires_grad_(name == which)
@@ -222,7 +192,7 @@ def test_no_grad_inference(device):
     _check(x.detach(), w.detach(), r.detach(), y, s, None, None)
 
 
-def test_empty_rows(device, bwd_schedule):
+def test_empty_rows(device):
     x = randn(0, 96, device=device, requires_grad=True)
     w = randn(96, device=device, requires_grad=True)
     y = rms_norm(x, w)
@@ -233,7 +203,7 @@ def test_empty_rows(device, bwd_schedule):
 
 
 @pytest.mark.parametrize("used", ["y", "s"])
-def test_only_one_output_used(device, bwd_schedule, used):
+def test_only_one_output_used(device, used):
     """An unused output reaches backward as None (no materialised zeros): the other still gets exact grads."""
     x, w, r = _inputs((3, 7, 96), torch.float32, device, residual=True)
     y, s = rms_norm(x, w, residual=r)
@@ -359,9 +329,8 @@ def test_custom_ops_opcheck(device):
     torch.library.opcheck(torch.ops.swift_liger.rms_norm_bwd.default, (dy, s, None, rstd, None, 0.0, 2, True, False))
 
 
-def test_launch_config_gpu_shapes(monkeypatch):
+def test_launch_config_gpu_shapes():
     """The GPU launch rules (no GPU needed): whole row per block, power-of-2 tiles, bounded grids."""
-    monkeypatch.setattr(rms_mod._common, "sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
     for H in (96, 127, 320, 2048, 4096, 5120, 8192, 16384):
         for kind in ("fwd", "bwd"):
@@ -372,37 +341,9 @@ def test_launch_config_gpu_shapes(monkeypatch):
                 assert cfg.programs == -(-16384 // cfg.block_m) and not cfg.prefetch
             else:
                 assert cfg.programs is None  # resolved from the compiled kernel's occupancy
-    monkeypatch.setattr(rms_mod, "BWD_PROGRAMS_PER_SM", 3)
-    monkeypatch.setattr(rms_mod, "FWD_PROGRAMS_PER_SM", 4)
-    assert rms_mod.launch_config("bwd", 16384, 4096, cuda).programs == 396
-    fwd = rms_mod.launch_config("fwd", 16384, 4096, cuda)
-    assert fwd.programs == 528 and fwd.prefetch
-    assert rms_mod.launch_config("bwd", 5, 4096, cuda).programs == 5
-
-
-def test_launch_config_blocked_gpu_shapes(monkeypatch):
-    """BWD_SCHEDULE="blocked" on the GPU rules (no GPU needed): a fixed grid of whole-tile blocks, knobs honoured."""
-    monkeypatch.setattr(rms_mod._common, "sm_count", lambda index: 132)
-    cuda = torch.device("cuda", 0)
-    assert rms_mod.launch_config("bwd", 16384, 4096, cuda).block_rows is None  # default: persistent
-    monkeypatch.setattr(rms_mod, "BWD_SCHEDULE", "blocked")
-    for H in (96, 127, 320, 2048, 4096, 5120, 8192, 16384):
-        for n in (1, 5, 1031, 16384):
-            cfg = rms_mod.launch_config("bwd", n, H, cuda)
-            assert cfg.block_m & (cfg.block_m - 1) == 0 and cfg.num_warps in (4, 8, 16, 32)
-            assert cfg.block_rows % cfg.block_m == 0 and cfg.programs == -(-n // cfg.block_rows)
-            assert cfg.block_rows < n + cfg.block_m
-    cfg = rms_mod.launch_config("bwd", 16384, 4096, cuda)
-    assert (cfg.block_m, cfg.block_rows, cfg.programs, cfg.num_warps) == (2, 32, 512, 32) and cfg.prefetch
-    for k, v in dict(BWD_BLOCK_ROWS=48, BWD_BLOCKED_ROWS_PER_TILE=4, BWD_BLOCKED_NUM_WARPS=16, BWD_BLOCKED_STAGES=3,
-                     BWD_BLOCKED_DW_1D=True).items():
-        monkeypatch.setattr(rms_mod, k, v)
-    cfg = rms_mod.launch_config("bwd", 16384, 4096, cuda)
-    assert (cfg.block_m, cfg.block_rows, cfg.programs, cfg.num_warps) == (4, 48, 342, 16)
-    assert cfg.num_stages == 3 and cfg.dw_1d and not cfg.prefetch  # 16 elements per thread: no register prefetch
-    monkeypatch.setattr(rms_mod, "BWD_SCHEDULE", "bogus")
-    with pytest.raises(ValueError, match="BWD_SCHEDULE"):
-        rms_mod.launch_config("bwd", 16, 96, cuda)
+    with launch_override(rms_mod, "bwd", programs=396):
+        assert rms_mod.launch_config("bwd", 16384, 4096, cuda).programs == 396
+    assert rms_mod.launch_config("bwd", 16384, 4096, cuda).programs is None
 
 
 def test_function_direct(device):
@@ -419,7 +360,7 @@ def test_function_direct(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("H", [4096, 5120, 8192])
-def test_gpu_large_hidden(device, bwd_schedule, dtype, H):
+def test_gpu_large_hidden(device, dtype, H):
     if device.type != "cuda":
         pytest.skip("GPU-only shape")
     for casting, residual in (("llama", False), ("gemma", True)):
@@ -429,23 +370,23 @@ def test_gpu_large_hidden(device, bwd_schedule, dtype, H):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [
-    dict(FWD_ROWS_PER_TILE=1, BWD_ROWS_PER_TILE=1, FWD_NUM_WARPS=4, BWD_NUM_WARPS=16, BWD_PROGRAMS_PER_SM=1),
-    dict(FWD_ROWS_PER_TILE=4, BWD_ROWS_PER_TILE=2, FWD_NUM_WARPS=16, BWD_NUM_WARPS=8, BWD_PROGRAMS_PER_SM=8),
-    dict(BWD_SCHEDULE="blocked"),
-    dict(BWD_SCHEDULE="blocked", BWD_BLOCK_ROWS=16, BWD_BLOCKED_ROWS_PER_TILE=4, BWD_BLOCKED_NUM_WARPS=16,
-         BWD_BLOCKED_STAGES=2, BWD_BLOCKED_DW_1D=True),
-    dict(BWD_SCHEDULE="blocked", BWD_BLOCK_ROWS=64, BWD_BLOCKED_ROWS_PER_TILE=1, BWD_BLOCKED_NUM_WARPS=8,
-         BWD_BLOCKED_STAGES=3),
+@pytest.mark.parametrize("fwd,bwd", [
+    (dict(block_m=1, num_warps=4), dict(block_m=1, num_warps=16, sms_x=1, prefetch=True)),
+    (dict(block_m=4, num_warps=16, sms_x=1, prefetch=True), dict(block_m=2, num_warps=8, sms_x=8, prefetch=False)),
 ])
-def test_gpu_tuning_knobs(device, monkeypatch, knobs):
+def test_gpu_forced_configs(device, fwd, bwd):
+    """Forced tiles, warps and grids (programs = sms_x programs per SM) through launch_override."""
     if device.type != "cuda":
         pytest.skip("GPU-only launch configurations")
-    for k, v in knobs.items():
-        monkeypatch.setattr(rms_mod, k, v)
-    x, w, r = _inputs((3, 333, 4096), torch.bfloat16, device, residual=True)
-    y, s, dy, ds = _run(x, w, r)
-    _check(x, w, r, y, s, dy, ds)
+    sms = rms_mod._common.sm_count(device.index or 0)
+    fwd, bwd = dict(fwd), dict(bwd)
+    for d in (fwd, bwd):
+        if "sms_x" in d:
+            d["programs"] = sms * d.pop("sms_x")
+    with launch_override(rms_mod, "fwd", **fwd), launch_override(rms_mod, "bwd", **bwd):
+        x, w, r = _inputs((3, 333, 4096), torch.bfloat16, device, residual=True)
+        y, s, dy, ds = _run(x, w, r)
+        _check(x, w, r, y, s, dy, ds)
 
 
 @pytest.mark.gpu

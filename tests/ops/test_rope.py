@@ -5,6 +5,7 @@ import torch
 
 from helpers import DTYPES, assert_close, f64, inputs_unchanged
 from swift_liger.ops import rope as rope_mod
+from swift_liger.ops._common import launch_override
 from swift_liger.ops.rope import RoPEFunction, apply_rope, apply_rope_reference
 
 
@@ -95,11 +96,10 @@ def test_rope_unsqueeze_dim_2(device):
     assert qo.shape == q.shape and qo.is_contiguous()
 
 
-def test_rope_head_loop_path(device, monkeypatch):
+def test_rope_head_loop_path(device):
     # Tiles smaller than the head count: the kernel loops over head blocks instead of one load phase.
-    monkeypatch.setitem(rope_mod.TUNING, "tile_elems", 16)
-    monkeypatch.setitem(rope_mod.TUNING, "programs_per_sm", 2)
-    run_case(device, torch.float32, 2, 13, 6, 3, 32, 24, "btd", "view")
+    with launch_override(rope_mod, block_hq=1, block_hk=1, programs=8):   # a persistent grid of 8 programs
+        run_case(device, torch.float32, 2, 13, 6, 3, 32, 24, "btd", "view")
 
 
 def test_rope_matches_hf_eager_bf16(device):
@@ -266,10 +266,9 @@ def test_rope_interleaved_fp32_cos_with_bf16_q(device):
     run_case(device, torch.bfloat16, *IL_CASES[1], cos_dtype=torch.float32, interleaved=True)
 
 
-def test_rope_interleaved_head_loop_path(device, monkeypatch):
-    monkeypatch.setitem(rope_mod.TUNING, "tile_elems", 8)
-    monkeypatch.setitem(rope_mod.TUNING, "programs_per_sm", 2)
-    run_case(device, torch.float32, 2, 5, 5, 3, 32, 24, "btd", "view", interleaved=True)
+def test_rope_interleaved_head_loop_path(device):
+    with launch_override(rope_mod, block_hq=1, block_hk=1, programs=8):
+        run_case(device, torch.float32, 2, 5, 5, 3, 32, 24, "btd", "view", interleaved=True)
 
 
 def test_rope_interleaved_ignores_second_half_of_cos_sin(device):
