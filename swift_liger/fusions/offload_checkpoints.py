@@ -41,36 +41,9 @@ def chosen(layers, value) -> list:
     return list(layers) if value is True else list(layers)[:value]
 
 
-def _install(st, layers, offloader) -> int:
-    from ..models.offload import checkpoint_offloaded
-    ours = functools.partial(checkpoint_offloaded, offloader)
-    n = 0
-    for layer in layers:
-        if getattr(layer, "gradient_checkpointing", False):
-            st.set(layer, "_gradient_checkpointing_func", ours)
-            n += 1
-    return n
-
-
-def _make_set_gradient_checkpointing(st, layers, offloader):
-    def _set_gradient_checkpointing(self, *args, **kwargs):
-        out = type(self)._set_gradient_checkpointing(self, *args, **kwargs)
-        _install(st, layers, offloader)
-        return out
-    return _set_gradient_checkpointing
-
-
-def _rewrap(st, module, layers, offloader) -> None:
-    """deepcopy: the copied method would close over the original's layers (the layers' partials are copied)."""
-    import types
-    module.__dict__["_set_gradient_checkpointing"] = types.MethodType(
-        _make_set_gradient_checkpointing(st, layers, offloader), module)
-
-
 def patch(ctx) -> None:
-    import types
-
-    from ..models.offload import Offloader
+    from ..models import checkpoint_funcs
+    from ..models.offload import Offloader, checkpoint_offloaded
     layers = ctx.of(ctx.family.decoder_layer)
     if not layers:
         ctx.report.skip("offload_checkpoints", f"no {'/'.join(ctx.family.decoder_layer)} module found", problem=True)
@@ -81,13 +54,7 @@ def patch(ctx) -> None:
         return
     layers = chosen(layers, ctx.config.offload_checkpoints)
     offloader = Offloader()
-    owners = [m for m in ctx.modules if hasattr(type(m), "_set_gradient_checkpointing")
-              and hasattr(type(m), "gradient_checkpointing_enable")]
-    for owner in owners:
-        ctx.state.set(owner, "_set_gradient_checkpointing",
-                      types.MethodType(_make_set_gradient_checkpointing(ctx.state, layers, offloader), owner))
-        ctx.state.on_deepcopy(_rewrap, ctx.state, owner, layers, offloader)
-    _install(ctx.state, layers, offloader)
+    checkpoint_funcs.install(ctx, layers, functools.partial(checkpoint_offloaded, offloader))
     ctx.state.offloader = offloader
     ctx.report.patched["offload_checkpoints"] = len(layers)
 

@@ -74,6 +74,13 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         if not offload["offloaded"]:
             line += " (gradient checkpointing is off: nothing to offload)"
         lines.append(line)
+    kept = (snap.get("policy") or {}).get("saved_attention")
+    if kept:
+        line = f"save_attention {when}: {kept['kept']} attention outputs kept in the forward for the recompute"
+        if not kept["kept"]:
+            line += (" (gradient checkpointing off, or attention did not reach a fused SDPA kernel: eager, flex or "
+                     "a masked batch on the math path)")
+        lines.append(line)
     lora = snap.get("lora_fusion")
     if lora:
         line = (f"lora_fusion {when}: {lora['ops.lora_linear']} LoRA projection calls through ops.lora_linear, "

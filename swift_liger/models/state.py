@@ -45,6 +45,8 @@ class PatchState:
         self.softcap_attr: Optional[str] = None   # the root config's logit softcap attribute (Gemma-2/3), if any
         self.softcap: Optional[float] = None      # its value while a head-skipped forward runs (the loss reads it)
         self.offloader = None   # offload_checkpoints: models.offload.Offloader (its counters)
+        self.saved_attention: Optional[Dict[str, int]] = None   # save_attention: {"kept": SDPA outputs kept}
+        self.checkpoint_funcs = None   # models.checkpoint_funcs: [(decoder layer, its checkpoint function)]
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         d = obj.__dict__
@@ -111,10 +113,14 @@ def call_counts(model: torch.nn.Module, reset: bool = False) -> Optional[Dict[st
         out["lm_head_logits"] = None
     if st.offloader is not None:   # offload_checkpoints: layer inputs sent to the host, and how they came back
         out["offloaded_checkpoints"] = dict(st.offloader.calls)
+    if st.saved_attention is not None:   # save_attention: attention outputs kept in the forward, reused in recompute
+        out["saved_attention"] = dict(st.saved_attention)
     if reset:
         st.calls.update(dict.fromkeys(st.calls, 0))
         if st.offloader is not None:
             st.offloader.calls.update(dict.fromkeys(st.offloader.calls, 0))
+        if st.saved_attention is not None:
+            st.saved_attention.update(dict.fromkeys(st.saved_attention, 0))
     return out
 
 

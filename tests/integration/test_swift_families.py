@@ -1,7 +1,8 @@
 """End-to-end: `swift sft` LoRA on tiny Gemma-2 (GeGLU, (1 + w) norms, four norms per layer, sliding-window layers,
 final-logit softcap through the fused linear CE) and Qwen3-MoE (the experts' fused gate, router logits untouched,
 one dense layer) models, stock vs --use_liger with the real Triton kernels in the interpreter, and the long_context
-preset on Qwen3 (tiled MLP, offloaded checkpoints, gradient checkpointing on). Six CLI runs, two at a time;
+preset on Qwen3 (tiled MLP, offloaded checkpoints, gradient checkpointing on) and save_attention on Qwen3. Seven CLI
+runs, two at a time;
 Qwen3-MoE with lora_dropout 0 (PEFT's LoRA on the experts' 3-D parameters refuses dropout, patched or not).
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ def runs(tmp_path_factory):
     info = tiny.build(str(root / "tiny_qwen3"), "qwen3")
     argv = [*info["swift_flags"], "--dataset", info["sft"], "--tuner_type", "lora", *CPU_FLAGS, *SMALL, *LONG]
     specs[("long", "liger")] = argv + ["--use_liger", *LONG_LIGER]
+    specs[("save_attention", "liger")] = argv + ["--use_liger", "--liger_save_attention", "true"]
     specs[("long", "base")] = argv
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {key: pool.submit(run_swift, "sft", argv, str(root / f"{key[0]}_{key[1]}"))
@@ -76,3 +78,14 @@ def test_long_context_preset_tiles_and_offloads(runs):
     first = record["runtime"]["first_step"]["policy"]["offloaded_checkpoints"]
     assert first == {"offloaded": 2, "prefetched": 1, "fetched_late": 1}, first
     assert "offload_checkpoints in the first step: 2 decoder-layer inputs kept on the host" in liger.log
+
+
+def test_save_attention_keeps_each_layers_attention_output(runs):
+    base, liger = runs[("long", "base")].check(), runs[("save_attention", "liger")].check()
+    b, p = base.steps(), liger.steps()
+    diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(b, p)]
+    assert len(b) == len(p) == STEPS and max(diffs) <= 1e-4, diffs
+    record = liger.patch_record()
+    assert record["models"]["policy"]["report"]["patched"]["save_attention"] == 2
+    assert record["runtime"]["first_step"]["policy"]["saved_attention"] == {"kept": 2}
+    assert "save_attention in the first step: 2 attention outputs kept in the forward for the recompute" in liger.log
