@@ -4,6 +4,7 @@
 # q7lora:  Qwen2.5-7B shapes, LoRA, 8k tokens per sequence: largest batch and tok/s (plain, Liger-Kernel, ours)
 # q7qlora: the same with an NF4 base (QLoRA)
 # l8qlora: Llama-3-8B shapes, QLoRA, batch 1: longest context (ours, and ours with tiled MLP + offloaded checkpoints)
+# PYTORCH_CUDA_ALLOC_CONF (e.g. expandable_segments:True) passes through to every child.
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -17,7 +18,7 @@ for section in "${@:-q7lora q7qlora l8qlora}"; do
                --variants plain,liger,swift_liger --seqs 8k --batches 1,2,4,8 --warmup 1 --steps 1 \
                --point-timeout 45 --deadline "${Q7_DEADLINE:-150}" >"$OUT/q7lora.log" 2>&1 ;;
     q7qlora) timeout "${Q7_TIMEOUT:-160}" $LC --out "$OUT/q7qlora" --model qwen2.5-7b --tuner qlora \
-               --variants plain,swift_liger --seqs 8k --batches 1,2,4,8,16 --warmup 1 --steps 1 \
+               --variants plain,liger,swift_liger --seqs 8k --batches 1,2,4,8 --warmup 1 --steps 1 \
                --point-timeout 45 --deadline "${Q7_DEADLINE:-150}" >"$OUT/q7qlora.log" 2>&1 ;;
     l8qlora) timeout "${L8_TIMEOUT:-200}" $LC --out "$OUT/l8qlora" --model llama3-8b --tuner qlora \
                --variants swift_liger,long_context --seqs "${L8_SEQS:-64k,100k,128k}" --warmup 0 --steps 1 \

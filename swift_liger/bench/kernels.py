@@ -38,49 +38,60 @@ def _peers(eager, ours, liger=None, extra=None) -> Dict[str, callable]:
     return impls
 
 
-def rms_norm_cases() -> List[Case]:
+def rms_norm_case(n: int, h: int, residual: bool = False) -> Case:
+    """RMSNorm over [n, h] (llama casting), optionally fused with the residual add before it (returns (y, s))."""
     from swift_liger.ops import rms_norm_kernel as ops
     liger_rms = _try_import("liger_kernel.transformers.functional.liger_rms_norm")
-    cases = []
-    for n, h in [(16384, 4096), (16384, 8192), (65536, 128)]:
-        def make(n=n, h=h):
-            x = torch.randn(n, h, device="cuda", dtype=BF16, requires_grad=True)
-            w = (1 + 0.1 * torch.randn(h, device="cuda", dtype=BF16)).requires_grad_()
-            return {"x": x, "w": w}
+    liger_add = _try_import("liger_kernel.transformers.functional.liger_fused_add_rms_norm")
+
+    def make():
+        x = torch.randn(n, h, device="cuda", dtype=BF16, requires_grad=True)
+        w = (1 + 0.1 * torch.randn(h, device="cuda", dtype=BF16)).requires_grad_()
+        out = {"x": x, "w": w}
+        if residual:
+            out["r"] = torch.randn(n, h, device="cuda", dtype=BF16, requires_grad=True)
+        return out
+    if residual:
+        def eager(i):
+            s = i["x"] + i["r"]
+            return ops.rms_norm_reference(s, i["w"], 1e-6), s
+        ours = lambda i: ops.rms_norm(i["x"], i["w"], 1e-6, residual=i["r"])
+        liger = (lambda i: liger_add(i["x"], i["r"], i["w"], 1e-6, casting_mode="llama", in_place=False)) \
+            if liger_add else None
+        # fwd: read x, r, write y, s; bwd: read dy, ds, s, write dx (= dr, one tensor for both)
+        nbytes, grads = 8 * n * h * E, 2 * n * h * E
+    else:
         eager = lambda i: ops.rms_norm_reference(i["x"], i["w"], 1e-6)
         ours = lambda i: ops.rms_norm(i["x"], i["w"], 1e-6)
         liger = (lambda i: liger_rms(i["x"], i["w"], 1e-6, casting_mode="llama", in_place=False)) if liger_rms else None
         # fwd: read x, write y; bwd: read dy, x, write dx (+ rstd, w, dw negligible)
-        cases.append(Case("rms_norm", f"{n}x{h}", make, _peers(eager, ours, liger),
-                          min_bytes=5 * n * h * E, grad_bytes=(n * h + h) * E))
-    return cases
+        nbytes, grads = 5 * n * h * E, n * h * E
+    return Case("rms_norm_residual" if residual else "rms_norm", f"{n}x{h}", make, _peers(eager, ours, liger),
+                min_bytes=nbytes, grad_bytes=grads + h * E)
+
+
+def rms_norm_cases() -> List[Case]:
+    return [rms_norm_case(n, h) for n, h in [(16384, 4096), (16384, 8192), (65536, 128)]]
+
+
+def glu_case(op: str, n: int, i_: int) -> Case:
+    """SwiGLU (silu(a) * b) or GeGLU (gelu_tanh(a) * b) over two [n, i_] inputs."""
+    from swift_liger.ops import swiglu_kernel as ops
+    liger = _try_import(f"liger_kernel.transformers.functional.liger_{op}")
+    reference, fused = getattr(ops, f"{op}_reference"), getattr(ops, op)
+
+    def make():
+        return {"a": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True),
+                "b": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True)}
+    # fwd: read a, b, write c; bwd: read dc, a, b, write da, db
+    return Case(op, f"{n}x{i_}", make,
+                _peers(lambda i: reference(i["a"], i["b"]), lambda i: fused(i["a"], i["b"]),
+                       (lambda i: liger(i["a"], i["b"])) if liger else None),
+                min_bytes=8 * n * i_ * E, grad_bytes=2 * n * i_ * E)
 
 
 def swiglu_cases() -> List[Case]:
-    from swift_liger.ops import swiglu_kernel as ops
-    liger_swiglu = _try_import("liger_kernel.transformers.functional.liger_swiglu")
-    liger_geglu = _try_import("liger_kernel.transformers.functional.liger_geglu")
-    cases = []
-    for n, i_ in [(16384, 14336), (8192, 11008)]:
-        def make(n=n, i_=i_):
-            return {"a": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True),
-                    "b": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True)}
-        # fwd: read a, b, write c; bwd: read dc, a, b, write da, db
-        nbytes = 8 * n * i_ * E
-        cases.append(Case("swiglu", f"{n}x{i_}", make,
-                          _peers(lambda i: ops.swiglu_reference(i["a"], i["b"]), lambda i: ops.swiglu(i["a"], i["b"]),
-                                 (lambda i: liger_swiglu(i["a"], i["b"])) if liger_swiglu else None),
-                          min_bytes=nbytes, grad_bytes=2 * n * i_ * E))
-    n, i_ = 16384, 14336
-
-    def make_g():
-        return {"a": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True),
-                "b": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True)}
-    cases.append(Case("geglu", f"{n}x{i_}", make_g,
-                      _peers(lambda i: ops.geglu_reference(i["a"], i["b"]), lambda i: ops.geglu(i["a"], i["b"]),
-                             (lambda i: liger_geglu(i["a"], i["b"])) if liger_geglu else None),
-                      min_bytes=8 * n * i_ * E, grad_bytes=2 * n * i_ * E))
-    return cases
+    return [glu_case("swiglu", 16384, 14336), glu_case("swiglu", 8192, 11008), glu_case("geglu", 16384, 14336)]
 
 
 def _rope_inputs(b, t, hq, hkv, d):
@@ -93,30 +104,35 @@ def _rope_inputs(b, t, hq, hkv, d):
     return q, k, emb.cos().to(BF16), emb.sin().to(BF16)
 
 
-def rope_cases() -> List[Case]:
+def _layout(b, t, hq, hkv, d) -> str:
+    return f"B{b} T{t} q{hq}/kv{hkv} D{d}"
+
+
+def rope_case(b: int, t: int, hq: int, hkv: int, d: int) -> Case:
+    """RoPE on q [b, hq, t, d] and k [b, hkv, t, d] (transposed views of the projections), cos/sin [b, t, d]."""
     from swift_liger.ops import rope as ops
     liger_rope = _try_import("liger_kernel.transformers.functional.liger_rope")
-    cases = []
-    for b, t in [(1, 16384), (4, 4096)]:
-        hq, hkv, d = 32, 8, 128
 
-        def make(b=b, t=t):
-            q, k, cos, sin = _rope_inputs(b, t, hq, hkv, d)
-            return {"q": q, "k": k, "cos": cos, "sin": sin}
-        nbytes = 4 * b * t * (hq + hkv) * d * E + 2 * b * t * d * E
-        cases.append(Case("rope", f"B{b} T{t} q{hq}/kv{hkv} D{d}", make,
-                          _peers(lambda i: ops.apply_rope_reference(i["q"], i["k"], i["cos"], i["sin"]),
-                                 lambda i: ops.apply_rope(i["q"], i["k"], i["cos"], i["sin"]),
-                                 (lambda i: liger_rope(i["q"], i["k"], i["cos"], i["sin"])) if liger_rope else None),
-                          min_bytes=nbytes, grad_bytes=b * t * (hq + hkv) * d * E))
-    return cases
+    def make():
+        q, k, cos, sin = _rope_inputs(b, t, hq, hkv, d)
+        return {"q": q, "k": k, "cos": cos, "sin": sin}
+    nbytes = 4 * b * t * (hq + hkv) * d * E + 2 * b * t * d * E
+    return Case("rope", _layout(b, t, hq, hkv, d), make,
+                _peers(lambda i: ops.apply_rope_reference(i["q"], i["k"], i["cos"], i["sin"]),
+                       lambda i: ops.apply_rope(i["q"], i["k"], i["cos"], i["sin"]),
+                       (lambda i: liger_rope(i["q"], i["k"], i["cos"], i["sin"])) if liger_rope else None),
+                min_bytes=nbytes, grad_bytes=b * t * (hq + hkv) * d * E)
 
 
-def qk_norm_rope_cases() -> List[Case]:
+def rope_cases() -> List[Case]:
+    return [rope_case(1, 16384, 32, 8, 128), rope_case(4, 4096, 32, 8, 128)]
+
+
+def qk_norm_rope_case(b: int, t: int, hq: int, hkv: int, d: int) -> Case:
+    """Per-head RMSNorm of q and k (weights [d]) then RoPE, as Qwen3 attention runs it."""
     from swift_liger.ops import qk_norm_rope_kernel as ops
     liger_rope = _try_import("liger_kernel.transformers.functional.liger_rope")
     liger_rms = _try_import("liger_kernel.transformers.functional.liger_rms_norm")
-    b, t, hq, hkv, d = 1, 16384, 32, 8, 128
 
     def make():
         q, k, cos, sin = _rope_inputs(b, t, hq, hkv, d)
@@ -130,59 +146,67 @@ def qk_norm_rope_cases() -> List[Case]:
         return liger_rope(qn, kn, i["cos"], i["sin"])
     # fwd reads q,k and writes them; bwd must read the input again (norm) and the grad, and write dx: 5 passes
     nbytes = 5 * b * t * (hq + hkv) * d * E + 2 * b * t * d * E
-    return [Case("qk_norm_rope", f"B{b} T{t} q{hq}/kv{hkv} D{d}", make,
-                 _peers(lambda i: ops.qk_norm_rope_reference(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),
-                        lambda i: ops.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),
-                        liger if (liger_rope and liger_rms) else None),
-                 min_bytes=nbytes, grad_bytes=b * t * (hq + hkv) * d * E)]
+    return Case("qk_norm_rope", _layout(b, t, hq, hkv, d), make,
+                _peers(lambda i: ops.qk_norm_rope_reference(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),
+                       lambda i: ops.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),
+                       liger if (liger_rope and liger_rms) else None),
+                min_bytes=nbytes, grad_bytes=b * t * (hq + hkv) * d * E)
 
 
-def cross_entropy_cases() -> List[Case]:
+def qk_norm_rope_cases() -> List[Case]:
+    return [qk_norm_rope_case(1, 16384, 32, 8, 128)]
+
+
+def cross_entropy_case(n: int, v: int) -> Case:
+    """Mean cross-entropy of bf16 logits [n, v] (every 7th label ignored)."""
     from swift_liger.ops import cross_entropy_kernel as ops
     liger_ce = _try_import("liger_kernel.transformers.functional.liger_cross_entropy")
-    n, v = 8192, 128256
 
     def make():
         logits = torch.randn(n, v, device="cuda", dtype=BF16).mul_(2).requires_grad_()
         labels = torch.randint(0, v, (n,), device="cuda")
         labels[::7] = -100
         return {"logits": logits, "labels": labels}
-    return [Case("cross_entropy", f"{n}x{v}", make,
-                 _peers(lambda i: ops.cross_entropy_reference(i["logits"], i["labels"]),
-                        lambda i: ops.cross_entropy(i["logits"], i["labels"]),
-                        (lambda i: liger_ce(i["logits"], i["labels"])) if liger_ce else None),
-                 min_bytes=3 * n * v * E, grad_bytes=n * v * E)]
+    return Case("cross_entropy", f"{n}x{v}", make,
+                _peers(lambda i: ops.cross_entropy_reference(i["logits"], i["labels"]),
+                       lambda i: ops.cross_entropy(i["logits"], i["labels"]),
+                       (lambda i: liger_ce(i["logits"], i["labels"])) if liger_ce else None),
+                min_bytes=3 * n * v * E, grad_bytes=n * v * E)
 
 
-def flce_cases() -> List[Case]:
+def cross_entropy_cases() -> List[Case]:
+    return [cross_entropy_case(8192, 128256)]
+
+
+def flce_case(n: int, h: int, v: int, train_w: bool, accumulate_peer: bool = True) -> Case:
+    """Linear + cross-entropy from hidden states [n, h] and a head [v, h], frozen or trainable."""
     from swift_liger.ops import fused_linear_cross_entropy_kernel as ops
     liger_flce = _try_import("liger_kernel.transformers.functional.liger_fused_linear_cross_entropy")
     cce = _try_import("cut_cross_entropy.linear_cross_entropy")
-    cases = []
-    for n, train_w in [(8192, True), (8192, False), (32768, True)]:
-        h, v = 4096, 128256
 
-        def make(n=n, train_w=train_w):
-            hid = (torch.randn(n, h, device="cuda", dtype=BF16) * 0.5).requires_grad_()
-            w = (torch.randn(v, h, device="cuda", dtype=BF16) * 0.02).requires_grad_(train_w)
-            labels = torch.randint(0, v, (n,), device="cuda")
-            labels[::9] = -100
-            return {"h": hid, "w": w, "labels": labels}
-        extra = {}
-        if train_w:
-            extra["swift_liger accumulate"] = lambda i: ops.fused_linear_cross_entropy(
-                i["h"], i["w"], i["labels"], dw_strategy="accumulate")
-        if cce is not None:
-            extra["cce"] = lambda i: cce(i["h"], i["w"], i["labels"])
-        gemms = 3 if train_w else 2
-        grad_bytes = (n * h + (v * h if train_w else 0)) * E
-        cases.append(Case("fused_linear_ce", f"N{n} H{h} V{v} W {'trainable' if train_w else 'frozen'}", make,
-                          _peers(lambda i: ops.fused_linear_cross_entropy_reference(i["h"], i["w"], i["labels"]),
-                                 lambda i: ops.fused_linear_cross_entropy(i["h"], i["w"], i["labels"]),
-                                 (lambda i: liger_flce(i["h"], i["w"], i["labels"])) if liger_flce else None,
-                                 extra),
-                          min_flops=gemms * 2 * n * h * v, grad_bytes=grad_bytes))
-    return cases
+    def make():
+        hid = (torch.randn(n, h, device="cuda", dtype=BF16) * 0.5).requires_grad_()
+        w = (torch.randn(v, h, device="cuda", dtype=BF16) * 0.02).requires_grad_(train_w)
+        labels = torch.randint(0, v, (n,), device="cuda")
+        labels[::9] = -100
+        return {"h": hid, "w": w, "labels": labels}
+    extra = {}
+    if train_w and accumulate_peer:
+        extra["swift_liger accumulate"] = lambda i: ops.fused_linear_cross_entropy(
+            i["h"], i["w"], i["labels"], dw_strategy="accumulate")
+    if cce is not None:
+        extra["cce"] = lambda i: cce(i["h"], i["w"], i["labels"])
+    gemms = 3 if train_w else 2
+    return Case("fused_linear_ce", f"N{n} H{h} V{v} W {'trainable' if train_w else 'frozen'}", make,
+                _peers(lambda i: ops.fused_linear_cross_entropy_reference(i["h"], i["w"], i["labels"]),
+                       lambda i: ops.fused_linear_cross_entropy(i["h"], i["w"], i["labels"]),
+                       (lambda i: liger_flce(i["h"], i["w"], i["labels"])) if liger_flce else None, extra),
+                min_flops=gemms * 2 * n * h * v, grad_bytes=(n * h + (v * h if train_w else 0)) * E)
+
+
+def flce_cases() -> List[Case]:
+    return [flce_case(8192, 4096, 128256, True), flce_case(8192, 4096, 128256, False),
+            flce_case(32768, 4096, 128256, True)]
 
 
 def logprobs_cases() -> List[Case]:
@@ -226,3 +250,47 @@ SUITES = {
     "logprobs": [logprobs_cases],
     "attention": [qk_norm_rope_cases],
 }
+
+
+# The committed sweep (python -m swift_liger.bench.sweep): issue 12's grid, fwd+bwd, bf16.
+SWEEP_TOKENS = (1024, 4096, 16384, 65536)
+SWEEP_HIDDEN = (1024, 1536, 2048, 3584, 4096, 5120, 8192)
+SWEEP_GLU_TOKENS = 16384
+SWEEP_INTERMEDIATE = (4864, 8960, 11008, 14336, 18944, 28672)
+SWEEP_ROPE_TOKENS = 16384
+SWEEP_HEADS = ((8, 8), (16, 8), (28, 4), (32, 8), (40, 8), (64, 8))
+SWEEP_HEAD_DIMS = (64, 128, 256)
+SWEEP_CE_TOKENS = 8192
+SWEEP_HEADS_HV = {   # (hidden, vocab) of the loss heads; tokens per case: 8192, Qwen2.5-1.5B 16384 (issue 12's shape)
+    "Llama-3": (4096, 128256), "Qwen2.5-1.5B": (1536, 151936), "Qwen2.5-32B": (5120, 152064),
+    "Gemma-2-9B": (3584, 256000), "Mistral-7B": (4096, 32768)}
+
+
+def sweep_groups() -> Dict[str, List[tuple]]:
+    """op -> [(shape key, factory)], each list headed by the shape issue 12 sets a target at."""
+    def first(items, head):
+        return [x for x in items if x[0] == head] + [x for x in items if x[0] != head]
+    groups: Dict[str, List[tuple]] = {}
+    for residual in (False, True):
+        op = "rms_norm_residual" if residual else "rms_norm"
+        groups[op] = first([(f"{n}x{h}", functools.partial(rms_norm_case, n, h, residual))
+                            for n in SWEEP_TOKENS for h in SWEEP_HIDDEN], "16384x4096")
+    for op in ("swiglu", "geglu"):
+        groups[op] = first([(f"{SWEEP_GLU_TOKENS}x{i}", functools.partial(glu_case, op, SWEEP_GLU_TOKENS, i))
+                            for i in SWEEP_INTERMEDIATE], f"{SWEEP_GLU_TOKENS}x14336")
+    for op, factory in (("rope", rope_case), ("qk_norm_rope", qk_norm_rope_case)):
+        groups[op] = first([(_layout(1, SWEEP_ROPE_TOKENS, hq, hkv, d),
+                             functools.partial(factory, 1, SWEEP_ROPE_TOKENS, hq, hkv, d))
+                            for hq, hkv in SWEEP_HEADS for d in SWEEP_HEAD_DIMS],
+                           _layout(1, SWEEP_ROPE_TOKENS, 32, 8, 128))
+    groups["cross_entropy"] = [(f"{SWEEP_CE_TOKENS}x{v} ({name})", functools.partial(cross_entropy_case,
+                                                                                     SWEEP_CE_TOKENS, v))
+                               for name, (_, v) in SWEEP_HEADS_HV.items()]
+    flce = []
+    for name, (h, v) in SWEEP_HEADS_HV.items():
+        n = 16384 if name == "Qwen2.5-1.5B" else SWEEP_CE_TOKENS
+        for train_w in (True, False):
+            flce.append((f"N{n} H{h} V{v} W {'trainable' if train_w else 'frozen'} ({name})",
+                         functools.partial(flce_case, n, h, v, train_w, False)))
+    groups["fused_linear_ce"] = flce
+    return groups

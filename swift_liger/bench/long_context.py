@@ -82,11 +82,13 @@ class Shape:
     vocab: int
     rope_theta: float
     rms_norm_eps: float
+    tied: bool = False     # lm_head shares the embedding matrix
 
 
 MODELS = {
     "llama3-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128, 128256, 500000.0, 1e-5),
     "qwen2.5-7b": Shape("qwen2", 3584, 18944, 28, 28, 4, 128, 152064, 1000000.0, 1e-6),
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 128, 151936, 1000000.0, 1e-6, tied=True),
     "tiny": Shape("llama", 64, 128, 2, 4, 2, 16, 256, 500000.0, 1e-5),
 }
 
@@ -117,7 +119,7 @@ def build_model(shape: Shape, layers: int, seq: int, device, dtype):
     kw = dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=layers,
               num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
               vocab_size=shape.vocab, rope_theta=shape.rope_theta, max_position_embeddings=max(seq, 4096),
-              rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=False, use_cache=False)
+              rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=shape.tied, use_cache=False)
     if shape.family == "qwen2":
         kw.update(use_sliding_window=False)
     cfg = AutoConfig.for_model(shape.family, **kw)
@@ -247,7 +249,7 @@ def run_point(variant: str, seq: int, *, shape: Shape, layers: int, steps: int, 
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         row["trainable_params"] = sum(p.numel() for p in params)
-        opt = torch.optim.AdamW(params, lr=LR[tuner])
+        opt = torch.optim.AdamW(params, lr=LR[tuner], fused=cuda)   # the HF Trainer's default (adamw_torch_fused)
         batches = make_batches(warmup + steps, seq, shape.vocab, device, batch)
         gc.collect()
         if cuda:

@@ -35,14 +35,19 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("plain", "swift_liger", "swift_liger_no_lora_fusion", "swift_liger_compiled", "liger_kernel")
+VARIANTS = ("plain", "swift_liger", "swift_liger_no_lora_fusion", "swift_liger_compiled", "swift_liger_long_context",
+            "swift_liger_save_attention", "liger_kernel")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_no_lora_fusion": ["--use_liger", "--liger_lora_fusion", "false"],
                  "swift_liger_compiled": ["--use_liger", "--liger_compile_layers", "true"],
+                 "swift_liger_long_context": ["--use_liger", "--liger_config", "long_context"],
+                 "swift_liger_save_attention": ["--use_liger", "--liger_save_attention", "true"],
                  "liger_kernel": ["--use_liger_kernel", "true"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
                   "swift_liger_no_lora_fusion": "`--use_liger --liger_lora_fusion false`",
                   "swift_liger_compiled": "`--use_liger --liger_compile_layers true`",
+                  "swift_liger_long_context": "`--use_liger --liger_config long_context`",
+                  "swift_liger_save_attention": "`--use_liger --liger_save_attention true`",
                   "liger_kernel": "`--use_liger_kernel true` (liger-kernel)"}
 SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
                      "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
