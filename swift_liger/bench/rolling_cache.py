@@ -17,7 +17,13 @@ Sections
      same shape is fed the same tokens (prompt longer than the window, then teacher-forced decode) with
      RollingKVCache(sinks=0) and with DynamicCache(config) (DynamicSlidingWindowLayer): max |logit diff|,
      cosine similarity and top-1 agreement after the ring has wrapped.
-Writes rolling_cache.json and rolling_cache.md under --out.
+  4. hybrid: a Gemma-2-9B-shaped Gemma2ForCausalLM (--hybrid-layers, alternating sliding window 4096 / full
+     attention) with RollingKVCache(window="model") (a ring of the model's window on the sliding layers, a full
+     cache growing by 1024 columns on the others) against transformers' default DynamicCache(config)
+     (DynamicSlidingWindowLayer / DynamicLayer, a torch.cat per step): ms/token and KV bytes at matched contexts,
+     and max |logit diff| / top-1 agreement of the two on the same teacher-forced tokens. --only-hybrid runs just
+     this section, --no-hybrid skips it.
+Writes rolling_cache.json and rolling_cache.md under --out (rolling_cache_hybrid.* with --only-hybrid).
 """
 from __future__ import annotations
 
@@ -57,6 +63,19 @@ def model_config(args, family="llama"):
     if family == "mistral":
         return MistralConfig(**dims, **common, sliding_window=args.window)
     return LlamaConfig(**dims, **common)
+
+
+def hybrid_config(args):
+    """Gemma-2-9B dims (or tiny ones), args.hybrid_layers layers alternating sliding / full attention."""
+    from transformers import Gemma2Config
+    if args.tiny:
+        dims = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16)
+    else:   # Gemma-2-9B
+        dims = dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_attention_heads=16,
+                    num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256)
+    return Gemma2Config(**dims, num_hidden_layers=args.hybrid_layers, sliding_window=args.hybrid_window,
+                        max_position_embeddings=1 << 20, bos_token_id=1, eos_token_id=None, pad_token_id=0)
 
 
 def build_model(config, device, dtype):
@@ -270,6 +289,111 @@ def agreement(args, device, dtype, log):
     return out
 
 
+HYBRID_KINDS = ("rolling_model", "hf_default")
+
+
+def make_hybrid_cache(kind, model):
+    from transformers import DynamicCache
+
+    from swift_liger.cache import RollingKVCache
+    if kind == "rolling_model":
+        return RollingKVCache(model, window="model")
+    return DynamicCache(config=model.config)   # what generate builds for this model
+
+
+@torch.no_grad()
+def hybrid(args, device, dtype, log):
+    """RollingKVCache(window="model") vs DynamicCache(config) on a gemma2-shaped hybrid model."""
+    cfg = hybrid_config(args)
+    model = build_model(cfg, device, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    desc = (f"{'tiny' if args.tiny else 'Gemma-2-9B-shaped'} Gemma2ForCausalLM, random init, "
+            f"{str(dtype).replace('torch.', '')}, {cfg.num_hidden_layers} layers ({', '.join(cfg.layer_types)}), "
+            f"sliding window {cfg.sliding_window}, {n_params / 1e9:.2f} B params, {cfg.num_attention_heads} heads / "
+            f"{cfg.num_key_value_heads} kv heads x {cfg.head_dim}, sdpa")
+    log(f"  {desc}")
+    rows = []
+    base = allocated(device)
+    for batch in args.batches:
+        for kind in HYBRID_KINDS:
+            cleanup(device)
+            gen = torch.Generator(device=device).manual_seed(4)
+            cache = make_hybrid_cache(kind, model)
+            ctx, tok = 0, None
+            try:
+                for L in args.hybrid_contexts:
+                    need = L - args.warmup - ctx
+                    if need > 0:
+                        tok = prefill(model, cache, batch, need, args.prefill_chunk, cfg.vocab_size, device, gen)
+                        ctx += need
+                    tok = decode(model, cache, tok, args.warmup)
+                    ctx += args.warmup
+                    tok, ms = timed_decode(model, cache, tok, args.steps, device)
+                    ctx += args.steps
+                    row = dict(batch=batch, cache=kind, context=L, ms_per_token=ms, tokens_per_s=batch * 1e3 / ms,
+                               kv_bytes=cache_bytes(cache), alloc_over_weights=allocated(device) - base)
+                    rows.append(row)
+                    log(f"  hybrid b={batch} {kind:14s} ctx={L:6d}  {ms:7.3f} ms/tok  KV "
+                        f"{row['kv_bytes'] / GiB:7.3f} GiB")
+            except Exception as exc:   # e.g. OOM: reported, not fatal
+                msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                rows.append(dict(batch=batch, cache=kind, context=None, error=msg))
+                log(f"  hybrid b={batch} {kind}: {msg}")
+            del cache, tok
+    # Agreement: both caches on the same tokens (prompt past the window, then teacher-forced decode steps).
+    gen = torch.Generator(device=device).manual_seed(5)
+    prompt = cfg.sliding_window + args.check_prompt_extra
+    ids = torch.randint(2, cfg.vocab_size, (2, prompt + args.check_steps), device=device, generator=gen)
+    logits = {}
+    for kind in HYBRID_KINDS:
+        cache, steps = make_hybrid_cache(kind, model), []
+        for c0 in range(0, prompt, args.prefill_chunk):
+            model(input_ids=ids[:, c0:min(prompt, c0 + args.prefill_chunk)], past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+        for t in range(prompt, ids.shape[1]):
+            steps.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float())
+        logits[kind] = torch.stack(steps, 1)
+        del cache
+    a, b = logits["rolling_model"], logits["hf_default"]
+    agree = dict(prompt=prompt, steps=args.check_steps, max_abs_diff=(a - b).abs().max().item(),
+                 logit_scale=b.abs().mean().item(), top1_agreement=(a.argmax(-1) == b.argmax(-1)).float().mean().item())
+    log(f"  hybrid agreement: max|d|={agree['max_abs_diff']:.4g} (mean |logit| {agree['logit_scale']:.3g}), "
+        f"top-1 agree={agree['top1_agreement']:.3f}")
+    del model
+    cleanup(device)
+    by = {(r["batch"], r["cache"], r["context"]): r for r in rows if r.get("ms_per_token")}
+    ratios = []
+    for batch in args.batches:
+        for L in args.hybrid_contexts:
+            me, hf = by.get((batch, "rolling_model", L)), by.get((batch, "hf_default", L))
+            if me and hf:
+                ratios.append(dict(batch=batch, context=L, speedup=hf["ms_per_token"] / me["ms_per_token"],
+                                   kv_ratio=hf["kv_bytes"] / me["kv_bytes"]))
+    return dict(model=desc, rows=rows, ratios=ratios, agreement=agree)
+
+
+def hybrid_markdown(h) -> list:
+    lines = ["## Hybrid model: RollingKVCache(window=\"model\") vs transformers' default cache", "",
+             f"{h['model']}. `rolling_model`: a ring of the model's window on each sliding layer, a full cache "
+             "(grown by 1024 columns) on each full-attention layer; `hf_default`: DynamicCache(config) "
+             "(DynamicSlidingWindowLayer / DynamicLayer), what `generate` builds.", "",
+             "| batch | cache | context | ms/token | tokens/s | KV held (GiB) |", "|---:|---|---:|---:|---:|---:|"]
+    for r in h["rows"]:
+        if r.get("error"):
+            lines.append(f"| {r['batch']} | {r['cache']} | — | error: {r['error']} | | |")
+            continue
+        lines.append(f"| {r['batch']} | {r['cache']} | {r['context']} | {r['ms_per_token']:.3f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['kv_bytes'] / GiB:.3f} |")
+    lines += ["", "| batch | context | speed-up (hf ms / rolling ms) | KV bytes hf / rolling |",
+              "|---:|---:|---:|---:|"]
+    lines += [f"| {r['batch']} | {r['context']} | {r['speedup']:.2f} | {r['kv_ratio']:.3f} |" for r in h["ratios"]]
+    ag = h["agreement"]
+    lines += ["", f"Same tokens through both caches (prompt {ag['prompt']}, then {ag['steps']} teacher-forced steps): "
+              f"max |logit diff| {ag['max_abs_diff']:.4g} (mean |logit| {ag['logit_scale']:.3g}), top-1 agreement "
+              f"{ag['top1_agreement']:.3f}.", ""]
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------------
@@ -313,6 +437,14 @@ def _f(v, spec):
 
 def markdown(report) -> str:
     env, args = report["environment"], report["settings"]
+    if args.get("only_hybrid"):
+        return "\n".join(["# RollingKVCache on a hybrid model", "", f"- date: {env['date']}",
+                          f"- command: `{env['command']}`",
+                          f"- device: {env['gpu'] or env['device']}; torch {env['torch']} (CUDA {env['cuda']}), "
+                          f"triton {env['triton']}, transformers {env['transformers']}",
+                          f"- decode timed over {args['steps']} greedy steps after {args['warmup']} warm-up steps "
+                          f"at each context (chunked prefill of {args['prefill_chunk']}); eager PyTorch", ""]
+                         + hybrid_markdown(report["hybrid"]))
     lines = ["# RollingKVCache decode benchmark", "",
              f"- date: {env['date']}", f"- command: `{env['command']}`",
              f"- device: {env['gpu'] or env['device']}; torch {env['torch']} (CUDA {env['cuda']}), "
@@ -369,6 +501,8 @@ def markdown(report) -> str:
               "- no slower than DynamicCache at the same context (min over batch and context >= window): "
               + ", ".join(f"{k[8:]} **{v:.2f}x**" for k, v in t["min_speedup_vs_dynamic"].items()),
               f"- no NaN / garbage after the wrap: **{t['finite_and_agrees']}**", ""]
+    if report.get("hybrid"):
+        lines += hybrid_markdown(report["hybrid"])
     return "\n".join(lines)
 
 
@@ -376,7 +510,7 @@ def targets(report, args):
     """Per rolling kind: the smallest speed-up over the contexts >= window (the issue's targets: >= 1.1 against
     HF's sliding-window cache, >= 1.0 against DynamicCache)."""
     long_ok = all(lr["kv_bytes_constant"] and (lr["alloc_spread_after_fill"] or 0) < 2 ** 20
-                  for lr in report["long_runs"])
+                  for lr in report.get("long_runs", []))
     sp = [s for s in report.get("speedups", []) if s["context"] >= args.window]
     hf, dy = {}, {}
     for s in sp:
@@ -384,7 +518,7 @@ def targets(report, args):
             if s[key]:
                 out[s["cache"]] = min(out.get(s["cache"], s[key]), s[key])
     ag = report.get("agreement") or {}
-    finite = all(lr["all_finite"] for lr in report["long_runs"]) and ag.get("finite", True)
+    finite = all(lr["all_finite"] for lr in report.get("long_runs", [])) and ag.get("finite", True)
     agrees = ag.get("min_cosine", 1.0) > 0.99 if ag else True
     return dict(memory_flat=long_ok, min_speedup_vs_hf_sliding=hf, min_speedup_vs_dynamic=dy,
                 finite_and_agrees=finite and agrees)
@@ -414,12 +548,22 @@ def main(argv=None):
     ap.add_argument("--check-prompt-extra", type=int, default=512, help="agreement prompt = window + this")
     ap.add_argument("--check-steps", type=int, default=128)
     ap.add_argument("--no-agreement", action="store_true")
+    ap.add_argument("--hybrid-layers", type=int, default=4,
+                    help="layers of the Gemma-2-9B-shaped hybrid model (alternating sliding / full; Gemma-2-9B: 42)")
+    ap.add_argument("--hybrid-window", type=int, default=4096, help="its sliding window (Gemma-2: 4096)")
+    ap.add_argument("--hybrid-contexts", default="8192,32768", help="context lengths for the hybrid timing")
+    ap.add_argument("--only-hybrid", action="store_true", help="run only section 4 (hybrid model)")
+    ap.add_argument("--no-hybrid", action="store_true", help="skip section 4")
     args = ap.parse_args(argv)
     if args.tiny:
         args.layers, args.window, args.sinks = 2, 64, 4
         args.contexts, args.steps, args.warmup, args.prefill_chunk = "64,128,256", 8, 4, 64
         args.tokens, args.tokens_b8, args.prompt, args.bucket = 400, 150, 16, 50
         args.check_prompt_extra, args.check_steps = 40, 24
+        args.hybrid_window, args.hybrid_contexts = 64, "128,256"
+    if args.only_hybrid and args.no_hybrid:
+        ap.error("--only-hybrid and --no-hybrid exclude each other")
+    args.hybrid_contexts = sorted(int(x) for x in args.hybrid_contexts.split(",") if x)
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.kinds = [k for k in args.kinds.split(",") if k]
     args.long_kinds = [k for k in args.long_kinds.split(",") if k]
@@ -438,6 +582,18 @@ def main(argv=None):
         print(msg, flush=True)
 
     t_start = time.perf_counter()
+    if args.only_hybrid:
+        report = {"environment": environment(device), "settings": {k: v for k, v in vars(args).items()}}
+        os.makedirs(args.out, exist_ok=True)
+        log("4. hybrid")
+        report["hybrid"] = hybrid(args, device, dtype, log)
+        report["wall_s"] = time.perf_counter() - t_start
+        with open(os.path.join(args.out, "rolling_cache_hybrid.json"), "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        with open(os.path.join(args.out, "rolling_cache_hybrid.md"), "w") as f:
+            f.write(markdown(report))
+        log(f"total {report['wall_s']:.0f} s; wrote {args.out}/rolling_cache_hybrid.{{json,md}}")
+        return
     config = model_config(args)
     model = build_model(config, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
@@ -479,6 +635,14 @@ def main(argv=None):
         log("3. agreement")
         report["agreement"] = agreement(args, device, dtype, log)
     save()
+    if not args.no_hybrid:
+        log("4. hybrid")
+        try:
+            report["hybrid"] = hybrid(args, device, dtype, log)
+        except Exception as exc:   # reported; sections 1-3 are already saved
+            log(f"  hybrid: {type(exc).__name__}: {exc}")
+            report["hybrid_error"] = f"{type(exc).__name__}: {exc}"
+        save()
     log(f"targets: {report['targets']}; total {report['wall_s']:.0f} s; wrote {args.out}/rolling_cache.{{json,md}}")
 
 

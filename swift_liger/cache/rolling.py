@@ -33,6 +33,23 @@ Left padding: pads (0 in the 2D attention mask) are never stored, so each row's 
 and rows with different prompt lengths fill their rings independently. ``position_ids`` must advance by one per
 real token (``generate`` does this: cumsum of the mask); when they are not given the cache supplies them.
 
+Hybrid models: ``window="model"``
+--------------------------------
+For configs whose layers mix sliding-window and full attention (gemma2, gemma3_text, qwen2/qwen3 with
+``layer_types``; read with transformers' ``get_layer_types_and_kwargs``, as ``DynamicCache(config)`` reads them),
+each sliding layer is a ring (RollingLayer) of the model's own ``sliding_window`` W slots, no sinks, absolute
+positions, and each full-attention layer a FullLayer that keeps every column, padding included, like DynamicLayer.
+transformers' window counts the current token (``sliding_window_overlay``: keys ``q - W < j <= q``;
+DynamicSlidingWindowLayer keeps W - 1 past tokens and attends over W) and so does the ring, so outputs equal the
+default cache's: same tokens, fp32 logits equal up to summation order, ~1e-6 (tests/cache/test_hybrid_cache.py:
+gemma2, gemma3, qwen2; padded or not, sdpa and eager). Exact for left padding (the ring counts real tokens,
+transformers' window counts columns; the two agree when padding precedes every real token). Memory: W slots per
+ring layer from the first forward; full layers grow by 1024 columns at a time (DynamicLayer: a torch.cat, i.e. a
+copy of the whole past, per step).
+A config with sliding layers only (mistral with sliding_window) is every layer a ring. An explicit window on
+gemma2/gemma3 is refused; on qwen2/qwen3 with mixed layer_types it keeps its meaning (every layer the same ring)
+with a warning. No CUDA graph with window="model" (the full layers' keys grow).
+
 How the model is told about the layout
 --------------------------------------
 Storage order is ring order, not chronological, so Hugging Face's mask builders (which assume key ``i`` is
@@ -52,6 +69,9 @@ cases:
   returns unchanged (``_preprocess_mask_arguments`` early exit for 4D masks). Keys are the storage (T == 1; a real
   query then sees exactly the stored slots, ``slot < end``) or ``cat(storage, chunk)`` for multi-token chunks (the
   chunk's early queries need tokens the write evicts).
+* hybrid models: on the fast path transformers builds both masks from ``get_mask_sizes`` / ``get_query_offset``,
+  answered per layer kind; on the general path the hook passes ``{"sliding_attention": ring mask,
+  "full_attention": create_causal_mask(...)}``, a mapping these decoders use as it is.
 
 Decode speed (CUDA). A single-token step of an unpadded batch attends with ``swift_liger.ops.decode_attention``
 (split-KV, GQA heads share their K/V reads) instead of SDPA: the decoder's ``forward`` is wrapped on this instance
@@ -63,7 +83,9 @@ against 3.2 and 3.4 for transformers' sliding-window cache (docs/benchmarks/roll
 Transformers hooks relied on (5.17-5.19): ``Cache(layers=...)``, ``Cache.update(k, v, layer_idx)`` called by
 the attention after RoPE, ``get_seq_length`` (generate slices continued prompts with it: it counts columns,
 padding included), ``get_mask_sizes`` / ``get_query_offset`` (fast path), the 4D-mask early exit, and the
-decoder being called with keyword arguments (``past_key_values=``, ``attention_mask=``, ``position_ids=``).
+decoder being called with keyword arguments (``past_key_values=``, ``attention_mask=``, ``position_ids=``); for
+window="model" also ``get_layer_types_and_kwargs``, ``create_causal_mask(layer_idx=)``, ``Cache.is_sliding`` (which
+layer each mask builder sizes against) and decoders taking a mask mapping keyed by layer type.
 """
 from __future__ import annotations
 
@@ -71,22 +93,26 @@ import dataclasses
 import functools
 import inspect
 import types
+import warnings
 from typing import Optional
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..config import check_rolling_cache
+from ..fusions.rolling_cache import MODEL_WINDOW, check_settings
 from ..models.families import rolling_cache_model_types
 from ..ops.decode_attention_kernel import decode_attention_unchecked
 from ..ops.kv_ring_write_kernel import kv_ring_write_unchecked, kv_sink_rotate, kv_sink_rotate_unchecked
 
 SUPPORTED_MODEL_TYPES = rolling_cache_model_types()   # from the family tables (models/families.py)
+# Sliding + full layers: supported with window="model" only (their own window on the sliding layers, exact).
+HYBRID_MODEL_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 # RoPE variants whose inverse frequencies are fixed, so scores depend only on position differences.
 STREAMING_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _TABLE = 256   # decode steps covered by one precomputed position / sink-rotation table
+_FULL_BLOCK = 1024   # full-attention layers of a hybrid cache grow their storage by this many columns at a time
 # Devices whose eager single-token steps attend with the decode kernel (on CPU SDPA is as good; tests add "cpu").
 DECODE_KERNEL_DEVICES = ("cuda",)
 _HOOK_ATTR = "_swift_liger_rolling_hook"
@@ -112,17 +138,27 @@ def _find_decoder(model: torch.nn.Module) -> torch.nn.Module:
     raise ValueError(f"RollingKVCache: cannot find the decoder (a module with .layers) in {type(model).__name__}")
 
 
-def _check_family(model: torch.nn.Module) -> None:
+def _check_family(model: torch.nn.Module, own_window: bool = False) -> None:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"RollingKVCache supports model types {', '.join(SUPPORTED_MODEL_TYPES)} (RoPE attention that "
-                         f"calls cache.update after rotating q and k); got {model_type!r}")
+    if model_type in HYBRID_MODEL_TYPES and not own_window:
+        raise ValueError(f"RollingKVCache supports {model_type} with window='model' only (--liger_rolling_cache "
+                         f"model): a ring of its own sliding window on the sliding layers and a full cache on the "
+                         f"full-attention ones, outputs equal to transformers' cache. An explicit window,sinks "
+                         f"ring would also cut the full-attention layers' context, which is not offered for "
+                         f"{model_type}.")
+    if model_type not in SUPPORTED_MODEL_TYPES + (HYBRID_MODEL_TYPES if own_window else ()):
+        types_ = SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES
+        raise ValueError(f"RollingKVCache supports model types {', '.join(types_)} (RoPE attention that calls "
+                         f"cache.update after rotating q and k; {', '.join(HYBRID_MODEL_TYPES)} with "
+                         f"window='model'); got {model_type!r}")
 
 
-def _validate_model(decoder: torch.nn.Module, mode: str) -> None:
+def _validate_model(decoder: torch.nn.Module, mode: str, own_window: bool = False) -> None:
     config = decoder.config
-    _check_family(decoder)
+    _check_family(decoder, own_window)
     _check_attention(config)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("RollingKVCache needs causal attention; this config has use_bidirectional_attention=True")
     if mode == "streaming":
         rotary = getattr(decoder, "rotary_emb", None)
         inv_freq = getattr(rotary, "inv_freq", None)
@@ -137,6 +173,61 @@ def _validate_model(decoder: torch.nn.Module, mode: str) -> None:
         if 2 * inv_freq.numel() != head_dim:
             raise ValueError(f"RollingKVCache(mode='streaming') needs RoPE over the full head_dim ({head_dim}), the "
                              f"rotary embedding covers {2 * inv_freq.numel()} dims")
+
+
+def _layer_types(config) -> tuple:
+    """(layer types, per-layer sliding window or None) as transformers reads them to build DynamicCache(config)."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:
+        get_layer_types_and_kwargs = None
+    if get_layer_types_and_kwargs is not None:
+        types_, kwargs = get_layer_types_and_kwargs(config)
+        return list(types_), [kw.get("sliding_window") for kw in kwargs]
+    window = getattr(config, "sliding_window", None)
+    types_ = getattr(config, "layer_types", None) or (
+        ["sliding_attention" if window is not None else "full_attention"] * config.num_hidden_layers)
+    return list(types_), [window if t == "sliding_attention" else None for t in types_]
+
+
+def _model_layer_kinds(config) -> tuple:
+    """window="model": ("ring" | "full" per layer, the sliding window W). Refuses configs without sliding layers,
+    with other layer types (chunked, linear) or with different windows per layer."""
+    types_, windows = _layer_types(config)
+    model_type = getattr(config, "model_type", "this")
+    if len(types_) != config.num_hidden_layers:
+        raise ValueError(f"RollingKVCache(window='model'): {model_type} has {config.num_hidden_layers} layers but "
+                         f"{len(types_)} cache layer types (shared-KV layers are not supported)")
+    other = sorted({t for t in types_ if t not in ("sliding_attention", "full_attention")})
+    if other:
+        raise ValueError(f"RollingKVCache(window='model') handles sliding_attention and full_attention layers; "
+                         f"{model_type} has {', '.join(other)}")
+    sliding = {w for t, w in zip(types_, windows) if t == "sliding_attention"}
+    if not sliding:
+        raise ValueError(f"RollingKVCache(window='model') needs sliding-window layers; this {model_type} config has "
+                         f"none (sliding_window={getattr(config, 'sliding_window', None)!r}, every layer full "
+                         f"attention). Give an explicit window,sinks instead.")
+    if len(sliding) > 1 or not isinstance(next(iter(sliding)), int) or next(iter(sliding)) < 1:
+        raise ValueError(f"RollingKVCache(window='model') needs one int sliding window >= 1 for all sliding layers, "
+                         f"{model_type} has {sorted(sliding, key=repr)}")
+    kinds = tuple("ring" if t == "sliding_attention" else "full" for t in types_)
+    return kinds, next(iter(sliding))
+
+
+def _warn_mixed(config, window: int, sinks: int) -> None:
+    """An explicit window on a config that mixes sliding and full layers (qwen2/qwen3 with layer_types)."""
+    types_, windows = _layer_types(config)
+    full = [i for i, t in enumerate(types_) if t == "full_attention"]
+    if not full or len(full) == len(types_):
+        return
+    own = next(w for t, w in zip(types_, windows) if t == "sliding_attention")
+    warnings.warn(f"RollingKVCache(window={window}, sinks={sinks}) on a {config.model_type} that mixes sliding-window "
+                  f"(window {own}) and full-attention layers: every layer becomes the same ring of {sinks} sinks + "
+                  f"the last {window} tokens, so the {len(full)} full-attention layers ({full}) lose all context "
+                  f"beyond it and the sliding ones see that ring instead of their own window (not exact). "
+                  f"window='model' (--liger_rolling_cache model) keeps a full cache on the full-attention layers "
+                  f"and the model's own window on the sliding ones (outputs equal transformers' cache).",
+                  UserWarning, stacklevel=3)
 
 
 def _check_attention(config) -> None:
@@ -176,12 +267,15 @@ class RollingLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, owner: "RollingKVCache", idx: int):
+    def __init__(self, owner: "RollingKVCache", idx: int, ring_idx: Optional[int] = None):
         super().__init__()
         self._owner = owner
         self._idx = idx
-        self._joint = False      # storage is a view of the cache's joint all-layer buffers
+        self._ring_idx = idx if ring_idx is None else ring_idx   # index among the cache's ring layers
+        self._joint = False      # storage is a view of the cache's joint all-ring-layer buffers
         self.sink_keys: Optional[torch.Tensor] = None
+        if getattr(owner, "own_window", False):   # window="model": a sliding layer to transformers' mask builders
+            self.is_sliding = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         o = self._owner
@@ -190,14 +284,15 @@ class RollingLayer(CacheLayerMixin):
         if value_states.shape[:2] != key_states.shape[:2] or value_states.shape[-1] != key_states.shape[-1]:
             raise ValueError("RollingKVCache needs keys and values of the same [B, H, *, D] shape")
         shape = (self.batch_size, self.num_heads, o.capacity, key_states.shape[-1])
-        self.keys, self.values, self.sink_keys, self._joint = o._layer_storage(self._idx, shape, self.dtype,
+        self.keys, self.values, self.sink_keys, self._joint = o._layer_storage(self._ring_idx, shape, self.dtype,
                                                                                self.device)
         if not torch.compiler.is_compiling():
             for t in (self.keys, self.values, self.sink_keys):
                 if t is not None:
                     torch._dynamo.mark_static_address(t)
         self.is_initialized = True
-        o._joint_ready = all(layer.is_initialized and layer._joint for layer in o.layers)
+        o._joint_ready = all(layer.is_initialized and layer._joint for layer in o.layers
+                             if isinstance(layer, RollingLayer))
 
     def update(self, key_states, value_states, plan: Optional[_Plan] = None, *args, **kwargs):
         if plan is None:
@@ -231,6 +326,10 @@ class RollingLayer(CacheLayerMixin):
         if plan.layout == "prefix":
             return self.keys[:, :, :plan.prefix_len], self.values[:, :, :plan.prefix_len]
         return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.sink_keys) if t is not None)
 
     def get_mask_sizes(self, query_length: int) -> tuple:
         plan = self._owner._plan
@@ -274,45 +373,161 @@ class RollingLayer(CacheLayerMixin):
         raise NotImplementedError("RollingKVCache has a fixed batch size")
 
 
+class FullLayer(CacheLayerMixin):
+    """A full-attention layer of a hybrid cache (window="model"): every column, padding included (the model's own
+    causal mask hides it), as transformers' DynamicLayer keeps them. Storage grows by _FULL_BLOCK (1024) columns at
+    a time, so a decode step copies one token rather than the whole past (DynamicLayer: a torch.cat per step);
+    ``keys`` / ``values`` are views of the filled part."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: "RollingKVCache", idx: int):
+        super().__init__()
+        self._owner = owner
+        self._idx = idx
+        self.length = 0          # columns stored
+        self._k: Optional[torch.Tensor] = None
+        self._v: Optional[torch.Tensor] = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        if value_states.shape != key_states.shape:
+            raise ValueError("RollingKVCache needs keys and values of the same [B, H, *, D] shape")
+        self._k = self._v = None
+        self.length = 0
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, plan: Optional[_Plan] = None, *args, **kwargs):
+        if plan is None:
+            raise RuntimeError("RollingKVCache layers are updated through RollingKVCache.update")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B, H, T, D = key_states.shape
+        if (B, H, T) != (self.batch_size, self.num_heads, plan.T) or value_states.shape != key_states.shape:
+            raise ValueError(f"RollingKVCache: got keys {tuple(key_states.shape)} / values "
+                             f"{tuple(value_states.shape)}, expected [{self.batch_size}, {self.num_heads}, "
+                             f"{plan.T}, D]")
+        if key_states.dtype != self.dtype or value_states.dtype != self.dtype:
+            raise TypeError(f"RollingKVCache holds {self.dtype}, got keys {key_states.dtype} / values "
+                            f"{value_states.dtype}")
+        n0, n = self.length, self.length + T
+        if self._k is None or n > self._k.shape[2]:
+            cap = -(-n // _FULL_BLOCK) * _FULL_BLOCK
+            k = key_states.new_zeros((B, H, cap, D))
+            v = torch.zeros_like(k)
+            if n0:
+                k[:, :, :n0].copy_(self._k[:, :, :n0])
+                v[:, :, :n0].copy_(self._v[:, :, :n0])
+            self._k, self._v = k, v
+        self._k[:, :, n0:n].copy_(key_states)
+        self._v[:, :, n0:n].copy_(value_states)
+        self.length = n
+        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+        return self.keys, self.values
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (the filled part rounded up to _FULL_BLOCK columns)."""
+        return sum(t.numel() * t.element_size() for t in (self._k, self._v) if t is not None)
+
+    def get_mask_sizes(self, query_length: int) -> tuple:
+        return self.length + query_length, 0      # DynamicLayer's answer: all past columns, offset 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+        if self._k is not None:
+            self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self._k is not None:
+            idx = beam_idx.to(self._k.device)
+            self._k, self._v = self._k.index_select(0, idx), self._v.index_select(0, idx)
+            self.keys, self.values = self._k[:, :, :self.length], self._v[:, :, :self.length]
+
+    def offload(self):
+        raise NotImplementedError("RollingKVCache does not support offloading")
+
+    def prefetch(self):
+        raise NotImplementedError("RollingKVCache does not support offloading")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("RollingKVCache cannot be cropped: evicted tokens are gone (no assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("RollingKVCache has a fixed batch size; create it before expanding the batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("RollingKVCache has a fixed batch size")
+
+
 class RollingKVCache(Cache):
     """Sinks + ring-buffer KV cache with constant memory. See the module docstring for the exact semantics.
 
     Args:
-        model: the Hugging Face model it will run with (llama, mistral, qwen2, qwen3; attn_implementation sdpa or
-            eager). The cache installs a forward pre-hook on its decoder (once per model, a no-op for other caches).
-        window: tokens of recent context each query sees (itself included), > 0.
-        sinks: first tokens kept forever, 0 <= sinks < window (StreamingLLM uses 4).
+        model: the Hugging Face model it will run with (llama, mistral, qwen2, qwen3; gemma2 and gemma3_text with
+            window="model"; attn_implementation sdpa or eager). The cache installs a forward pre-hook on its
+            decoder (once per model, a no-op for other caches).
+        window: tokens of recent context each query sees (itself included), > 0: every layer is a ring of
+            ``sinks + window`` slots. Or ``"model"``: the model's own sliding window, exact (hybrid models, see
+            the module docstring): a ring of ``config.sliding_window`` slots, no sinks, on each sliding layer and a
+            growing full cache (FullLayer) on each full-attention layer.
+        sinks: first tokens kept forever, 0 <= sinks < window (default 4; StreamingLLM uses 4). 0 with "model".
         mode: "absolute" (true RoPE positions, Mistral-style) or "streaming" (positions within the cache).
         cuda_graph: on CUDA, once the ring is full, run each single-token decode step of an unpadded batch as one
             replay of a CUDA graph of the decoder (captured at the first such step; the LM head and sampling stay
             eager). Decode is then bound by the GPU, not by ~20 us of Python per layer. Needs ``torch.no_grad()``
             (``generate`` does that); padded batches, ``output_attentions`` / ``output_hidden_states`` and steps
             before the wrap run eagerly. The returned ``last_hidden_state`` is the graph's static buffer, valid
-            until the next step.
+            until the next step. Not with window="model".
 
     Use as ``model.generate(..., past_key_values=RollingKVCache(model, window=4096, sinks=4))``, or call
-    ``install_rolling_cache(model, ...)`` once so that every ``generate`` call gets a fresh one. Storage is
+    ``install_rolling_cache(model, ...)`` once so that every ``generate`` call gets a fresh one. Ring storage is
     allocated at the first forward (batch size, heads, dtype and device come from it) and never reallocated;
-    ``reset()`` clears it for reuse with the same batch size.
+    ``reset()`` clears it for reuse with the same batch size. ``layer_kinds`` says which layers are rings.
     """
 
-    def __init__(self, model: torch.nn.Module, window: int, sinks: int = 4, mode: str = "absolute",
+    def __init__(self, model: torch.nn.Module, window, sinks: Optional[int] = None, mode: str = "absolute",
                  cuda_graph: bool = False):
-        check_rolling_cache(window, sinks, mode, cuda_graph)
-        _check_family(model)
+        settings = check_settings(window, sinks, mode, cuda_graph)
+        self.own_window = settings["window"] == MODEL_WINDOW
+        _check_family(model, self.own_window)
         decoder = _find_decoder(model)
-        _validate_model(decoder, mode)
+        _validate_model(decoder, mode, self.own_window)
         config = decoder.config
+        if self.own_window:
+            kinds, window = _model_layer_kinds(config)
+        else:
+            kinds = ("ring",) * config.num_hidden_layers
+            _warn_mixed(config, window, settings["sinks"])
+        sinks = settings["sinks"]
         self.window, self.sinks, self.mode = window, sinks, mode
         self.capacity = sinks + window
+        self.layer_kinds = kinds                # "ring" (RollingLayer) or "full" (FullLayer) per layer
         self._decoder = decoder
         self._config = config
         # The model's own sliding window, if narrower than ours, would cut the all-visible fast path.
         model_window = getattr(config, "sliding_window", None)
         self._fast_ok = model_window is None or model_window >= self.capacity
-        super().__init__(layers=[RollingLayer(self, i) for i in range(config.num_hidden_layers)])
+        layers, rings = [], 0
+        for i, kind in enumerate(kinds):
+            if kind == "ring":
+                layers.append(RollingLayer(self, i, rings))
+                rings += 1
+            else:
+                layers.append(FullLayer(self, i))
+        self._n_ring = rings
+        self._full_idx = kinds.index("full") if "full" in kinds else None   # sizes transformers' full mask
+        super().__init__(layers=layers)
         self._joint: Optional[tuple] = None     # (spec, keys [L, ...], values, sink_keys, sink refresh views)
-        self._joint_ready = False               # every layer's storage is a view of self._joint
+        self._joint_ready = False               # every ring layer's storage is a view of self._joint
         self.cuda_graph = cuda_graph
         self._graph: Optional[dict] = None      # captured decode step (see _graph_run)
         self._g_step: Optional[torch.Tensor] = None   # [1] int64: stream index of the token being decoded
@@ -347,16 +562,26 @@ class RollingKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._columns
 
+    def _full_layer(self, layer_idx) -> Optional["FullLayer"]:
+        layer = self.layers[layer_idx] if layer_idx is not None and 0 <= layer_idx < len(self.layers) else None
+        return layer if isinstance(layer, FullLayer) else None
+
     def get_query_offset(self, layer_idx: int = 0) -> int:
+        full = self._full_layer(layer_idx)
+        if full is not None:
+            return full.length   # columns before this forward (masks are built before the layers update)
         return self._plan.q_offset if self._plan is not None else self._columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple:
+        full = self._full_layer(layer_idx)
+        if full is not None:
+            return full.get_mask_sizes(query_length)
         if self._plan is None:
             return query_length, 0
         return self._plan.kv_length, 0
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
-        return self.capacity
+        return -1 if self._full_layer(layer_idx) is not None else self.capacity
 
     def reset(self) -> None:
         super().reset()
@@ -373,19 +598,22 @@ class RollingKVCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache's tensors (constant once allocated)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers
-                   for t in (layer.keys, layer.values, layer.sink_keys) if t is not None)
+        """Bytes held by the cache's tensors (constant once allocated; full-attention layers of a window="model"
+        cache grow by 1024 columns at a time)."""
+        return sum(layer.nbytes for layer in self.layers)
 
     def __repr__(self) -> str:
-        return (f"RollingKVCache(window={self.window}, sinks={self.sinks}, mode={self.mode!r}, "
-                f"layers={len(self.layers)}, seen={self._columns})")
+        full = len(self.layers) - self._n_ring
+        return (f"RollingKVCache(window={'model: ' if self.own_window else ''}{self.window}, sinks={self.sinks}, "
+                f"mode={self.mode!r}, layers={len(self.layers)}{f' ({full} full)' if full else ''}, "
+                f"seen={self._columns})")
 
     # ----- planning (called by the decoder's pre-forward hook) -----
 
     def _layer_storage(self, idx: int, shape: tuple, dtype: torch.dtype, device: torch.device):
-        """(keys, values, sink_keys, joint) for layer idx. Layers shaped like layer 0 get views of one [L, ...]
-        tensor each, so a streaming decode step re-rotates every layer's sinks in one launch."""
+        """(keys, values, sink_keys, joint) for ring layer idx (index among the ring layers). Ring layers shaped
+        like the first get views of one [L, ...] tensor each, so a streaming decode step re-rotates every layer's
+        sinks in one launch."""
         spec = (shape, dtype, device)
         streaming = self.mode == "streaming" and self.sinks > 0
         B, H, C, D = shape
@@ -393,7 +621,7 @@ class RollingKVCache(Cache):
         j = self._joint
         if idx == 0 or j is None:
             self._graph = None      # new storage addresses: a captured graph would write to the old ones
-            L = len(self.layers)
+            L = self._n_ring
             # Zero, not empty: masked slots are still read by attention (0 * NaN would poison the output).
             keys = torch.zeros((L, *shape), dtype=dtype, device=device)
             values = torch.zeros_like(keys)
@@ -468,6 +696,14 @@ class RollingKVCache(Cache):
             self._counts = plan.end
         return mask, position_ids
 
+    def _full_mask(self, batch: int, T: int, device, dtype, attention_mask, position_ids):
+        """The full-attention layers' mask, built by transformers' create_causal_mask from the caller's 2D mask
+        exactly as with DynamicCache (those layers store every column, padding included)."""
+        from transformers.masking_utils import create_causal_mask
+        embeds = torch.empty((batch, T, 0), dtype=dtype, device=device)   # only its shape, dtype, device are read
+        return create_causal_mask(config=self._config, inputs_embeds=embeds, attention_mask=attention_mask,
+                                  past_key_values=self, position_ids=position_ids, layer_idx=self._full_idx)
+
     # ----- CUDA graph decode -----
 
     def _graph_ok(self, device) -> bool:
@@ -501,7 +737,9 @@ class RollingKVCache(Cache):
         without a mask builder also makes create_causal_mask return None. Restored right after the call."""
         config = self._config
         previous = config.__dict__.get("_attn_implementation_internal")
-        if (previous not in SUPPORTED_ATTENTION or kwargs.get("output_attentions")
+        # Gemma-2's eager attention softcaps its scores (its sdpa path does not); the kernel does not softcap.
+        softcap = previous == "eager" and getattr(config, "attn_logit_softcapping", None) is not None
+        if (previous not in SUPPORTED_ATTENTION or softcap or kwargs.get("output_attentions")
                 or not _register_decode_attention()):
             return original(**kwargs)
         config._attn_implementation_internal = _DECODE_ATTENTION
@@ -568,7 +806,7 @@ class RollingKVCache(Cache):
             shift = self.window - 1 + self.sinks
             steps = (torch.arange(_TABLE, device=device) + (n - shift)).clamp_min(0).to(torch.float32)
             angle = (steps[:, None] * inv_freq[None, :])[:, None, :]
-            rows = len(self.layers) * self._batch
+            rows = self._n_ring * self._batch
             table = self._rot_table = (angle.cos().expand(-1, rows, -1), angle.sin().expand(-1, rows, -1))
             self._rot_start, i = n, 0
         return table[0][i], table[1][i]
@@ -627,7 +865,7 @@ class RollingKVCache(Cache):
             if self._joint_ready:
                 # Every layer's sinks in one launch, before any layer writes. Slots s >= n0[b] are not stored
                 # yet (zero in both buffers, and the angle is 0 while n0[b] < sinks), so rotating all is exact.
-                L = len(self.layers)
+                L = self._n_ring
                 cos, sin = self._sink_rotation(n0.repeat(L), L * batch, device)
                 dst, src = self._joint[4]
                 kv_sink_rotate_unchecked(dst, src, cos, sin)
@@ -746,8 +984,14 @@ def _rolling_pre_hook(module, args, kwargs):
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         raise ValueError("RollingKVCache builds the attention mask itself: pass a 2D padding mask [B, columns] "
                          "or none (not a 4D mask or a mask dict)")
+    embeds = kwargs.get("inputs_embeds")
     new_mask, position_ids = cache._begin_forward(x.shape[0], x.shape[1], x.device, mask,
-                                                  kwargs.get("position_ids"), module, kwargs.get("inputs_embeds"))
+                                                  kwargs.get("position_ids"), module, embeds)
+    if new_mask is not None and cache._full_idx is not None:
+        # Hybrid decoders take a mask per layer type: ours for the rings, transformers' own for the full layers.
+        dtype = embeds.dtype if embeds is not None else module.dtype
+        new_mask = {"sliding_attention": new_mask,
+                    "full_attention": cache._full_mask(x.shape[0], x.shape[1], x.device, dtype, mask, position_ids)}
     kwargs["attention_mask"] = new_mask
     kwargs["position_ids"] = position_ids
     return args, kwargs
@@ -798,9 +1042,10 @@ def _remove_forward_wrapper(decoder: torch.nn.Module) -> None:
 # Installation on a model (the rolling_cache fusion, `liger_rolling_cache`, calls it)
 # ---------------------------------------------------------------------------------------------------------------
 
-def install_rolling_cache(model: torch.nn.Module, window: int, sinks: int = 4, mode: str = "absolute",
+def install_rolling_cache(model: torch.nn.Module, window, sinks: Optional[int] = None, mode: str = "absolute",
                           cuda_graph: bool = False):
-    """Make every ``model.generate(...)`` call that brings no cache of its own use a fresh RollingKVCache.
+    """Make every ``model.generate(...)`` call that brings no cache of its own use a fresh RollingKVCache
+    (``window`` an int, sinks default 4, or ``"model"``: see RollingKVCache).
 
     Validates the configuration now (bad window/sinks/mode, unsupported family or attention are errors here, not at
     the first generate). Wraps ``generate`` on this instance only; ``uninstall_rolling_cache`` undoes it. Calls that
