@@ -181,9 +181,11 @@ def _layer_types(config) -> tuple:
         from transformers.cache_utils import get_layer_types_and_kwargs
     except ImportError:
         get_layer_types_and_kwargs = None
-    if get_layer_types_and_kwargs is not None:
+    if get_layer_types_and_kwargs is not None:   # transformers >= 5.19: per-layer kwargs dicts
         types_, kwargs = get_layer_types_and_kwargs(config)
-        return list(types_), [kw.get("sliding_window") for kw in kwargs]
+        if isinstance(kwargs, (list, tuple)) and all(isinstance(kw, dict) for kw in kwargs):
+            return list(types_), [kw.get("sliding_window") for kw in kwargs]
+    # 5.17 returns one kwargs dict for every layer, older releases lack the function: read the config
     window = getattr(config, "sliding_window", None)
     types_ = getattr(config, "layer_types", None) or (
         ["sliding_attention" if window is not None else "full_attention"] * config.num_hidden_layers)

@@ -374,3 +374,25 @@ def test_install_and_apply(device):
     with pytest.warns(UserWarning, match="rolling_cache skipped.*gemma2 with window='model' only"):
         report = swift_liger.apply(hybrid_model(device, "gemma2"), rolling_cache={"window": 64, "sinks": 4})
     assert report.patched["rolling_cache"] == 0
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID) + ["llama"])
+@pytest.mark.parametrize("api", ["one_dict", "absent"])
+def test_layer_types_without_per_layer_kwargs(family, api, monkeypatch):
+    """transformers 5.17's get_layer_types_and_kwargs returns one kwargs dict for all layers, older releases lack
+    it: the layer types and the window then come from the config, the same answer as 5.19's per-layer kwargs."""
+    from transformers import cache_utils
+
+    from swift_liger.cache import rolling
+    config = HYBRID[family]() if family in HYBRID else LlamaConfig(**TINY, num_hidden_layers=3)
+    expected = rolling._layer_types(config)
+    real = cache_utils.get_layer_types_and_kwargs
+    if api == "one_dict":
+        monkeypatch.setattr(cache_utils, "get_layer_types_and_kwargs",
+                            lambda c: (real(c)[0], {"sliding_window": c.sliding_window} if getattr(
+                                c, "sliding_window", None) else {}))
+    else:
+        monkeypatch.delattr(cache_utils, "get_layer_types_and_kwargs")
+    assert rolling._layer_types(config) == expected
+    assert len(expected[0]) == len(expected[1]) == config.num_hidden_layers
+    assert expected[1] == [W if t == "sliding_attention" else None for t in expected[0]]
