@@ -46,6 +46,7 @@ class Result:
     max_rel_err: Optional[float]
     error: Optional[str] = None
     rel_errs: Optional[list] = None   # per output, then per input gradient
+    graphed: Optional[bool] = None    # graphs=True: timed as one CUDA graph replay (False: capture failed, eager)
 
 
 def _outputs(out):
@@ -80,7 +81,31 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / (denom if denom > 0 else 1.0)
 
 
-def run_case(case: Case, *, warmup_ms: int = 100, rep_ms: int = 500) -> List[Result]:
+def _graph_ms(fn, inputs, grads_cache, leaves, warmup_ms: int, rep_ms: int) -> float:
+    """Median ms of one forward+backward captured in a CUDA graph: kernel time without the host's share (Python,
+    autograd, launches), which at a few hundred microseconds per fwd+bwd can exceed the kernels' own time."""
+    from triton.testing import do_bench
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up on a side stream, as capture requires
+        for _ in range(3):
+            for leaf in leaves:
+                leaf.grad = None
+            _fwd_bwd(fn, inputs, grads_cache)
+    torch.cuda.current_stream().wait_stream(side)
+    for leaf in leaves:
+        leaf.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _fwd_bwd(fn, inputs, grads_cache)
+    ms = do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    del graph
+    return ms
+
+
+def run_case(case: Case, *, warmup_ms: int = 100, rep_ms: int = 500, graphs: bool = False) -> List[Result]:
+    """graphs=True times each implementation as a CUDA graph replay (falling back to eager timing, marked
+    graphed=False, where capture fails)."""
     from triton.testing import do_bench
 
     results = []
@@ -114,13 +139,21 @@ def run_case(case: Case, *, warmup_ms: int = 100, rep_ms: int = 500) -> List[Res
             _fwd_bwd(fn, inputs, grads_cache)
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / GiB
-            ms = do_bench(lambda: _fwd_bwd(fn, inputs, grads_cache), warmup=warmup_ms, rep=rep_ms,
-                          grad_to_none=leaves, return_mode="median")
+            graphed = None
+            if graphs:
+                try:
+                    ms, graphed = _graph_ms(fn, inputs, grads_cache, leaves, warmup_ms, rep_ms), True
+                except Exception:   # capture needs no host syncs; an implementation with one is timed eagerly
+                    torch.cuda.synchronize()
+                    graphed = False
+            if not graphed:
+                ms = do_bench(lambda: _fwd_bwd(fn, inputs, grads_cache), warmup=warmup_ms, rep=rep_ms,
+                              grad_to_none=leaves, return_mode="median")
             results.append(Result(case.op, case.shape, name, ms,
                                   case.min_bytes / (ms * 1e-3) / 1e9 if case.min_bytes else None,
                                   case.min_flops / (ms * 1e-3) / 1e12 if case.min_flops else None,
                                   peak, case.grad_bytes / GiB if case.grad_bytes else None, err,
-                                  rel_errs=errs))
+                                  rel_errs=errs, graphed=graphed))
         except Exception as exc:  # a peer that fails (OOM, missing feature) is reported, not fatal
             msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             results.append(Result(case.op, case.shape, name, None, None, None, None, None, None, msg))

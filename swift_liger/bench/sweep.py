@@ -9,6 +9,8 @@ cross-entropy and linear+CE over the loss heads of Llama-3, Qwen2.5, Gemma-2 and
 so that a deadline cuts every op's tail rather than whole ops, and appends one JSON line per (shape, peer) to
 DIR/sweep.jsonl as it goes (a cut run keeps what it measured). torch.compile's caches are reset before every case,
 so every shape gets its own static compile (dynamo's recompile limit would otherwise fall back to eager).
+--graphs times each fwd+bwd as one CUDA graph replay: kernel time without the host's share, which at these sizes
+can exceed the kernels' (an implementation that cannot be captured is timed eagerly, marked "(eager)").
 `report` (no GPU needed) writes <name>.json, <name>.md and <name>.png: per op and shape our time over the fastest
 peer's, achieved GB/s or TFLOP/s, and peak extra memory beside Liger-Kernel's.
 """
@@ -27,6 +29,7 @@ OPS = ("rms_norm", "rms_norm_residual", "swiglu", "geglu", "rope", "qk_norm_rope
        "fused_linear_ce")
 SLOW_OPS = {"fused_linear_ce": 45.0, "cross_entropy": 15.0}   # seconds one case may take (compile + eager peer)
 DEFAULT_CASE_S = 8.0
+TIE = 1.05   # ours within 5% of the fastest peer: inside this GPU's run-to-run spread (orange in the plot)
 
 
 def order(groups: Dict[str, list], ops) -> List[tuple]:
@@ -68,7 +71,7 @@ def run(args) -> int:
         rep = max(args.rep_ms, 150) if op == "fused_linear_ce" else args.rep_ms
         try:
             case = factory()
-            results = harness.run_case(case, warmup_ms=max(10, rep // 4), rep_ms=rep)
+            results = harness.run_case(case, warmup_ms=max(10, rep // 4), rep_ms=rep, graphs=args.graphs)
         except Exception as exc:   # a case that cannot be built is reported, not fatal
             results = [harness.Result(op, key, OURS, None, None, None, None, None, None,
                                       f"{type(exc).__name__}: {str(exc)[:160]}")]
@@ -120,7 +123,12 @@ def _f(v, spec):
     return "—" if v is None else format(v, spec)
 
 
-def to_markdown(env, rows, command: str, png: Optional[str]) -> str:
+def _ms(row) -> str:
+    """A row's median ms; ' (eager)' where a --graphs run could not capture it in a CUDA graph."""
+    return _f(row.get("ms"), ".3f") + (" (eager)" if row.get("graphed") is False else "")
+
+
+def to_markdown(env, rows, command: str, png: Optional[str], notes: str = "") -> str:
     by = cases(rows)
     lines = ["# Per-op sweep: ours against every peer at every shape", "",
              f"GPU: {env.get('gpu')} · torch {env.get('torch')} · triton {env.get('triton')} · "
@@ -144,7 +152,8 @@ def to_markdown(env, rows, command: str, png: Optional[str]) -> str:
         if ratios:
             worst = max(ratios, key=lambda x: x[0][0])
             wins = sum(1 for r, _ in ratios if r[0] <= 1.0)
-            summary.append(f"| {op} | {len(keys)} | {wins} | {worst[0][0]:.2f} ({worst[0][1]}, {worst[1]}) |")
+            ties = sum(1 for r, _ in ratios if 1.0 < r[0] <= TIE)
+            summary.append(f"| {op} | {len(keys)} | {wins} | {ties} | {worst[0][0]:.2f} ({worst[0][1]}, {worst[1]}) |")
         impls = []
         for k in keys:
             for r in by[k]:
@@ -159,12 +168,12 @@ def to_markdown(env, rows, command: str, png: Optional[str]) -> str:
             ours = got.get(OURS, {})
             rate = (f"{ours['gbps']:.0f} GB/s" if ours.get("gbps") else
                     f"{ours['tflops']:.0f} TFLOP/s" if ours.get("tflops") else "—")
-            lines.append(f"| {k[1]} | " + " | ".join(_f(got.get(i, {}).get("ms"), ".3f") for i in impls)
+            lines.append(f"| {k[1]} | " + " | ".join(_ms(got.get(i, {})) for i in impls)
                          + f" | {_f(ratio[0] if ratio else None, '.2f')} | {rate} | "
                          f"{_f(ours.get('peak_extra_gib'), '.3f')} / {_f(got.get('liger', {}).get('peak_extra_gib'), '.3f')} |")
         lines.append("")
-    head = ["## Summary", "", "| op | shapes measured | ours ≤ fastest peer | worst ours/best (peer, shape) |",
-            "|---|---:|---:|---|", *summary, ""]
+    head = ["## Summary", "", "| op | shapes measured | ours ≤ fastest peer | within 5% | worst ours/best (peer, shape) |",
+            "|---|---:|---:|---:|---|", *summary, ""] + ([notes.strip(), ""] if notes.strip() else [])
     at = lines.index(f"![ours over the fastest peer]({png})") + 2 if png else 10
     return "\n".join(lines[:at] + head + lines[at:]) + "\n"
 
@@ -184,7 +193,8 @@ def plot(path: str, rows) -> bool:
     for ax, op in zip(axes[:, 0], ops):
         keys = [k for k in by if k[0] == op and _ratio(by[k])]
         vals = [_ratio(by[k])[0] for k in keys]
-        ax.bar(range(len(keys)), vals, color=["tab:green" if v <= 1 else "tab:red" for v in vals])
+        ax.bar(range(len(keys)), vals, color=["tab:green" if v <= 1 else "tab:orange" if v <= TIE else "tab:red"
+                                              for v in vals])
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_ylabel("ours / fastest")
         ax.set_title(op, fontsize=9)
@@ -205,7 +215,11 @@ def report(args) -> int:
     command = args.command or env.get("command", "python -m swift_liger.bench.sweep run")
     with open(os.path.join(args.out, f"{args.name}.json"), "w", encoding="utf-8") as f:
         json.dump({"environment": env, "command": command, "results": rows}, f, indent=1)
-    md = to_markdown(env, rows, command, png)
+    notes = ""
+    if args.notes:
+        with open(args.notes, encoding="utf-8") as f:
+            notes = f.read()
+    md = to_markdown(env, rows, command, png, notes)
     with open(os.path.join(args.out, f"{args.name}.md"), "w", encoding="utf-8") as f:
         f.write(md)
     print(md)
@@ -220,11 +234,14 @@ def main(argv=None) -> int:
     r.add_argument("--ops", default=None, help=f"comma-separated subset of {','.join(OPS)}")
     r.add_argument("--deadline", type=float, default=None, help="seconds; no new case starts after")
     r.add_argument("--rep-ms", type=int, default=40)
+    r.add_argument("--graphs", action="store_true",
+                   help="time every fwd+bwd as a CUDA graph replay (kernel time, without the host's share)")
     p = sub.add_parser("report")
     p.add_argument("jsonl")
     p.add_argument("--out", required=True)
     p.add_argument("--name", default="kernel_sweep")
     p.add_argument("--command", default=None, help="the command line to print (default: from the JSONL)")
+    p.add_argument("--notes", default=None, help="a markdown file put after the summary (how to read this run)")
     args = ap.parse_args(argv)
     return run(args) if args.cmd == "run" else report(args)
 

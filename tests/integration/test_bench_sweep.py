@@ -27,7 +27,8 @@ def test_order_round_robin_keeps_each_ops_order():
 
 def _row(op, shape, impl, ms, **kw):
     return {"op": op, "shape": shape, "impl": impl, "ms": ms, "gbps": kw.get("gbps"), "tflops": kw.get("tflops"),
-            "peak_extra_gib": kw.get("peak", 0.25), "grad_gib": 0.2, "max_rel_err": 0.0, "error": None}
+            "peak_extra_gib": kw.get("peak", 0.25), "grad_gib": 0.2, "max_rel_err": 0.0, "error": None,
+            "graphed": kw.get("graphed")}
 
 
 def test_report_ratios_and_files(tmp_path):
@@ -37,7 +38,7 @@ def test_report_ratios_and_files(tmp_path):
             _row("rms_norm", "16384x4096", "swift_liger", 0.4, gbps=1500.0),
             _row("rms_norm", "1024x1024", "eager", 0.05), _row("rms_norm", "1024x1024", "liger", 0.02),
             _row("rms_norm", "1024x1024", "swift_liger", 0.03, gbps=100.0),
-            _row("fused_linear_ce", "N8192 W frozen", "torch.compile", 30.0),
+            _row("fused_linear_ce", "N8192 W frozen", "torch.compile", 30.0, graphed=False),
             _row("fused_linear_ce", "N8192 W frozen", "swift_liger accumulate", 20.0),
             _row("fused_linear_ce", "N8192 W frozen", "swift_liger", 33.0, tflops=500.0)]
     with open(path, "w") as f:
@@ -51,9 +52,10 @@ def test_report_ratios_and_files(tmp_path):
 
     assert sweep.main(["report", str(path), "--out", str(tmp_path), "--name", "s"]) == 0
     md = (tmp_path / "s.md").read_text()
-    assert "| rms_norm | 2 | 1 | 1.50 (liger, 1024x1024) |" in md
+    assert "| rms_norm | 2 | 1 | 0 | 1.50 (liger, 1024x1024) |" in md
     assert "| 16384x4096 | 2.000 | 0.500 | 0.600 | 0.400 | 0.80 | 1500 GB/s | 0.250 / 0.300 |" in md
     assert "500 TFLOP/s" in md
+    assert "| N8192 W frozen | 30.000 (eager) |" in md   # a --graphs run that could not capture this peer
     data = json.loads((tmp_path / "s.json").read_text())
     assert len(data["results"]) == len(rows) and data["environment"]["gpu"] == "H200"
     assert (tmp_path / "s.png").stat().st_size > 1000
