@@ -262,7 +262,26 @@ class _Plan:
     end_t: Optional[torch.Tensor] = None   # write kernel at replay time (a Python int would be baked in)
 
 
-class RollingLayer(CacheLayerMixin):
+class _Unsupported:
+    """What neither layer kind of a RollingKVCache does: offloading, cropping, changing the batch."""
+
+    def offload(self):
+        raise NotImplementedError("RollingKVCache does not support offloading")
+
+    def prefetch(self):
+        raise NotImplementedError("RollingKVCache does not support offloading")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("RollingKVCache cannot be cropped: evicted tokens are gone (no assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("RollingKVCache has a fixed batch size; create it before expanding the batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("RollingKVCache has a fixed batch size")
+
+
+class RollingLayer(_Unsupported, CacheLayerMixin):
     """One layer's storage: keys/values ``[B, H, sinks + window, D]`` and, in streaming mode, pristine sink keys."""
 
     is_compileable = False
@@ -359,23 +378,8 @@ class RollingLayer(CacheLayerMixin):
                 if t is not None:
                     t.copy_(t.index_select(0, idx))
 
-    def offload(self):
-        raise NotImplementedError("RollingKVCache does not support offloading (its storage is already fixed-size)")
 
-    def prefetch(self):
-        raise NotImplementedError("RollingKVCache does not support offloading")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("RollingKVCache cannot be cropped: evicted tokens are gone (no assisted decoding)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("RollingKVCache has a fixed batch size; create it before expanding the batch")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("RollingKVCache has a fixed batch size")
-
-
-class FullLayer(CacheLayerMixin):
+class FullLayer(_Unsupported, CacheLayerMixin):
     """A full-attention layer of a hybrid cache (window="model"): every column, padding included (the model's own
     causal mask hides it), as transformers' DynamicLayer keeps them. Storage grows by _FULL_BLOCK (1024) columns at
     a time, so a decode step copies one token rather than the whole past (DynamicLayer: a torch.cat per step);
@@ -453,21 +457,6 @@ class FullLayer(CacheLayerMixin):
             idx = beam_idx.to(self._k.device)
             self._k, self._v = self._k.index_select(0, idx), self._v.index_select(0, idx)
             self.keys, self.values = self._k[:, :, :self.length], self._v[:, :, :self.length]
-
-    def offload(self):
-        raise NotImplementedError("RollingKVCache does not support offloading")
-
-    def prefetch(self):
-        raise NotImplementedError("RollingKVCache does not support offloading")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("RollingKVCache cannot be cropped: evicted tokens are gone (no assisted decoding)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("RollingKVCache has a fixed batch size; create it before expanding the batch")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("RollingKVCache has a fixed batch size")
 
 
 class RollingKVCache(Cache):

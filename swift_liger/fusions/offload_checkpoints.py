@@ -44,13 +44,8 @@ def chosen(layers, value) -> list:
 def patch(ctx) -> None:
     from ..models import checkpoint_funcs
     from ..models.offload import Offloader, checkpoint_offloaded
-    layers = ctx.of(ctx.family.decoder_layer)
+    layers = checkpoint_funcs.checkpointed_layers(ctx, "offload_checkpoints")
     if not layers:
-        ctx.report.skip("offload_checkpoints", f"no {'/'.join(ctx.family.decoder_layer)} module found", problem=True)
-        return
-    if not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
-        ctx.report.skip("offload_checkpoints", f"{type(layers[0]).__name__} is not a GradientCheckpointingLayer",
-                        problem=True)
         return
     layers = chosen(layers, ctx.config.offload_checkpoints)
     offloader = Offloader()

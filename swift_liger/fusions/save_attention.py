@@ -1,9 +1,11 @@
 """Keep attention outputs through gradient checkpointing: the recompute of a checkpointed decoder layer reuses the
 forward's SDPA result (out + logsumexp) instead of running attention again (models/checkpoint_funcs.py).
 
-Attention is the one part of a layer whose recompute costs O(T^2): at Qwen2.5-1.5B shapes and 16k tokens it is about
-a tenth of a full fine-tuning step. The price is one [T, heads x head_dim] output (bf16) plus a [heads, T] fp32
-logsumexp per layer: 48 MiB per layer at 16k tokens there, 1.3 GiB over 28 layers. Layers whose checkpoints are
+Attention is the one part of a layer whose recompute costs O(T^2). Through `swift sft`, full fine-tuning at
+Qwen2.5-1.5B shapes and 16k tokens on an H200: 33,501 tok/s against 30,093 without it (1.11x). The price is one
+[T, heads x head_dim] output (bf16) plus a [heads, T] fp32 logsumexp per layer, 48 MiB per layer there (1.3 GiB over
+28 layers), held from the forward until that layer's backward; the step's peak there is at the end of the backward,
+when most are freed again, so it rose by 0.14 GiB (13.01 -> 13.15 GiB). Layers whose checkpoints are
 offloaded (offload_checkpoints) keep their own recompute; the rest get this one. Applies to SDPA attention whose
 call reaches a fused kernel (flash, memory-efficient, cuDNN or the CPU flash kernel); other attention (eager,
 flex, a padded batch that takes SDPA's math path) is recomputed as before. Needs --gradient_checkpointing true.
@@ -15,17 +17,12 @@ from .base import Fusion
 
 def patch(ctx) -> None:
     from ..models import checkpoint_funcs
-    layers = ctx.of(ctx.family.decoder_layer)
+    layers = checkpoint_funcs.checkpointed_layers(ctx, "save_attention")
     if not layers:
-        ctx.report.skip("save_attention", f"no {'/'.join(ctx.family.decoder_layer)} module found", problem=True)
-        return
-    if not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
-        ctx.report.skip("save_attention", f"{type(layers[0]).__name__} is not a GradientCheckpointingLayer",
-                        problem=True)
         return
     if ctx.config.compile_layers:
-        ctx.report.skip("save_attention", "not combined with compile_layers (torch.compile inside a selective "
-                        "checkpoint is untested here); attention is recomputed", problem=True)
+        ctx.report.skip("save_attention", "not combined with compile_layers (a compiled layer inside a selective "
+                        "checkpoint is not built): attention is recomputed", problem=True)
         return
     taken = {id(layer) for layer, _ in (getattr(ctx.state, "checkpoint_funcs", None) or [])}
     rest = [layer for layer in layers if id(layer) not in taken]

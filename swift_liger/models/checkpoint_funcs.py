@@ -59,6 +59,18 @@ def install(ctx, layers: Iterable[torch.nn.Module], func: Callable) -> int:
     return _install(state)
 
 
+def checkpointed_layers(ctx, fusion: str) -> list:
+    """The family's decoder layers, or [] after saying in the report why `fusion` cannot set their checkpoint."""
+    layers = ctx.of(ctx.family.decoder_layer)
+    if not layers:
+        ctx.report.skip(fusion, f"no {'/'.join(ctx.family.decoder_layer)} module found", problem=True)
+        return []
+    if not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
+        ctx.report.skip(fusion, f"{type(layers[0]).__name__} is not a GradientCheckpointingLayer", problem=True)
+        return []
+    return layers
+
+
 def attention_ops() -> tuple:
     """The fused SDPA kernels this torch build has (their outputs are what save_attention keeps)."""
     names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
