@@ -11,7 +11,8 @@
 # families: stock vs swift_liger per model family, LoRA and full (python -m swift_liger.bench.families; FAMILY_ARGS)
 # qlora:   QLoRA tests on CUDA (no xdist), then tiny `swift sft --quant_method bnb --quant_bits 4` bf16: stock vs
 #          --use_liger, per-step losses (needs the bitsandbytes wheel in .whl/: ../shared/gpu/slim_bnb.sh)
-# rolling: RollingKVCache decode benchmark (ROLLING_ARGS)
+# rolling: RollingKVCache decode benchmark (ROLLING_ARGS; ROLLING_ARGS=--only-hybrid: the Gemma-2 hybrid cache only)
+# sweep:   per-op sweep against every peer, CUDA-graph timing (python -m swift_liger.bench.sweep run; SWEEP_ARGS)
 # longctx: longest trainable context per variant, 8B LoRA (python -m swift_liger.bench.long_context; LONGCTX_ARGS)
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/bench"
@@ -146,6 +147,11 @@ PY
     timeout "${ROLLING_TIMEOUT:-240}" python3 -m swift_liger.bench.rolling_cache --out "$OUT/bench" ${ROLLING_ARGS:-} \
       >"$OUT/rc.log" 2>&1
     grep -E "ms/tok|long run|agreement|targets|Error|error" "$OUT/rc.log" | head -60 ;;
+  sweep)
+    stamp sweep
+    timeout "${SWEEP_TIMEOUT:-540}" python3 -m swift_liger.bench.sweep run --out "$OUT/sweep" \
+      ${SWEEP_ARGS:---graphs --deadline 520} >"$OUT/sweep.log" 2>&1; echo "sweep rc $?"
+    tail -3 "$OUT/sweep.log" ;;
   longctx)
     stamp longctx
     timeout "${LONGCTX_TIMEOUT:-570}" python3 -m swift_liger.bench.long_context --out "$OUT/bench" \
