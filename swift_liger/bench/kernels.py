@@ -178,8 +178,9 @@ def cross_entropy_cases() -> List[Case]:
     return [cross_entropy_case(8192, 128256)]
 
 
-def flce_case(n: int, h: int, v: int, train_w: bool, accumulate_peer: bool = True) -> Case:
-    """Linear + cross-entropy from hidden states [n, h] and a head [v, h], frozen or trainable."""
+def flce_case(n: int, h: int, v: int, train_w: bool, strategies=("accumulate",)) -> Case:
+    """Linear + cross-entropy from hidden states [n, h] and a head [v, h], frozen or trainable; with a trainable
+    head, our op also runs with each dW strategy in `strategies` ("swift_liger <strategy>", not a peer)."""
     from swift_liger.ops import fused_linear_cross_entropy_kernel as ops
     liger_flce = _try_import("liger_kernel.transformers.functional.liger_fused_linear_cross_entropy")
     cce = _try_import("cut_cross_entropy.linear_cross_entropy")
@@ -191,9 +192,9 @@ def flce_case(n: int, h: int, v: int, train_w: bool, accumulate_peer: bool = Tru
         labels[::9] = -100
         return {"h": hid, "w": w, "labels": labels}
     extra = {}
-    if train_w and accumulate_peer:
-        extra["swift_liger accumulate"] = lambda i: ops.fused_linear_cross_entropy(
-            i["h"], i["w"], i["labels"], dw_strategy="accumulate")
+    for strategy in strategies if train_w else ():
+        extra[f"swift_liger {strategy}"] = lambda i, st=strategy: ops.fused_linear_cross_entropy(
+            i["h"], i["w"], i["labels"], dw_strategy=st)
     if cce is not None:
         extra["cce"] = lambda i: cce(i["h"], i["w"], i["labels"])
     gemms = 3 if train_w else 2
@@ -291,6 +292,6 @@ def sweep_groups() -> Dict[str, List[tuple]]:
         n = 16384 if name == "Qwen2.5-1.5B" else SWEEP_CE_TOKENS
         for train_w in (True, False):
             flce.append((f"N{n} H{h} V{v} W {'trainable' if train_w else 'frozen'} ({name})",
-                         functools.partial(flce_case, n, h, v, train_w, False)))
+                         functools.partial(flce_case, n, h, v, train_w, ("accumulate_lowp",))))
     groups["fused_linear_ce"] = flce
     return groups

@@ -14,8 +14,11 @@ dtype, allocated once per call and reused for every chunk of C tokens:
                                      dW[vs] = ws^T @ h  (one GEMM over all N: fp32 inside, one rounding) GEMM 4
 
 Because every token chunk holds the full vocabulary, dh needs no accumulation across chunks; dW either
-accumulates across token chunks in an fp32 [V, H] buffer ("accumulate", 3 GEMMs, +V*H*4 bytes) or is recomputed
-per vocab slice ("recompute", 4 GEMMs, no buffer beyond the workspace). Frozen W (LoRA): 2 GEMMs, no dW work.
+accumulates across token chunks in an fp32 [V, H] buffer ("accumulate", 3 GEMMs, +V*H*4 bytes), accumulates in the
+weight's own dtype ("accumulate_lowp", 3 GEMMs; the buffer becomes the gradient, scaled in place: no memory beyond
+the gradient and the workspace; one bf16/fp16 rounding per token chunk, as Liger-Kernel accumulates by default) or
+is recomputed per vocab slice ("recompute", 4 GEMMs, no buffer beyond the workspace). Frozen W (LoRA): 2 GEMMs, no
+dW work.
 
 Numbers for the Llama-3-8B head, N=8192, H=4096, V=128256, bf16 (H200, ~790 TFLOP/s bf16 dense):
     each GEMM = 2*N*H*V = 8.6 TFLOP ~ 10.9 ms.   frozen W: 2 GEMMs ~ 23 ms.   "accumulate": 3 GEMMs ~ 35-38 ms
@@ -50,7 +53,7 @@ CHUNK_ALIGN = 128                    # token chunk rows: a multiple of the GEMM 
 SLICE_ALIGN = 128                    # vocab slice width in pass 2: a multiple of the GEMM N tile
 DW_ACCUMULATE_BUDGET_BYTES = 256 << 20  # "auto": accumulate dW in fp32 only when V*H*4 fits in this
 
-DW_STRATEGIES = ("auto", "accumulate", "recompute")
+DW_STRATEGIES = ("auto", "accumulate", "accumulate_lowp", "recompute")
 
 
 class FLCEOutput(NamedTuple):
@@ -333,10 +336,10 @@ def _slice_width(n: int, v_todo: int, ws_elems: int) -> int:
 
 
 def _resolve_dw_rows(strategy: str, v: int, h: int, reduction: str) -> int:
-    """Leading vocab rows whose dW accumulates in fp32 during pass 1 (the rest is recomputed in pass 2)."""
+    """Leading vocab rows whose dW accumulates during pass 1 (the rest is recomputed in pass 2)."""
     if reduction == "none":   # per-token grad scales: accumulated dW would be unusable
         return 0
-    if strategy == "accumulate":
+    if strategy in ("accumulate", "accumulate_lowp"):
         return v
     if strategy == "recompute":
         return 0
@@ -349,12 +352,14 @@ def _resolve_dw_rows(strategy: str, v: int, h: int, reduction: str) -> int:
 
 def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                   ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, temperature: float,
-                  chunk_size: int, dw_acc_rows: int, need_dh: bool, need_db: bool, write_grad: bool, need_sum: bool):
+                  chunk_size: int, dw_acc_rows: int, need_dh: bool, need_db: bool, write_grad: bool, need_sum: bool,
+                  dw_acc_lowp: bool = False):
     """Pass 1 over token chunks.
 
     hidden [N, H], weight [V, H], bias [V] or None, labels [N] int; softcap 0 means none, temperature 1.0 none.
     Returns token_loss [N] fp32, lse [N] fp32, dh [N, H] (input dtype, unit scale; [0] unless need_dh),
-    dw_acc [dw_acc_rows, H] fp32 (unit scale, sum over all tokens), db_acc [V] fp32 ([0] unless need_db),
+    dw_acc [dw_acc_rows, H] fp32 (unit scale, sum over all tokens; in the weight's dtype when dw_acc_lowp), db_acc
+    [V] fp32 ([0] unless need_db),
     logit_sum [N] fp32 (each row's sum of the logits the loss sees; [0] unless need_sum).
     """
     n, h_dim = hidden.shape
@@ -366,7 +371,7 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     dh = _common.new_empty((n, h_dim), dtype=hidden.dtype, device=dev) if (write_grad and need_dh) \
         else hidden.new_empty((0,))
     acc_rows = dw_acc_rows if write_grad else 0
-    acc = _common.new_empty((acc_rows, h_dim), dtype=torch.float32, device=dev)
+    acc = _common.new_empty((acc_rows, h_dim), dtype=weight.dtype if dw_acc_lowp else torch.float32, device=dev)
     db = _common.new_empty((v,), dtype=torch.float32, device=dev) if (write_grad and need_db) \
         else hidden.new_empty((0,), dtype=torch.float32)
     logit_sum = _common.new_empty((n if need_sum else 0,), dtype=torch.float32, device=dev)
@@ -428,10 +433,13 @@ def _flce_backward(dh: torch.Tensor, dw_acc: torch.Tensor, db_acc: torch.Tensor,
 
     grad_w, grad_b, v_start = empty(), empty(), v
     if need_dw:
-        grad_w = _common.new_empty((v, h_dim), dtype=w_dtype, device=dev)
         acc_rows = 0 if per_row else dw_acc.shape[0]
-        if acc_rows:
-            torch.mul(dw_acc, scale, out=grad_w[:acc_rows])
+        if inplace and acc_rows == v and dw_acc.dtype == w_dtype:   # accumulate_lowp: the buffer is the gradient
+            grad_w = dw_acc.mul_(scale)
+        else:
+            grad_w = _common.new_empty((v, h_dim), dtype=w_dtype, device=dev)
+            if acc_rows:
+                torch.mul(dw_acc, scale, out=grad_w[:acc_rows])
         v_start = acc_rows
     if need_db:
         grad_b = _common.new_empty((v,), dtype=b_dtype, device=dev)
@@ -490,20 +498,20 @@ class _no_autocast:
 def _flce_forward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                      ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, temperature: float,
                      chunk_size: int, dw_acc_rows: int, need_dh: bool, need_db: bool, write_grad: bool,
-                     need_sum: bool
+                     need_sum: bool, dw_acc_lowp: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _flce_forward(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature,
-                         chunk_size, dw_acc_rows, need_dh, need_db, write_grad, need_sum)
+                         chunk_size, dw_acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp)
 
 
 @_flce_forward_op.register_fake
 def _(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
-      dw_acc_rows, need_dh, need_db, write_grad, need_sum):
+      dw_acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp=False):
     n, h_dim = hidden.shape
     v = weight.shape[0]
     f32 = torch.float32
     dh = hidden.new_empty((n, h_dim)) if (write_grad and need_dh) else hidden.new_empty((0,))
-    acc = hidden.new_empty((dw_acc_rows if write_grad else 0, h_dim), dtype=f32)
+    acc = hidden.new_empty((dw_acc_rows if write_grad else 0, h_dim), dtype=weight.dtype if dw_acc_lowp else f32)
     db = hidden.new_empty((v,) if (write_grad and need_db) else (0,), dtype=f32)
     logit_sum = hidden.new_empty((n if need_sum else 0,), dtype=f32)
     return hidden.new_empty((n,), dtype=f32), hidden.new_empty((n,), dtype=f32), dh, acc, db, logit_sum
@@ -550,7 +558,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, chunk_size,
-                dw_acc_rows, row_grads, temperature, need_sum):
+                dw_acc_rows, row_grads, temperature, need_sum, dw_acc_lowp=False):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
         write_grad = need_dh or need_dw or need_db
@@ -559,7 +567,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         fwd = _common.compiled_or_eager("swift_liger::flce_forward", _flce_forward)
         token_loss, lse, dh, acc, db_acc, logit_sum = fwd(
             hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
-            acc_rows, need_dh, need_db, write_grad, need_sum)
+            acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp)
         keep = (need_dw and (acc_rows < v or row_grads)) or (need_db and row_grads)
         kept = (hidden, weight, bias, labels, lse) if keep else (None,) * 5
         ctx.save_for_backward(dh, acc, db_acc, *kept)
@@ -574,7 +582,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_sum, grad_tok, grad_lse, grad_logit_sum):
         need_dh, need_dw, need_db = ctx.meta[:3]
-        none = (None,) * 10
+        none = (None,) * 11
         if grad_sum is None and (grad_tok is None or not ctx.row_grads):
             return (None, None, None) + none
         saved = ctx.saved_tensors
@@ -691,8 +699,10 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         lse has no gradient.
       * softcap: z = softcap * tanh(z / softcap) on the fp32 logits (Gemma-2); z_loss: + z_loss * lse^2 per token.
       * chunk_size: token rows per workspace chunk (default: workspace <= WORKSPACE_BYTES).
-      * dw_strategy: "accumulate" (fp32 [V, H] buffer, 3 GEMMs), "recompute" (4 GEMMs, no buffer) or "auto"
-        (accumulate while V*H*4 <= DW_ACCUMULATE_BUDGET_BYTES). reduction "none" always recomputes.
+      * dw_strategy: "accumulate" (fp32 [V, H] buffer, 3 GEMMs), "accumulate_lowp" (3 GEMMs, accumulated in the
+        weight's dtype: no buffer beyond the gradient, one rounding per token chunk), "recompute" (4 GEMMs, no
+        buffer) or "auto" (accumulate while V*H*4 <= DW_ACCUMULATE_BUDGET_BYTES, else recompute). reduction "none"
+        always recomputes.
       * validate_labels: None (default) checks labels on CPU only; on CUDA the check would sync the host, so it
         runs only with True. Unchecked out-of-range labels never read out of bounds: their token loss is NaN
         (so the loss is NaN) and they get zero gradient.
@@ -716,7 +726,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                             z_loss=float(z_loss), temperature=1.0, chunk_size=chunk_size,
                                             dw_acc_rows=acc_rows,
                                             row_grads=bool(return_token_loss or reduction == "none"),
-                                            need_sum=False)
+                                            need_sum=False, dw_acc_lowp=dw_strategy == "accumulate_lowp")
     loss = _reduce(loss_sum, token_loss, y, ignore_index, reduction, num_items_in_batch)
     if reduction == "none":
         loss = loss.view(shape)
@@ -743,7 +753,7 @@ def flat_rows(hidden: torch.Tensor, labels: torch.Tensor):
 
 
 def run_rows(h2, weight, bias, y, *, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
-             dw_acc_rows, row_grads, need_sum):
+             dw_acc_rows, row_grads, need_sum, dw_acc_lowp=False):
     """Pass 1 (and, when a gradient is wanted, the autograd Function): (loss_sum, token_loss, lse, logit_sum)."""
     n, v = h2.shape[0], weight.shape[0]
     c = chunk_size if chunk_size is not None else default_chunk_size(n, v, h2.element_size())
@@ -752,7 +762,7 @@ def run_rows(h2, weight, bias, y, *, ignore_index, label_smoothing, softcap, z_l
                                         or (bias is not None and bias.requires_grad))
     if grad:
         return FusedLinearCrossEntropyFunction.apply(h2, weight, bias, y, ignore_index, label_smoothing, cap, z_loss,
-                                                     c, dw_acc_rows, row_grads, temperature, need_sum)
+                                                     c, dw_acc_rows, row_grads, temperature, need_sum, dw_acc_lowp)
     fwd = _common.compiled_or_eager("swift_liger::flce_forward", _flce_forward)
     token_loss, lse, _, _, _, logit_sum = fwd(h2, weight, bias, y, ignore_index, label_smoothing, cap, z_loss,
                                               temperature, c, 0, False, False, False, need_sum)

@@ -55,7 +55,7 @@ def run_both(hidden, weight, b, labels, dtype, grad_out=None, **kw):
 
 
 @pytest.mark.parametrize("dtype", helpers.DTYPES, ids=str)
-@pytest.mark.parametrize("strategy", ["accumulate", "recompute"])
+@pytest.mark.parametrize("strategy", ["accumulate", "accumulate_lowp", "recompute"])
 def test_matches_reference(device, dtype, strategy):
     hidden, weight, b, labels = make(device, dtype, bias=True)
     run_both(hidden, weight, b, labels, dtype, chunk_size=CHUNK, dw_strategy=strategy)
@@ -192,6 +192,7 @@ class GemmCounter:
 @pytest.mark.parametrize("strategy,expected", [
     ("frozen", {"_gemm_logits": 3, "_gemm_dh": 3}),
     ("accumulate", {"_gemm_logits": 3, "_gemm_dh": 3, "_gemm_dw_acc": 3}),
+    ("accumulate_lowp", {"_gemm_logits": 3, "_gemm_dh": 3, "_gemm_dw_acc": 3}),
     ("recompute", {"_gemm_logits": 3 + 3, "_gemm_dh": 3, "_gemm_dw": 3}),
 ])
 def test_gemm_count(device, monkeypatch, strategy, expected):
@@ -216,16 +217,40 @@ def test_auto_and_hybrid_dw(device, monkeypatch):
     run_both(hidden, weight, b, labels, torch.float32, chunk_size=CHUNK)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_accumulate_lowp_grad_is_the_buffer_in_the_weight_dtype(device, dtype, monkeypatch):
+    """accumulate_lowp keeps one [V, H] buffer in the weight's dtype through pass 1 and hands it back, scaled in
+    place, as the weight's gradient (no second [V, H] allocation in backward, no fp32 buffer)."""
+    made = []
+    new_empty = flce_mod._common.new_empty
+
+    def spy(shape, *args, **kwargs):
+        t = new_empty(shape, *args, **kwargs)
+        made.append((tuple(shape), t.dtype, t.data_ptr()))
+        return t
+    monkeypatch.setattr(flce_mod._common, "new_empty", spy)
+    hidden, weight, _, labels = make(device, dtype)
+    fused_linear_cross_entropy(hidden, weight, labels, chunk_size=CHUNK, dw_strategy="accumulate_lowp").backward(
+        torch.tensor(0.5, device=device))
+    vh = [m for m in made if m[0] == (V, H)]
+    assert [(m[1]) for m in vh] == [dtype], made    # one [V, H] buffer, in the weight's dtype
+    assert weight.grad.dtype == dtype and weight.grad.data_ptr() == vh[0][2]
+    ref, leaves = reference(hidden, weight, None, labels)
+    (ref * 0.5).backward()
+    assert_close(weight.grad, leaves[1].grad, dtype, slack=SLACK, name="grad_weight")
+
+
 def test_strategies_agree(device):
     grads = []
-    for strategy in ("accumulate", "recompute"):
+    for strategy in ("accumulate", "recompute", "accumulate_lowp"):
         torch.manual_seed(7)
         hidden, weight, b, labels = make(device, torch.bfloat16, bias=True)
         fused_linear_cross_entropy(hidden, weight, labels, b, chunk_size=CHUNK, dw_strategy=strategy,
                                    z_loss=1e-3).backward()
         grads.append((hidden.grad, weight.grad, b.grad))
-    for a, r in zip(*grads):
-        assert_close(a, r.double(), torch.bfloat16, slack=SLACK)
+    for other in grads[1:]:   # recompute and accumulate_lowp against the fp32 accumulator
+        for a, r in zip(other, grads[0]):
+            assert_close(a, r.double(), torch.bfloat16, slack=SLACK)
 
 
 def test_batched_shape_no_grad_and_default_chunk(device):
