@@ -79,3 +79,25 @@ def assert_grads_match(model, ref, **tol):
             close_scaled(p.grad, q.grad, name, **tol)
             checked += 1
     assert checked, "no gradients to compare"
+
+
+def left_padded(lengths, device, vocab=64):
+    """Random prompts of the given lengths, left-padded to the longest: (ids, mask) [B, max(lengths)]."""
+    n = max(lengths)
+    ids = torch.zeros(len(lengths), n, dtype=torch.long)
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for b, length in enumerate(lengths):
+        ids[b, n - length:] = torch.randint(2, vocab, (length,))
+        mask[b, n - length:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def tiny_causal_lm(model_type="llama", *, layers=3, vocab=128, attn="eager", seed=0):
+    """A random fp32 CausalLM of `model_type` (hidden 32, 4/2 heads of 8): for checkpointing and patching tests."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=vocab,
+                               max_position_embeddings=128, hidden_act="silu", pad_token_id=0, eos_token_id=1,
+                               bos_token_id=None)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)

@@ -372,18 +372,26 @@ def hybrid(args, device, dtype, log):
     return dict(model=desc, rows=rows, ratios=ratios, agreement=agree)
 
 
+def _latency_rows(rows, over_weights: bool = False) -> list:
+    """Markdown rows: batch | cache | context | ms/token | tokens/s | KV held (GiB) [| allocated over weights]."""
+    out = []
+    for r in rows:
+        if r.get("error"):
+            out.append(f"| {r['batch']} | {r['cache']} | — | error: {r['error']} | | |" + (" |" if over_weights else ""))
+            continue
+        line = (f"| {r['batch']} | {r['cache']} | {r['context']} | {r['ms_per_token']:.3f} | "
+                f"{r['tokens_per_s']:.0f} | {r['kv_bytes'] / GiB:.3f} |")
+        out.append(line + (f" {r['alloc_over_weights'] / GiB:.3f} |" if over_weights else ""))
+    return out
+
+
 def hybrid_markdown(h) -> list:
     lines = ["## Hybrid model: RollingKVCache(window=\"model\") vs transformers' default cache", "",
              f"{h['model']}. `rolling_model`: a ring of the model's window on each sliding layer, a full cache "
              "(grown by 1024 columns) on each full-attention layer; `hf_default`: DynamicCache(config) "
              "(DynamicSlidingWindowLayer / DynamicLayer), what `generate` builds.", "",
              "| batch | cache | context | ms/token | tokens/s | KV held (GiB) |", "|---:|---|---:|---:|---:|---:|"]
-    for r in h["rows"]:
-        if r.get("error"):
-            lines.append(f"| {r['batch']} | {r['cache']} | — | error: {r['error']} | | |")
-            continue
-        lines.append(f"| {r['batch']} | {r['cache']} | {r['context']} | {r['ms_per_token']:.3f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['kv_bytes'] / GiB:.3f} |")
+    lines += _latency_rows(h["rows"])
     lines += ["", "| batch | context | speed-up (hf ms / rolling ms) | KV bytes hf / rolling |",
               "|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['context']} | {r['speedup']:.2f} | {r['kv_ratio']:.3f} |" for r in h["ratios"]]
@@ -458,12 +466,7 @@ def markdown(report) -> str:
     lines += ["## Decode latency and KV memory at matched context", "",
               "| batch | cache | context | ms/token | tokens/s | KV held (GiB) | allocated over weights (GiB) |",
               "|---:|---|---:|---:|---:|---:|---:|"]
-    for r in report["matched_context"]:
-        if r.get("error"):
-            lines.append(f"| {r['batch']} | {r['cache']} | — | error: {r['error']} | | | |")
-            continue
-        lines.append(f"| {r['batch']} | {r['cache']} | {r['context']} | {r['ms_per_token']:.3f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['kv_bytes'] / GiB:.3f} | {r['alloc_over_weights'] / GiB:.3f} |")
+    lines += _latency_rows(report["matched_context"], over_weights=True)
     lines += ["", "Speed-up of the rolling cache (other's ms/token / rolling's; > 1 = rolling faster):", "",
               "| batch | context | rolling mode | vs DynamicCache | vs HF dynamic sliding | vs HF static sliding |",
               "|---:|---:|---|---:|---:|---:|"]

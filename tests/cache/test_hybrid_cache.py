@@ -11,7 +11,7 @@ from transformers import (AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemm
                           LogitsProcessor, MistralConfig, Qwen2Config)
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from helpers import assert_close
+from helpers import assert_close, left_padded
 from swift_liger.cache import RollingKVCache, install_rolling_cache, uninstall_rolling_cache
 from swift_liger.cache.rolling import FullLayer, RollingLayer
 
@@ -46,16 +46,6 @@ def _one_thread():
 def hybrid_model(device, family, attn="sdpa"):
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(HYBRID[family](), attn_implementation=attn).to(device).eval()
-
-
-def left_padded(lengths, device, vocab=64):
-    N = max(lengths)
-    ids = torch.zeros(len(lengths), N, dtype=torch.long)
-    mask = torch.zeros(len(lengths), N, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, N - n:] = torch.randint(2, vocab, (n,))
-        mask[b, N - n:] = 1
-    return ids.to(device), mask.to(device)
 
 
 def generate(model, cache, ids, mask, new_tokens=NEW, **kw):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LogitsProcessor, MistralConfig, Qwen3Config
 
-from helpers import assert_close
+from helpers import assert_close, left_padded
 from swift_liger.cache import RollingKVCache, install_rolling_cache, uninstall_rolling_cache
 
 GPU = os.environ.get("SWIFT_LIGER_TEST_GPU", "0") == "1"
@@ -38,17 +38,6 @@ def tiny_model(device, family="llama", attn="sdpa", **overrides):
     torch.manual_seed(0)
     cfg = CONFIGS[family](**{**TINY, **overrides})
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(device).eval()
-
-
-def left_padded(lengths, device, vocab=64):
-    """Random prompts of the given lengths, left-padded to the longest: (ids, mask) [B, max(lengths)]."""
-    N = max(lengths)
-    ids = torch.zeros(len(lengths), N, dtype=torch.long)
-    mask = torch.zeros(len(lengths), N, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, N - n:] = torch.randint(2, vocab, (n,))
-        mask[b, N - n:] = 1
-    return ids.to(device), mask.to(device)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,24 +11,18 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import assert_grads_match, close_scaled as close
+from helpers import assert_grads_match, close_scaled as close, tiny_causal_lm
 
 import swift_liger
 from swift_liger.models import call_counts, checkpoint_funcs
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 VOCAB, LAYERS = 128, 3
 
 
 def build(model_type="llama", seed=0):
-    cfg = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=VOCAB,
-                               max_position_embeddings=128, hidden_act="silu", pad_token_id=0, eos_token_id=1,
-                               bos_token_id=None)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    return tiny_causal_lm(model_type, layers=LAYERS, vocab=VOCAB, attn="sdpa", seed=seed)
 
 
 def batch(seed=0, rows=2, t=12):
