@@ -403,9 +403,42 @@ def patch_sft_pipeline(module) -> None:
         if getattr(args, "use_liger", False):
             from .runtime import RuntimeRecord
             trainer.add_callback(RuntimeRecord(trainer, args))
-        return orig_train(self, trainer)
+        result = orig_train(self, trainer)
+        if getattr(args, "use_liger", False):
+            destroy_gloo_group_at_exit()
+        return result
 
     sft_cls.train = train
+
+
+def destroy_gloo_group_at_exit() -> None:
+    """After a training run that returned, destroy a gloo default process group in an `atexit` handler.
+
+    ms-swift never calls `destroy_process_group`. With gloo (`--ddp_backend gloo`, CPU ranks) a rank can then abort
+    during interpreter finalization ("terminate called without an active exception", SIGABRT) after every step was
+    logged and the run's files were written: a gloo worker thread still holding tensors takes the GIL while Python
+    is being torn down (PyTorch's own diagnosis in pytorch/pytorch#179291), and torchrun reports the whole run as
+    failed. `atexit` handlers run before finalization, so destroying the group there removes that race. Only after
+    `train` returned (every rank is past its last collective) and only for gloo, whose destroy is local to the rank;
+    NCCL groups are left to the user."""
+    global _gloo_exit_registered
+    import torch.distributed as dist
+    if _gloo_exit_registered or not (dist.is_available() and dist.is_initialized()):
+        return
+    if "gloo" not in str(dist.get_backend()) or "nccl" in str(dist.get_backend()):
+        return
+    import atexit
+    atexit.register(_destroy_default_group)
+    _gloo_exit_registered = True
+
+
+_gloo_exit_registered = False
+
+
+def _destroy_default_group() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -207,3 +207,42 @@ def test_reload_patches_the_new_class_again(fake_swift):
         print(json.dumps([m.SftArguments is not old, "use_liger" in names]))
     """, pythonpath=str(fake_swift))
     assert out_json(proc) == [True, True]
+
+
+def test_gloo_group_is_destroyed_at_exit_after_training(monkeypatch):
+    """swift_patches' SwiftSft.train wrapper: after a --use_liger train returns on gloo, one atexit handler destroys
+    the default group (before finalization, where a gloo rank can otherwise abort); without a group, nothing."""
+    import atexit
+    import socket
+
+    import torch.distributed as dist
+
+    from swift_liger.integration import swift_patches
+    from swift_runner import teardown_abort_only
+
+    handlers = []
+    monkeypatch.setattr(atexit, "register", handlers.append)
+    monkeypatch.setattr(swift_patches, "_gloo_exit_registered", False)
+    swift_patches.destroy_gloo_group_at_exit()
+    assert handlers == [] and not dist.is_initialized()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        swift_patches.destroy_gloo_group_at_exit()
+        swift_patches.destroy_gloo_group_at_exit()
+        assert len(handlers) == 1
+        handlers[0]()
+        assert not dist.is_initialized()
+        handlers[0]()  # already gone: a no-op
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # the runner's stock-run allowance: only an abort after main ended, with no traceback before it
+    end = "[INFO:swift] End time of running main: 2026-12-01\n"
+    abort = "terminate called without an active exception\n"
+    assert teardown_abort_only("steps\n" + end + abort)
+    assert not teardown_abort_only(abort + end)
+    assert not teardown_abort_only("Traceback (most recent call last):\n" + end + abort)
+    assert not teardown_abort_only("steps\n" + end)
