@@ -64,21 +64,25 @@ cases:
   usual causal mask from ``get_mask_sizes`` / ``get_query_offset`` (SDPA then takes the maskless GQA path, as
   with ``DynamicCache``). A decode token builds no tensor per step: position ids and sink angles are views into
   tables covering 256 steps, and the write is one launch per layer with the start index as a scalar.
-* general path (padding, or a multi-token chunk that wraps the ring): the hook passes its own 4D mask
-  (``[B, 1, T, K]``, bool for sdpa, additive float for eager), which every mask builder of transformers 5.17-5.19
-  returns unchanged (``_preprocess_mask_arguments`` early exit for 4D masks). Keys are the storage (T == 1; a real
-  query then sees exactly the stored slots, ``slot < end``) or ``cat(storage, chunk)`` for multi-token chunks (the
-  chunk's early queries need tokens the write evicts).
+* padded decode (left padding seen, a single real token per row, every row's ring full): every slot of every
+  row is then stored and visible after the write, so it is maskless like the fast path; slots and positions come
+  from the row lengths, a [B] device tensor (one host read of its minimum after each masked forward).
+* general path (padding before every ring is full, or a multi-token chunk that wraps the ring): the hook passes
+  its own 4D mask (``[B, 1, T, K]``, bool for sdpa, additive float for eager), which every mask builder of
+  transformers 5.17-5.19 returns unchanged (``_preprocess_mask_arguments`` early exit for 4D masks). Keys are the
+  storage (T == 1; a real query then sees exactly the stored slots, ``slot < end``) or ``cat(storage, chunk)`` for
+  multi-token chunks (the chunk's early queries need tokens the write evicts).
 * hybrid models: on the fast path transformers builds both masks from ``get_mask_sizes`` / ``get_query_offset``,
   answered per layer kind; on the general path the hook passes ``{"sliding_attention": ring mask,
   "full_attention": create_causal_mask(...)}``, a mapping these decoders use as it is.
 
-Decode speed (CUDA). A single-token step of an unpadded batch attends with ``swift_liger.ops.decode_attention``
-(split-KV, GQA heads share their K/V reads) instead of SDPA: the decoder's ``forward`` is wrapped on this instance
-and the model's attention implementation is switched by name for that call only. With ``cuda_graph=True`` every
-such step after the ring is full is one replay of a CUDA graph of the decoder, its position, slot and sink angle
-read from a device counter. H200, Llama-3-8B shapes, 4 layers: 1.2 ms/token at batch 1 and 1.4 at batch 8
-against 3.2 and 3.4 for transformers' sliding-window cache (docs/benchmarks/rolling_cache.md).
+Decode speed (CUDA). A maskless single-token step (fast path or padded decode) attends with
+``swift_liger.ops.decode_attention`` (split-KV, GQA heads share their K/V reads) instead of SDPA: the decoder's
+``forward`` is wrapped on this instance and the model's attention implementation is switched by name for that call
+only. With ``cuda_graph=True`` every such step after the ring is full is one replay of a CUDA graph of the decoder,
+its positions, slots and sink angles read from a device counter (one per row in a padded batch). H200,
+Llama-3-8B shapes, 4 layers: 1.2 ms/token at batch 1 and 1.4 at batch 8 against 3.2 and 3.4 for transformers'
+sliding-window cache (docs/benchmarks/rolling_cache.md).
 
 Transformers hooks relied on (5.17-5.19): ``Cache(layers=...)``, ``Cache.update(k, v, layer_idx)`` called by
 the attention after RoPE, ``get_seq_length`` (generate slices continued prompts with it: it counts columns,
@@ -244,7 +248,7 @@ def _check_attention(config) -> None:
 class _Plan:
     """What every layer does in one forward (computed once by the pre-hook)."""
     T: int
-    layout: str                      # "prefix" | "full" | "slots" | "concat"
+    layout: str                      # "prefix" | "full" | "slots" | "rows" | "concat"
     pos: object                      # [B, T] stream index of each new token (-1 = padding), or an int p when
                                      # every row's tokens are p .. p+T-1 (end/start implied)
     end: Optional[torch.Tensor]      # [B] stream length after this forward (None with an int pos)
@@ -472,12 +476,12 @@ class RollingKVCache(Cache):
             growing full cache (FullLayer) on each full-attention layer.
         sinks: first tokens kept forever, 0 <= sinks < window (default 4; StreamingLLM uses 4). 0 with "model".
         mode: "absolute" (true RoPE positions, Mistral-style) or "streaming" (positions within the cache).
-        cuda_graph: on CUDA, once the ring is full, run each single-token decode step of an unpadded batch as one
-            replay of a CUDA graph of the decoder (captured at the first such step; the LM head and sampling stay
-            eager). Decode is then bound by the GPU, not by ~20 us of Python per layer. Needs ``torch.no_grad()``
-            (``generate`` does that); padded batches, ``output_attentions`` / ``output_hidden_states`` and steps
-            before the wrap run eagerly. The returned ``last_hidden_state`` is the graph's static buffer, valid
-            until the next step. Not with window="model".
+        cuda_graph: on CUDA, once the ring is full (every row's ring, in a left-padded batch), run each
+            single-token decode step as one replay of a CUDA graph of the decoder (captured at the first such step;
+            the LM head and sampling stay eager). Decode is then bound by the GPU, not by ~20 us of Python per
+            layer. Needs ``torch.no_grad()`` (``generate`` does that); ``output_attentions`` /
+            ``output_hidden_states`` and steps before the wrap run eagerly. The returned ``last_hidden_state`` is
+            the graph's static buffer, valid until the next step. Not with window="model".
 
     Use as ``model.generate(..., past_key_values=RollingKVCache(model, window=4096, sinks=4))``, or call
     ``install_rolling_cache(model, ...)`` once so that every ``generate`` call gets a fresh one. Ring storage is
@@ -522,6 +526,7 @@ class RollingKVCache(Cache):
         self.cuda_graph = cuda_graph
         self._graph: Optional[dict] = None      # captured decode step (see _graph_run)
         self._g_step: Optional[torch.Tensor] = None   # [1] int64: stream index of the token being decoded
+        self._g_counts: Optional[torch.Tensor] = None   # [B] int64: per-row stream indices (padded batches)
         self._reset_state()
         _ensure_hook(decoder)
         _ensure_forward_wrapper(decoder)
@@ -530,6 +535,7 @@ class RollingKVCache(Cache):
         self._columns = 0                       # columns processed, padding included (generate's past length)
         self._uniform: Optional[int] = 0        # stream length when all rows are equal and unpadded, else None
         self._counts: Optional[torch.Tensor] = None   # [B] per-row stream lengths once rows differ
+        self._counts_min: Optional[int] = None   # min of _counts when known on the host (None: read it)
         self._batch: Optional[int] = None
         self._plan: Optional[_Plan] = None
         # Decode fast path tables (see _decode_positions / _decode_sink_rotation).
@@ -669,6 +675,10 @@ class RollingKVCache(Cache):
                 # SDPA with a key length that grows every step took 40-45 ms per token before the wrap (Llama-3-8B
                 # shapes, H200; DynamicCache the same); the decode kernel: 4-7 ms, the length is a runtime argument.
                 plan.decode_kernel = device.type in DECODE_KERNEL_DEVICES
+        elif n is None and T == 1 and self._rows_wrapped(attention_mask):
+            plan = self._padded_decode_plan(batch, device)
+            if position_ids is None:
+                position_ids = plan.pos
         elif attention_mask is None and n is not None and self._fast_ok and n + T <= C:
             # Uniform rows: the kernel takes the start index as a scalar, no per-step index tensors.
             plan = _Plan(T, "prefix", n, None, prefix_len=n + T, kv_length=n + T, q_offset=n)
@@ -685,7 +695,40 @@ class RollingKVCache(Cache):
             self._uniform = n + T
         if self._uniform is None:
             self._counts = plan.end
+            self._counts_min = self._counts_min + 1 if plan.layout == "rows" else None
         return mask, position_ids
+
+    def _rows_wrapped(self, attention_mask: Optional[torch.Tensor]) -> bool:
+        """A padded batch's decode token can take the fast path: every row has filled its ring (so every slot of
+        every row is stored and visible after the write) and the new column is a real token in every row (generate
+        always extends the mask with ones). Rings only: a hybrid cache's full layers need the padding mask."""
+        if self._counts is None or not self._fast_ok or self._full_idx is not None:
+            return False
+        if attention_mask is not None and not bool(attention_mask[:, -1].all()):
+            return False
+        if self._counts_min is None:
+            self._counts_min = int(self._counts.min())   # one host read after each masked forward
+        return self._counts_min >= self.capacity
+
+    def _padded_decode_plan(self, batch: int, device) -> "_Plan":
+        """One real token per row of a padded batch whose rings are all full: per-row slots and positions from the
+        row lengths, no mask; attention is the decode kernel (CUDA) or SDPA over the whole storage."""
+        counts = self._counts.to(device)
+        plan = _Plan(1, "rows", counts[:, None], counts + 1, kv_length=self.capacity, q_offset=self.capacity - 1)
+        if self._graph_ok(device):
+            plan.graph = plan.decode_kernel = True
+            return plan
+        if self.mode == "streaming" and self.sinks > 0:
+            if self._joint_ready:   # every layer's sinks in one launch, before any layer attends
+                L = self._n_ring
+                cos, sin = self._sink_rotation(counts.repeat(L), L * batch, device)
+                dst, src = self._joint[4]
+                kv_sink_rotate_unchecked(dst, src, cos, sin)
+            else:                   # fused into each layer's write
+                plan.start = counts
+                plan.cos, plan.sin = self._sink_rotation(counts, batch, device)
+        plan.decode_kernel = device.type in DECODE_KERNEL_DEVICES
+        return plan
 
     def _full_mask(self, batch: int, T: int, device, dtype, attention_mask, position_ids):
         """The full-attention layers' mask, built by transformers' create_causal_mask from the caller's 2D mask
@@ -706,8 +749,9 @@ class RollingKVCache(Cache):
         plan = self._plan
         plan.done.clear()
         B = self._batch
-        step = self._g_step
-        plan.pos_t = step.view(1, 1).expand(B, 1)
+        per_row = plan.layout == "rows"
+        step = self._g_counts if per_row else self._g_step      # [B] row stream indices, or [1] for all rows
+        plan.pos_t = step.view(B, 1) if per_row else step.view(1, 1).expand(B, 1)
         plan.end_t = (step + 1).expand(B).contiguous()     # the kernel reads end[b] at stride 1
         if self.mode == "streaming" and self.sinks > 0:
             # Same fp32 products as _sink_rotation: max(0, n - shift) * inv_freq.
@@ -715,10 +759,15 @@ class RollingKVCache(Cache):
             shift = self.window - 1 + self.sinks
             angle = (step - shift).clamp_min(0).to(torch.float32)[:, None] * inv_freq[None, :]
             dst, src = self._joint[4]
-            rows = dst.shape[0]
-            kv_sink_rotate_unchecked(dst, src, angle.cos().expand(rows, -1), angle.sin().expand(rows, -1))
+            rows = dst.shape[0]                     # L * B, layer-major
+            cos, sin = angle.cos(), angle.sin()
+            if per_row:
+                cos, sin = cos.repeat(rows // B, 1), sin.repeat(rows // B, 1)
+            else:
+                cos, sin = cos.expand(rows, -1), sin.expand(rows, -1)
+            kv_sink_rotate_unchecked(dst, src, cos, sin)
         if kwargs.get("position_ids") is None:
-            kwargs = {**kwargs, "position_ids": step.view(1, 1)}
+            kwargs = {**kwargs, "position_ids": plan.pos_t if per_row else step.view(1, 1)}
         return self._call_with_decode_attention(original, kwargs)
 
     def _call_with_decode_attention(self, original, kwargs: dict):
@@ -744,15 +793,21 @@ class RollingKVCache(Cache):
         plan = self._plan
         x = kwargs.get("input_ids")
         x = kwargs.get("inputs_embeds") if x is None else x
-        if self._g_step is None or self._g_step.device != x.device:
-            self._g_step = torch.zeros(1, dtype=torch.long, device=x.device)
-            self._graph = None
-        self._g_step.fill_(plan.pos)
+        if plan.layout == "rows":
+            if self._g_counts is None or self._g_counts.device != x.device or len(self._g_counts) != self._batch:
+                self._g_counts = torch.zeros(self._batch, dtype=torch.long, device=x.device)
+                self._graph = None
+            self._g_counts.copy_(plan.pos[:, 0])
+        else:
+            if self._g_step is None or self._g_step.device != x.device:
+                self._g_step = torch.zeros(1, dtype=torch.long, device=x.device)
+                self._graph = None
+            self._g_step.fill_(plan.pos)
         if x.device.type != "cuda" or any(kwargs.get(k) for k in ("output_attentions", "output_hidden_states")):
             # No graph (per-layer outputs wanted, or a test forcing this path on CPU): same device-side math, eager.
             return self._graph_body(original, kwargs)
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        key = (tuple(sorted((k, tuple(v.shape), v.dtype, v.device) for k, v in tensors.items())),
+        key = (plan.layout, tuple(sorted((k, tuple(v.shape), v.dtype, v.device) for k, v in tensors.items())),
                tuple(sorted((k, repr(v)) for k, v in kwargs.items()
                             if k not in tensors and k != "past_key_values")))
         g = self._graph

@@ -370,6 +370,67 @@ def test_graph_decode_matches_eager(device, mode, monkeypatch):
     assert "forward" not in model.model.__dict__
 
 
+def _count_layouts(monkeypatch):
+    """Record each forward's plan layout (and whether it was a graph step)."""
+    seen = []
+    original = RollingKVCache._begin_forward
+
+    def begin(self, *a, **kw):
+        out = original(self, *a, **kw)
+        seen.append((self._plan.layout, self._plan.graph))
+        return out
+    monkeypatch.setattr(RollingKVCache, "_begin_forward", begin)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["absolute", "streaming"])
+def test_padded_decode_after_every_ring_is_full_is_maskless_and_matches_reference(device, mode, monkeypatch):
+    """Left-padded rows of different lengths: once every row has filled its ring, each decode token takes the
+    per-row fast path (no mask, slots and positions from the row lengths); before that, the masked general path.
+    Greedy tokens and logits equal the float64 reference either way."""
+    model = tiny_model(device)
+    ids, mask = left_padded([11, 6, 2], device)
+    seen = _count_layouts(monkeypatch)
+    seqs, logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode), ids, mask, 14)
+    check_generate_against_reference(model, ids, mask, seqs, logits, mode)
+    # prefill, then the shortest row (2 tokens) reaches sinks + window = 8 after 6 decode steps: 7 maskless steps
+    assert [layout for layout, _ in seen] == ["concat"] + ["slots"] * 6 + ["rows"] * 7, seen
+
+
+@pytest.mark.parametrize("mode", ["absolute", "streaming"])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_padded_and_sampled_graph_decode_matches_eager(device, mode, sample, monkeypatch):
+    """cuda_graph=True on left-padded batches and with sampling: after every row's ring is full, each step reads
+    its per-row positions, slots and sink angles from a device buffer (captured once on the GPU, run eagerly on
+    CPU); tokens equal the eager path's, logits up to the decode kernel's summation order."""
+    model = tiny_model(device)
+    ids, mask = left_padded([11, 6, 2], device)
+    kw = dict(do_sample=True, top_k=0, temperature=1.0) if sample else {}
+    torch.manual_seed(3)
+    want, want_logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode), ids, mask,
+                                 14, **kw)
+    if not GPU:
+        monkeypatch.setattr(RollingKVCache, "_graph_ok", lambda self, dev: self._joint_ready and
+                            not torch.is_grad_enabled())
+    seen = _count_layouts(monkeypatch)
+    cache = RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode, cuda_graph=True)
+    torch.manual_seed(3)
+    seqs, logits = generate(model, cache, ids, mask, 14, **kw)
+    assert seen.count(("rows", True)) == 7, seen
+    assert torch.equal(seqs, want)
+    assert_close(logits, want_logits.double(), torch.float32, name="padded graph logits")
+    if GPU:
+        assert cache._graph is not None and cache._graph["key"][0] == "rows", "no graph was captured"
+    if sample:   # and unpadded: the uniform graph path samples the same tokens as the eager one
+        ids = ids[:1]
+        torch.manual_seed(5)
+        want, _ = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode), ids, None, 14, **kw)
+        torch.manual_seed(5)
+        got, _ = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode, cuda_graph=True),
+                          ids, None, 14, **kw)
+        assert torch.equal(got, want) and ("full", True) in seen
+
+
 class _Probe(LogitsProcessor):
     """Records the cache's bytes and storage addresses at every decode step."""
 
