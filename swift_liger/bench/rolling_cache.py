@@ -132,35 +132,54 @@ def allocated(device) -> int:
     return torch.cuda.memory_allocated() if device.type == "cuda" else 0
 
 
+class Padding:
+    """A left-padded batch's 2D attention mask, as generate passes it: row b starts with b * step pad columns
+    (before its first real token), then ones. One preallocated tensor; each forward gets a view of its columns."""
+
+    def __init__(self, batch, columns, step, device):
+        self.mask = torch.ones((batch, columns), dtype=torch.long, device=device)
+        for b in range(batch):
+            self.mask[b, :b * step] = 0
+        self.columns = 0
+
+    def take(self, T):
+        self.columns += T
+        return {"attention_mask": self.mask[:, :self.columns]}
+
+
+def _mask_kw(padding, T):
+    return padding.take(T) if padding is not None else {}
+
+
 @torch.no_grad()
-def prefill(model, cache, batch, n_tokens, chunk, vocab, device, gen):
+def prefill(model, cache, batch, n_tokens, chunk, vocab, device, gen, padding=None):
     """Feed n_tokens random tokens in chunks; returns the next token (argmax of the last logits)."""
     tok = None
     done = 0
     while done < n_tokens:
         T = min(chunk, n_tokens - done)
         ids = torch.randint(2, vocab, (batch, T), device=device, generator=gen)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **_mask_kw(padding, T))
         tok = out.logits[:, -1:].argmax(-1)
         done += T
     return tok
 
 
 @torch.no_grad()
-def decode(model, cache, tok, steps, finite=None):
+def decode(model, cache, tok, steps, finite=None, padding=None):
     """Greedy decode `steps` tokens; `finite` (bool tensor) accumulates whether every logit stayed finite."""
     for _ in range(steps):
-        logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=tok, past_key_values=cache, use_cache=True, **_mask_kw(padding, 1)).logits[:, -1]
         if finite is not None:
             finite &= torch.isfinite(logits).all()
         tok = logits.argmax(-1, keepdim=True)
     return tok
 
 
-def timed_decode(model, cache, tok, steps, device):
+def timed_decode(model, cache, tok, steps, device, padding=None):
     sync(device)
     t0 = time.perf_counter()
-    tok = decode(model, cache, tok, steps)
+    tok = decode(model, cache, tok, steps, padding=padding)
     sync(device)
     return tok, (time.perf_counter() - t0) * 1e3 / steps
 
@@ -185,19 +204,22 @@ def matched_context(model, args, device, log):
             gen = torch.Generator(device=device).manual_seed(1)
             cache = make_cache(kind, model, args)
             ctx, tok = 0, None
+            # --pad-step: left-padded rows (row b has b * pad_step pad columns), the mask passed every forward
+            padding = (Padding(batch, max(args.contexts) + args.steps, args.pad_step, device)
+                       if args.pad_step and batch > 1 else None)
             try:
                 for L in args.contexts:
                     need = L - args.warmup - ctx
                     if need > 0:
-                        tok = prefill(model, cache, batch, need, args.prefill_chunk, vocab, device, gen)
+                        tok = prefill(model, cache, batch, need, args.prefill_chunk, vocab, device, gen, padding)
                         ctx += need
-                    tok = decode(model, cache, tok, args.warmup)
+                    tok = decode(model, cache, tok, args.warmup, padding=padding)
                     ctx += args.warmup
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats()
-                    tok, ms = timed_decode(model, cache, tok, args.steps, device)
+                    tok, ms = timed_decode(model, cache, tok, args.steps, device, padding)
                     ctx += args.steps
-                    row = dict(batch=batch, cache=kind, context=L, ms_per_token=ms,
+                    row = dict(batch=batch, cache=kind, context=L, padded=padding is not None, ms_per_token=ms,
                                tokens_per_s=batch * 1e3 / ms, kv_bytes=cache_bytes(cache),
                                alloc_over_weights=allocated(device) - base,
                                peak_over_weights=(torch.cuda.max_memory_allocated() - base
@@ -461,8 +483,11 @@ def markdown(report) -> str:
              f"- window {args['window']} + {args['sinks']} sinks; decode timed over {args['steps']} greedy steps "
              f"after {args['warmup']} warm-up steps at each context (chunked prefill of {args['prefill_chunk']}); "
              "sdpa attention; eager PyTorch except the `+graph` rows (RollingKVCache(cuda_graph=True): each decode "
-             "step after the ring is full replays one CUDA graph of the decoder; the LM head and argmax stay eager)",
-             ""]
+             "step after the ring is full replays one CUDA graph of the decoder; the LM head and argmax stay eager)"]
+    if args.get("pad_step"):
+        lines.append(f"- matched context with left-padded batches: row b starts with b x {args['pad_step']} pad "
+                     "columns and every forward gets the 2D attention mask (as generate passes it)")
+    lines.append("")
     lines += ["## Decode latency and KV memory at matched context", "",
               "| batch | cache | context | ms/token | tokens/s | KV held (GiB) | allocated over weights (GiB) |",
               "|---:|---|---:|---:|---:|---:|---:|"]
@@ -542,6 +567,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=16,
                     help="untimed decode steps before each timing (graph capture happens in the first)")
     ap.add_argument("--prefill-chunk", type=int, default=4096)
+    ap.add_argument("--pad-step", type=int, default=0,
+                    help="section 1 with left-padded batches: row b starts with b * this many pad columns")
     ap.add_argument("--tokens", type=int, default=32768, help="long run length at batch 1 (0 = skip)")
     ap.add_argument("--tokens-b8", type=int, default=32768, help="long run length at batch 8 (0 = skip)")
     ap.add_argument("--long-kinds", default="rolling_streaming+graph", help="caches of the long runs")
