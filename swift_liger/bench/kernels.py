@@ -13,6 +13,7 @@ import torch
 from .harness import Case
 
 BF16 = torch.bfloat16
+OURS = "swift_liger"
 E = 2  # bytes per bf16 element
 
 
@@ -34,7 +35,7 @@ def _peers(eager, ours, liger=None, extra=None) -> Dict[str, callable]:
     if liger is not None:
         impls["liger"] = liger
     impls.update(extra or {})
-    impls["swift_liger"] = ours
+    impls[OURS] = ours
     return impls
 
 
@@ -83,10 +84,12 @@ def glu_case(op: str, n: int, i_: int) -> Case:
     def make():
         return {"a": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True),
                 "b": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True)}
-    # fwd: read a, b, write c; bwd: read dc, a, b, write da, db
+    # fwd: read a, b, write c; bwd: read dc, a, b, write da, db. "in-place": d_a / d_b overwrite a / b (Liger's
+    # way; what the swiglu fusion does with the MLP's own projections), not a peer
+    inplace = {f"{OURS} inplace": lambda i: fused(i["a"], i["b"], inplace_backward=True)}
     return Case(op, f"{n}x{i_}", make,
                 _peers(lambda i: reference(i["a"], i["b"]), lambda i: fused(i["a"], i["b"]),
-                       (lambda i: liger(i["a"], i["b"])) if liger else None),
+                       (lambda i: liger(i["a"], i["b"])) if liger else None, inplace),
                 min_bytes=8 * n * i_ * E, grad_bytes=2 * n * i_ * E)
 
 
@@ -167,10 +170,12 @@ def cross_entropy_case(n: int, v: int) -> Case:
         labels = torch.randint(0, v, (n,), device="cuda")
         labels[::7] = -100
         return {"logits": logits, "labels": labels}
+    # "in-place": dlogits overwrite the logits (Liger's way), not a peer
+    inplace = {f"{OURS} inplace": lambda i: ops.cross_entropy(i["logits"], i["labels"], inplace_backward=True)}
     return Case("cross_entropy", f"{n}x{v}", make,
                 _peers(lambda i: ops.cross_entropy_reference(i["logits"], i["labels"]),
                        lambda i: ops.cross_entropy(i["logits"], i["labels"]),
-                       (lambda i: liger_ce(i["logits"], i["labels"])) if liger_ce else None),
+                       (lambda i: liger_ce(i["logits"], i["labels"])) if liger_ce else None, inplace),
                 min_bytes=3 * n * v * E, grad_bytes=n * v * E)
 
 
@@ -193,7 +198,7 @@ def flce_case(n: int, h: int, v: int, train_w: bool, strategies=("accumulate",))
         return {"h": hid, "w": w, "labels": labels}
     extra = {}
     for strategy in strategies if train_w else ():
-        extra[f"swift_liger {strategy}"] = lambda i, st=strategy: ops.fused_linear_cross_entropy(
+        extra[f"{OURS} {strategy}"] = lambda i, st=strategy: ops.fused_linear_cross_entropy(
             i["h"], i["w"], i["labels"], dw_strategy=st)
     if cce is not None:
         extra["cce"] = lambda i: cce(i["h"], i["w"], i["labels"])

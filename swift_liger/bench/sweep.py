@@ -160,17 +160,20 @@ def to_markdown(env, rows, command: str, png: Optional[str], notes: str = "") ->
                 if r["impl"] not in impls:
                     impls.append(r["impl"])
         lines += [f"## {op}", "", "| shape | " + " | ".join(f"{i} ms" for i in impls)
-                  + " | ours/best | ours GB/s or TFLOP/s | peak extra GiB: ours / liger |",
+                  + " | ours/best | ours GB/s or TFLOP/s | peak extra GiB: ours (in-place) / liger |",
                   "|---|" + "---:|" * (len(impls) + 3)]
         for k in keys:
             got = {r["impl"]: r for r in by[k]}
             ratio = _ratio(by[k])
             ours = got.get(OURS, {})
+            peak = _f(ours.get("peak_extra_gib"), ".3f")
+            if f"{OURS} inplace" in got:
+                peak += f" ({_f(got[f'{OURS} inplace'].get('peak_extra_gib'), '.3f')})"
             rate = (f"{ours['gbps']:.0f} GB/s" if ours.get("gbps") else
                     f"{ours['tflops']:.0f} TFLOP/s" if ours.get("tflops") else "—")
             lines.append(f"| {k[1]} | " + " | ".join(_ms(got.get(i, {})) for i in impls)
                          + f" | {_f(ratio[0] if ratio else None, '.2f')} | {rate} | "
-                         f"{_f(ours.get('peak_extra_gib'), '.3f')} / {_f(got.get('liger', {}).get('peak_extra_gib'), '.3f')} |")
+                         f"{peak} / {_f(got.get('liger', {}).get('peak_extra_gib'), '.3f')} |")
         lines.append("")
     head = ["## Summary", "", "| op | shapes measured | ours ≤ fastest peer | within 5% | worst ours/best (peer, shape) |",
             "|---|---:|---:|---:|---|", *summary, ""] + ([notes.strip(), ""] if notes.strip() else [])

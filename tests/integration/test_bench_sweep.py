@@ -18,6 +18,9 @@ def test_grid_is_issue_12s():
     assert groups["fused_linear_ce"][0][0].startswith("N8192 H4096 V128256 W trainable")
     keys = [(op, k) for op, g in groups.items() for k, _ in g]
     assert len(keys) == len(set(keys))
+    # the in-place backward the fusions use is timed beside the out-of-place op (memory parity with Liger)
+    for op in ("swiglu", "geglu", "cross_entropy"):
+        assert "swift_liger inplace" in groups[op][0][1]().impls, op
 
 
 def test_order_round_robin_keeps_each_ops_order():
@@ -40,7 +43,10 @@ def test_report_ratios_and_files(tmp_path):
             _row("rms_norm", "1024x1024", "swift_liger", 0.03, gbps=100.0),
             _row("fused_linear_ce", "N8192 W frozen", "torch.compile", 30.0, graphed=False),
             _row("fused_linear_ce", "N8192 W frozen", "swift_liger accumulate", 20.0),
-            _row("fused_linear_ce", "N8192 W frozen", "swift_liger", 33.0, tflops=500.0)]
+            _row("fused_linear_ce", "N8192 W frozen", "swift_liger", 33.0, tflops=500.0),
+            _row("swiglu", "16384x14336", "liger", 1.5, peak=0.44),
+            _row("swiglu", "16384x14336", "swift_liger inplace", 1.4, peak=0.44),
+            _row("swiglu", "16384x14336", "swift_liger", 1.5, peak=1.31)]
     with open(path, "w") as f:
         f.write(json.dumps({"environment": {"gpu": "H200", "command": "python -m swift_liger.bench.sweep run"}}) + "\n")
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -55,6 +61,7 @@ def test_report_ratios_and_files(tmp_path):
     assert "| rms_norm | 2 | 1 | 0 | 1.50 (liger, 1024x1024) |" in md
     assert "| 16384x4096 | 2.000 | 0.500 | 0.600 | 0.400 | 0.80 | 1500 GB/s | 0.250 / 0.300 |" in md
     assert "500 TFLOP/s" in md
+    assert "| 1.00 | — | 1.310 (0.440) / 0.440 |" in md   # ours / ours in-place / liger; in-place is not a peer
     assert "| N8192 W frozen | 30.000 (eager) |" in md   # a --graphs run that could not capture this peer
     data = json.loads((tmp_path / "s.json").read_text())
     assert len(data["results"]) == len(rows) and data["environment"]["gpu"] == "H200"
