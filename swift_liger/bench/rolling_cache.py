@@ -5,8 +5,12 @@ sliding-window caches, on a Llama-3-8B-shaped random model (bf16, fewer layers).
     python -m swift_liger.bench.rolling_cache --tiny --device cpu --out /tmp/x  # logic check on CPU, seconds
 
 Sections
+  0. profile (--profile-steps N): per batch and cache, N decode steps at the first context under torch.profiler:
+     wall and device-busy ms per step, kernel launches, and device ms per kernel group (ring write, decode
+     attention, SDPA, GEMM, cat/copy, other): where a step's time goes.
   1. matched context: for batch 1 and 8, each cache is filled to the same context lengths (chunked prefill) and
-     timed over decode steps there. Caches: rolling_absolute / rolling_streaming (window + sinks), dynamic
+     timed over decode steps there (--pad-step P: left-padded rows, row b with b * P pad columns, and the 2D mask
+     passed to every forward, as generate does). Caches: rolling_absolute / rolling_streaming (window + sinks), dynamic
      (DynamicCache, grows), hf_dynamic_sliding (DynamicCache(config with sliding_window) ->
      DynamicSlidingWindowLayer, cat per step), hf_static_sliding (StaticCache -> StaticSlidingWindowLayer, roll
      per step; not compiled here). Reported: ms/token, KV bytes held by the cache, allocated memory over the
@@ -34,6 +38,7 @@ import gc
 import json
 import os
 import platform
+import re
 import sys
 import time
 
@@ -233,6 +238,97 @@ def matched_context(model, args, device, log):
             del cache, tok
     cleanup(device)
     return rows
+
+
+# Device kernels by name (Triton kernels keep their Python names; cuBLAS / cuDNN / flash kernels their vendors').
+KERNEL_GROUPS = (("ring write", re.compile(r"_kv_(ring|sink)_")),
+                 ("decode attention", re.compile(r"_decode_(split|merge)")),
+                 ("sdpa", re.compile(r"flash|fmha|attention|sdpa|efficient|softmax", re.I)),
+                 ("gemm", re.compile(r"gemm|gemv|nvjet|cutlass|sm\d+_xmma|cublas|splitk|matmul", re.I)),
+                 ("cat / copy", re.compile(r"cat|copy|memcpy|memset|index|scatter|gather", re.I)))
+
+
+def kernel_group(name: str) -> str:
+    for group, pattern in KERNEL_GROUPS:
+        if pattern.search(name):
+            return group
+    return "other"
+
+
+def profile_steps(model, cache, tok, steps, device, padding=None) -> dict:
+    """Where one decode step's time goes: torch.profiler over `steps` steps. wall (with the profiler's own
+    overhead), device busy time (the sum of kernel durations), kernel launches, and device time per kernel group;
+    wall well above device busy means the host sets the pace."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        decode(model, cache, tok, steps, padding=padding)
+        sync(device)
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    groups, launches = {}, 0
+    for avg in prof.key_averages():
+        if getattr(avg, "device_type", None) != DeviceType.CUDA:
+            continue
+        us = getattr(avg, "self_device_time_total", None)
+        us = getattr(avg, "self_cuda_time_total", 0.0) if us is None else us
+        group = kernel_group(avg.key)
+        groups[group] = groups.get(group, 0.0) + us / 1e3 / steps
+        launches += avg.count
+    return dict(wall_ms=wall, device_ms=sum(groups.values()), launches=launches / steps,
+                groups={k: groups[k] for k in sorted(groups, key=groups.get, reverse=True)})
+
+
+def profile_section(model, args, device, log):
+    """Section 0 (--profile-steps N): for each batch and cache kind, fill to the first context, then profile N
+    decode steps (profile_steps)."""
+    rows = []
+    vocab = model.config.vocab_size
+    L = args.contexts[0]
+    for batch in args.batches:
+        for kind in args.kinds:
+            cleanup(device)
+            gen = torch.Generator(device=device).manual_seed(1)
+            cache = make_cache(kind, model, args)
+            padding = (Padding(batch, L + args.profile_steps, args.pad_step, device)
+                       if args.pad_step and batch > 1 else None)
+            try:
+                tok = prefill(model, cache, batch, L - args.warmup, args.prefill_chunk, vocab, device, gen, padding)
+                tok = decode(model, cache, tok, args.warmup, padding=padding)
+                tok, ms = timed_decode(model, cache, tok, args.profile_steps, device, padding)
+                row = dict(batch=batch, cache=kind, context=L, padded=padding is not None, ms_per_token=ms,
+                           **profile_steps(model, cache, tok, args.profile_steps, device, padding))
+                log(f"  b={batch} {kind:24s} {ms:7.3f} ms/step, profiled {row['wall_ms']:7.3f}, device "
+                    f"{row['device_ms']:7.3f}  "
+                    f"{row['launches']:6.1f} launches/step  "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in row["groups"].items()))
+            except Exception as exc:   # reported, not fatal
+                row = dict(batch=batch, cache=kind, context=L, error=f"{type(exc).__name__}: {exc}"[:200])
+                log(f"  b={batch} {kind}: {row['error']}")
+            rows.append(row)
+            del cache
+    cleanup(device)
+    return rows
+
+
+def profile_markdown(rows) -> list:
+    groups = [g for g, _ in KERNEL_GROUPS] + ["other"]
+    out = ["## Where a decode step's time goes (torch.profiler)", "",
+           "ms/step: timed without the profiler; profiled: the same number of steps under it (its own overhead "
+           "included); device = sum of kernel durations per step (ms/step well above device: the host sets the "
+           "pace). Device ms per kernel group:", "",
+           "| batch | cache | context | ms/step | profiled ms | device ms | launches | " + " | ".join(groups) + " |",
+           "|---:|---|---:|---:|---:|---:|---:|" + "---:|" * len(groups)]
+    for r in rows:
+        if r.get("error"):
+            out.append(f"| {r['batch']} | {r['cache']} | {r['context']} | error: {r['error']} |")
+            continue
+        out.append(f"| {r['batch']} | {r['cache']} | {r['context']} | {r['ms_per_token']:.3f} | {r['wall_ms']:.3f} | "
+                   f"{r['device_ms']:.3f} | "
+                   f"{r['launches']:.0f} | " + " | ".join(_f(r["groups"].get(g), ".3f") for g in groups) + " |")
+    return out + [""]
 
 
 def long_run(model, args, device, batch, tokens, log, kind="rolling_streaming+graph"):
@@ -485,20 +581,25 @@ def markdown(report) -> str:
              "sdpa attention; eager PyTorch except the `+graph` rows (RollingKVCache(cuda_graph=True): each decode "
              "step after the ring is full replays one CUDA graph of the decoder; the LM head and argmax stay eager)"]
     if args.get("pad_step"):
-        lines.append(f"- matched context with left-padded batches: row b starts with b x {args['pad_step']} pad "
-                     "columns and every forward gets the 2D attention mask (as generate passes it)")
+        lines.append(f"- left-padded batches (batch > 1): row b starts with b x {args['pad_step']} pad columns and "
+                     "every forward gets the 2D attention mask (as generate passes it)")
     lines.append("")
-    lines += ["## Decode latency and KV memory at matched context", "",
-              "| batch | cache | context | ms/token | tokens/s | KV held (GiB) | allocated over weights (GiB) |",
-              "|---:|---|---:|---:|---:|---:|---:|"]
-    lines += _latency_rows(report["matched_context"], over_weights=True)
-    lines += ["", "Speed-up of the rolling cache (other's ms/token / rolling's; > 1 = rolling faster):", "",
-              "| batch | context | rolling mode | vs DynamicCache | vs HF dynamic sliding | vs HF static sliding |",
-              "|---:|---:|---|---:|---:|---:|"]
-    for s in report["speedups"]:
-        ratios = [_f(s[f"speedup_vs_{k}"], ".2f") for k in ("dynamic", "hf_dynamic_sliding", "hf_static_sliding")]
-        lines.append(f"| {s['batch']} | {s['context']} | {s['cache'][8:]} | {' | '.join(ratios)} |")
-    lines += ["", "## Long generation", ""]
+    if report.get("profile"):
+        lines += profile_markdown(report["profile"])
+    if report["matched_context"]:
+        lines += ["## Decode latency and KV memory at matched context", "",
+                  "| batch | cache | context | ms/token | tokens/s | KV held (GiB) | allocated over weights (GiB) |",
+                  "|---:|---|---:|---:|---:|---:|---:|"]
+        lines += _latency_rows(report["matched_context"], over_weights=True)
+        lines += ["", "Speed-up of the rolling cache (other's ms/token / rolling's; > 1 = rolling faster):", "",
+                  "| batch | context | rolling mode | vs DynamicCache | vs HF dynamic sliding | vs HF static sliding |",
+                  "|---:|---:|---|---:|---:|---:|"]
+        for s in report["speedups"]:
+            ratios = [_f(s[f"speedup_vs_{k}"], ".2f") for k in ("dynamic", "hf_dynamic_sliding",
+                                                                   "hf_static_sliding")]
+            lines.append(f"| {s['batch']} | {s['context']} | {s['cache'][8:]} | {' | '.join(ratios)} |")
+        lines.append("")
+    lines += ["## Long generation", ""]
     for lr in report["long_runs"]:
         lines += [f"`{lr.get('cache', 'rolling_streaming')}`, batch {lr['batch']}: {lr['tokens']} tokens after a {lr['prompt']}-token prompt. All logits finite: "
                   f"**{lr['all_finite']}**; cache bytes constant: **{lr['kv_bytes_constant']}**; allocated-memory "
@@ -567,6 +668,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=16,
                     help="untimed decode steps before each timing (graph capture happens in the first)")
     ap.add_argument("--prefill-chunk", type=int, default=4096)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="section 0: profile this many decode steps per batch and cache at the first context")
+    ap.add_argument("--no-matched", action="store_true", help="skip section 1")
     ap.add_argument("--pad-step", type=int, default=0,
                     help="section 1 with left-padded batches: row b starts with b * this many pad columns")
     ap.add_argument("--tokens", type=int, default=32768, help="long run length at batch 1 (0 = skip)")
@@ -645,10 +749,16 @@ def main(argv=None):
         with open(os.path.join(args.out, "rolling_cache.md"), "w") as f:
             f.write(markdown(report))
 
-    log("1. matched context")
-    report["matched_context"] = matched_context(model, args, device, log)
-    report["speedups"] = summarize(report["matched_context"], args)
-    save()
+    report["matched_context"], report["speedups"] = [], []
+    if args.profile_steps > 0:
+        log("0. profile")
+        report["profile"] = profile_section(model, args, device, log)
+        save()
+    if not args.no_matched:
+        log("1. matched context")
+        report["matched_context"] = matched_context(model, args, device, log)
+        report["speedups"] = summarize(report["matched_context"], args)
+        save()
     log("2. long runs")
     for kind in args.long_kinds:
         for batch, tokens in ((1, args.tokens), (8, args.tokens_b8)):

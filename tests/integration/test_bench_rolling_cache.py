@@ -24,5 +24,33 @@ def test_left_padded_matched_context(tmp_path):
                                                           for c in (64, 128, 256)]
     assert all(r["padded"] and r["ms_per_token"] > 0 and not r.get("error") for r in rows), rows
     md = (tmp_path / "rolling_cache.md").read_text()
-    assert "left-padded batches: row b starts with b x 5 pad columns" in md
+    assert "left-padded batches (batch > 1): row b starts with b x 5 pad columns" in md
     assert md.count("| 3 | rolling_streaming |") == 3
+
+
+def test_profile_section(tmp_path):
+    rolling_cache.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--profile-steps", "2", "--no-matched",
+                        "--batches", "1,2", "--pad-step", "3", "--kinds", "rolling_streaming+graph,dynamic",
+                        "--long-kinds", "", "--no-agreement", "--no-hybrid"])
+    report = json.loads((tmp_path / "rolling_cache.json").read_text())
+    rows = report["profile"]
+    assert [(r["batch"], r["cache"], r["padded"]) for r in rows] == [
+        (1, "rolling_streaming+graph", False), (1, "dynamic", False),
+        (2, "rolling_streaming+graph", True), (2, "dynamic", True)]
+    # on CPU there are no device kernels: host time only
+    assert all(r["ms_per_token"] > 0 and r["wall_ms"] > 0 and r["device_ms"] == 0 and r["launches"] == 0
+               for r in rows), rows
+    assert report["matched_context"] == []
+    md = (tmp_path / "rolling_cache.md").read_text()
+    assert "## Where a decode step's time goes" in md and "## Decode latency and KV memory at matched" not in md
+
+
+@pytest.mark.parametrize("name, group", [
+    ("_kv_ring_write_kernel", "ring write"), ("_kv_sink_refresh_kernel", "ring write"),
+    ("_decode_split_kernel", "decode attention"), ("_decode_merge_kernel", "decode attention"),
+    ("pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4>>", "sdpa"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64", "gemm"), ("nvjet_tst_64x8_64x16_4x1_v", "gemm"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>", "cat / copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other")])
+def test_kernel_groups(name, group):
+    assert rolling_cache.kernel_group(name) == group
