@@ -12,6 +12,8 @@
 # qlora:   QLoRA tests on CUDA (no xdist), then tiny `swift sft --quant_method bnb --quant_bits 4` bf16: stock vs
 #          --use_liger, per-step losses (needs the bitsandbytes wheel in .whl/: ../shared/gpu/slim_bnb.sh)
 # rolling: RollingKVCache decode benchmark (ROLLING_ARGS; ROLLING_ARGS=--only-hybrid: the Gemma-2 hybrid cache only)
+# decode:  issue 15's eager/graph grid at 32 layers: profile, then matched context at window -/+, 2x, 8x
+#          (DECODE_BATCHES, default 1,4; DECODE_ARGS adds e.g. --pad-step 64); results in $OUT/decode
 # sweep:   per-op sweep against every peer, CUDA-graph timing (python -m swift_liger.bench.sweep run; SWEEP_ARGS)
 # longctx: longest trainable context per variant, 8B LoRA (python -m swift_liger.bench.long_context; LONGCTX_ARGS)
 set -uo pipefail
@@ -147,6 +149,13 @@ PY
     timeout "${ROLLING_TIMEOUT:-240}" python3 -m swift_liger.bench.rolling_cache --out "$OUT/bench" ${ROLLING_ARGS:-} \
       >"$OUT/rc.log" 2>&1
     grep -E "ms/tok|long run|agreement|targets|Error|error" "$OUT/rc.log" | head -60 ;;
+  decode)
+    stamp decode
+    timeout "${DECODE_TIMEOUT:-420}" python3 -m swift_liger.bench.rolling_cache --out "$OUT/decode" --layers 32 \
+      --batches "${DECODE_BATCHES:-1,4}" --contexts 3840,4352,8192,32768 --steps 32 --warmup 8 --profile-steps 16 \
+      --kinds rolling_absolute,rolling_streaming,rolling_absolute+graph,rolling_streaming+graph,hf_dynamic_sliding,hf_static_sliding \
+      --long-kinds= --no-agreement --no-hybrid ${DECODE_ARGS:-} >"$OUT/decode.log" 2>&1; echo "decode rc $?"
+    grep -E "ms/tok|ms/step|targets|Error|error" "$OUT/decode.log" | head -80 ;;
   sweep)
     stamp sweep
     timeout "${SWEEP_TIMEOUT:-540}" python3 -m swift_liger.bench.sweep run --out "$OUT/sweep" \
