@@ -13,7 +13,8 @@
 #          --use_liger, per-step losses (needs the bitsandbytes wheel in .whl/: ../shared/gpu/slim_bnb.sh)
 # rolling: RollingKVCache decode benchmark (ROLLING_ARGS; ROLLING_ARGS=--only-hybrid: the Gemma-2 hybrid cache only)
 # decode:  issue 15's eager/graph grid at 32 layers: profile, then matched context at window -/+, 2x, 8x
-#          (DECODE_BATCHES, default 1,4; DECODE_ARGS adds e.g. --pad-step 64); results in $OUT/decode
+#          (DECODE_BATCHES, default 1,4; DECODE_ARGS adds e.g. --pad-step 64 or --liger: our RMSNorm/RoPE/SwiGLU
+#          kernels in the decode model); results in $OUT/decode
 # sweep:   per-op sweep against every peer, CUDA-graph timing (python -m swift_liger.bench.sweep run; SWEEP_ARGS)
 # longctx: longest trainable context per variant, 8B LoRA (python -m swift_liger.bench.long_context; LONGCTX_ARGS)
 set -uo pipefail

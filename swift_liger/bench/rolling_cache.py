@@ -671,6 +671,9 @@ def main(argv=None):
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="section 0: profile this many decode steps per batch and cache at the first context")
     ap.add_argument("--no-matched", action="store_true", help="skip section 1")
+    ap.add_argument("--liger", action="store_true",
+                    help="sections 0-2: swift_liger's RMSNorm, RoPE and SwiGLU kernels in the decode model (for every "
+                         "cache; the loss head is not used in decode)")
     ap.add_argument("--pad-step", type=int, default=0,
                     help="section 1 with left-padded batches: row b starts with b * this many pad columns")
     ap.add_argument("--tokens", type=int, default=32768, help="long run length at batch 1 (0 = skip)")
@@ -735,6 +738,11 @@ def main(argv=None):
     model_desc = (f"{shape} LlamaForCausalLM, random init, {str(dtype).replace('torch.', '')}, {args.layers} of 32 "
                   f"layers ({n_params / 1e9:.2f} B params), hidden {config.hidden_size}, {config.num_attention_heads} "
                   f"heads / {config.num_key_value_heads} kv heads x {config.head_dim}, vocab {config.vocab_size}")
+    if args.liger:
+        import swift_liger
+        patched = swift_liger.apply(model, cross_entropy="off").patched
+        model_desc += ("; swift_liger kernels applied to every cache's model (" +
+                       ", ".join(f"{k} {v}" for k, v in patched.items() if v) + " modules)")
     log(f"{model_desc}; setup {time.perf_counter() - t_start:.1f} s")
     report = {"environment": environment(device), "model": model_desc,
               "settings": {k: v for k, v in vars(args).items()}}

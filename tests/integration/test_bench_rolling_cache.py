@@ -28,8 +28,9 @@ def test_left_padded_matched_context(tmp_path):
     assert md.count("| 3 | rolling_streaming |") == 3
 
 
-def test_profile_section(tmp_path):
+def test_profile_section_with_our_kernels(tmp_path):
     rolling_cache.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--profile-steps", "2", "--no-matched",
+                        "--liger",
                         "--batches", "1,2", "--pad-step", "3", "--kinds", "rolling_streaming+graph,dynamic",
                         "--long-kinds", "", "--no-agreement", "--no-hybrid"])
     report = json.loads((tmp_path / "rolling_cache.json").read_text())
@@ -41,6 +42,9 @@ def test_profile_section(tmp_path):
     assert all(r["ms_per_token"] > 0 and r["wall_ms"] > 0 and r["device_ms"] == 0 and r["launches"] == 0
                for r in rows), rows
     assert report["matched_context"] == []
+    # --liger: our kernels in the (shared) decode model, counted from the patch report
+    assert ("swift_liger kernels applied to every cache's model (rms_norm 5, rope 2, swiglu 2 modules)"
+            in report["model"])
     md = (tmp_path / "rolling_cache.md").read_text()
     assert "## Where a decode step's time goes" in md and "## Decode latency and KV memory at matched" not in md
 
