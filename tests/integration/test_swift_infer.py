@@ -175,3 +175,64 @@ def test_rolling_cache_chat_has_constant_kv_memory(chats, tiny_qwen3):
     assert all(r["seen"] >= r["prompt_tokens"] for r in rows) and rows[-1]["seen"] > 4 * (WINDOW + SINKS), rows
     base_rows = chats["base"][3]
     assert base_rows[-1]["nbytes"] > 4 * fixed, (base_rows[-1], fixed)   # what the unpatched chat held at the end
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batched inference: `swift infer --val_dataset ... --max_batch_size 4` pads the prompts (left) into one generate
+# ---------------------------------------------------------------------------------------------------------------
+
+LAYOUT_PROBE = textwrap.dedent('''
+    """Test probe (tests/integration/test_swift_infer.py): the RollingKVCache plan of every forward, by batch size."""
+    import atexit, json, os
+    _OUT = os.environ.get("SWIFT_INFER_LAYOUT_OUT")
+    if _OUT:
+        import swift_liger.cache.rolling as _rolling
+        _seen = {}
+        _orig = _rolling.RollingKVCache._begin_forward
+
+        def _begin_forward(self, batch, T, *args, **kwargs):
+            out = _orig(self, batch, T, *args, **kwargs)
+            key = f"{self._plan.layout} b{batch}"
+            _seen[key] = _seen.get(key, 0) + 1
+            return out
+
+        _rolling.RollingKVCache._begin_forward = _begin_forward
+        atexit.register(lambda: _seen and open(f"{_OUT}.{os.getpid()}.json", "w").write(json.dumps(_seen)))
+''')
+
+
+def batch_infer(model_info, root, name, max_batch_size):
+    """`swift infer --val_dataset <8 rows> --max_batch_size N` with a 16 + 2 token ring; (responses, plan counts)."""
+    probe_dir = root / "layout_probe"
+    probe_dir.mkdir(exist_ok=True)
+    (probe_dir / "sitecustomize.py").write_text(LAYOUT_PROBE)
+    out = root / name
+    env = swift_env(SWIFT_LIGER_BACKEND="torch", SWIFT_INFER_LAYOUT_OUT=str(out),
+                    PYTHONPATH=os.pathsep.join(filter(None, [str(probe_dir), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "swift.cli.main", "infer", *model_info["swift_flags"], "--infer_backend", "pt",
+           "--val_dataset", f"{model_info['sft']}#8", "--max_batch_size", str(max_batch_size), "--max_new_tokens",
+           str(MAX_NEW), "--torch_dtype", "float32", "--use_liger", "--liger_rolling_cache", "16,2",
+           "--result_path", str(out) + ".result.jsonl"]
+    proc = subprocess.run(cmd, env=env, cwd=str(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    with open(str(out) + ".result.jsonl") as f:
+        responses = [json.loads(line)["response"] for line in f]
+    seen = {}
+    for path in glob.glob(f"{out}.*.json"):
+        with open(path) as f:
+            seen.update(json.load(f))
+    return responses, seen
+
+
+def test_batched_infer_with_rolling_cache_equals_one_prompt_at_a_time(tiny_qwen3, tmp_path):
+    """Left-padded batches of 4 prompts of different lengths: once every row's ring is full, each decode step takes
+    the maskless per-row path ("rows"); the greedy answers equal the same prompts generated one at a time (the
+    unpadded fast path), so padding changes nothing a row sees."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        batched, single = pool.map(lambda n: batch_infer(tiny_qwen3, tmp_path, f"b{n}", n), (4, 1))
+    (b_answers, b_seen), (s_answers, s_seen) = batched, single
+    assert len(b_answers) == len(s_answers) == 8 and all(b_answers)
+    assert b_answers == s_answers
+    assert b_seen.get("rows b4", 0) >= MAX_NEW - 1 and not any(k.endswith("b1") for k in b_seen), b_seen
+    assert "rows b1" not in s_seen and s_seen.get("full b1", 0) > 0, s_seen
