@@ -588,6 +588,7 @@ class RollingKVCache(Cache):
         super().reorder_cache(beam_idx)
         if self._counts is not None:
             self._counts = self._counts.index_select(0, beam_idx.to(self._counts.device))
+            self._counts_min = None   # rows may repeat: the minimum can change
 
     @property
     def is_compileable(self) -> bool:

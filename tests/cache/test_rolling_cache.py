@@ -481,6 +481,21 @@ def test_beam_search_runs(device):
     assert out.shape == (2, 14)
 
 
+def test_beam_search_on_a_padded_batch_equals_each_prompt_alone(device):
+    """Left-padded prompts past the wrap, 2 beams each: the beams' rows are reordered every step (reorder_cache),
+    the decode steps take the per-row path, and each prompt's beams equal the same prompt searched alone."""
+    model = tiny_model(device)
+    lengths = [11, 6]
+    ids, mask = left_padded(lengths, device)
+    kw = dict(num_beams=2, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, past_key_values=RollingKVCache(model, window=WINDOW, sinks=SINKS),
+                         **kw)
+    for row, n in enumerate(lengths):
+        alone = model.generate(ids[row:row + 1, -n:], past_key_values=RollingKVCache(model, window=WINDOW,
+                                                                                     sinks=SINKS), **kw)
+        assert torch.equal(out[row, -(n + 10):], alone[0]), row
+
+
 def test_install_rolling_cache(device):
     model = tiny_model(device)
     ids, mask = left_padded([9, 5], device)
