@@ -186,6 +186,19 @@ def test_rlhf_dpo_patched_equals_stock_on_two_ranks_and_with_accumulation(rlhf_r
         assert ("Using FSDP2" in liger.log) == (setup == "fsdp")
 
 
+@pytest.mark.parametrize("setup", ["ddp", "fsdp"])
+def test_rlhf_two_ranks_equal_one_process_with_accumulation(rlhf_runs, setup):
+    """DPO with one pair per micro-batch: 2 ranks x 1 pair average the same per-pair losses as 1 process x 2
+    accumulated pairs, so every step's loss and grad norm agree across the set-ups, patched and stock."""
+    for kind in ("liger", "base"):
+        ranks = rlhf_runs[f"{setup}_{kind}"].check(stock_teardown_abort_ok=kind == "base").steps()
+        one = rlhf_runs[f"ga2_{kind}"].check().steps()
+        assert len(ranks) == len(one) == RLHF_STEPS, (ranks, one)
+        for ra, rb in zip(ranks, one):
+            assert abs(ra["loss"] - rb["loss"]) <= 1e-5, (setup, kind, ra, rb)
+            assert abs(ra["grad_norm"] - rb["grad_norm"]) <= 1e-4 * max(1.0, rb["grad_norm"]), (setup, kind, ra, rb)
+
+
 @pytest.fixture(scope="module")
 def fsdp_runs(tiny_qwen3, tmp_path_factory):
     """`swift sft --fsdp fsdp2` on 2 gloo ranks (FSDP2 runs on CPU; ms-swift wraps each decoder layer): every
@@ -216,3 +229,19 @@ def test_fsdp2_losses_match_unpatched_with_the_fused_head(fsdp_runs):
     assert total["fused_linear_cross_entropy"] > 0 and total["lm_head_logits"] == 0, total
     assert total["lora_fused"] > 0 and total["lora_peft"] == 0, total
     assert record["world_size"] == NPROC
+
+
+def test_fsdp2_first_step_equals_ddp_and_one_process_with_accumulation(fsdp_runs, runs):
+    """FSDP2 on 2 ranks against the `runs` fixture's DDP (2 ranks) and one-process accumulation (2 rows) runs: same
+    model, data, seed and flags but for the launch. Step 1, before any update: FSDP2's loss and grad norm equal
+    DDP's, and its loss equals accumulation's (whose grad norm differs by itself: it weights rows by their token
+    counts, DDP averages the ranks' means), patched and stock."""
+    for kind in ("liger", "base"):
+        ok = kind == "base"
+        fsdp = fsdp_runs[kind].check(stock_teardown_abort_ok=ok).steps()[0]
+        ddp = runs[kind].check(stock_teardown_abort_ok=ok).steps()[0]
+        one = runs[f"{kind}_ga2"].check().steps()[0]
+        assert fsdp["step"] == ddp["step"] == one["step"] == 1
+        assert abs(fsdp["loss"] - ddp["loss"]) <= 1e-5 and abs(fsdp["loss"] - one["loss"]) <= 1e-5, (kind, fsdp,
+                                                                                                      ddp, one)
+        assert abs(fsdp["grad_norm"] - ddp["grad_norm"]) <= 1e-4 * max(1.0, ddp["grad_norm"]), (kind, fsdp, ddp)
