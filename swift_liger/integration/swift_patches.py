@@ -417,8 +417,8 @@ def destroy_gloo_group_at_exit() -> None:
     ms-swift never calls `destroy_process_group`. With gloo (`--ddp_backend gloo`, CPU ranks) a rank can then abort
     during interpreter finalization ("terminate called without an active exception", SIGABRT) after every step was
     logged and the run's files were written: a gloo worker thread still holding tensors takes the GIL while Python
-    is being torn down (PyTorch's own diagnosis in pytorch/pytorch#179291), and torchrun reports the whole run as
-    failed. `atexit` handlers run before finalization, so destroying the group there removes that race. Only after
+    is being torn down (the mechanism described in pytorch/pytorch#179291, a PR that would have registered this
+    handler in init_process_group), and torchrun reports the whole run as failed. `atexit` handlers run before finalization, so destroying the group there removes that race. Only after
     `train` returned (every rank is past its last collective) and only for gloo, whose destroy is local to the rank;
     NCCL groups are left to the user."""
     global _gloo_exit_registered

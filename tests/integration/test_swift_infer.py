@@ -21,6 +21,8 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -81,14 +83,23 @@ PROBE = textwrap.dedent('''
 ''')
 
 
+def probe_env(root, source: str, **extra) -> dict:
+    """The child's environment (PyTorch backend) with `source` as a sitecustomize.py on its PYTHONPATH."""
+    probe_dir = root / f"probe_{zlib.crc32(source.encode()):08x}"
+    probe_dir.mkdir(exist_ok=True)
+    path = probe_dir / "sitecustomize.py"
+    if not path.exists():   # runs start two at a time: never truncate a file another child may be importing
+        tmp = probe_dir / f".sitecustomize.{threading.get_ident()}"
+        tmp.write_text(source)
+        os.replace(tmp, path)
+    return swift_env(SWIFT_LIGER_BACKEND="torch", **extra,
+                     PYTHONPATH=os.pathsep.join(filter(None, [str(probe_dir), os.environ.get("PYTHONPATH")])))
+
+
 def chat(model_info, extra, root, name):
     """`swift infer ... <<< TURNS` (then `exit`); returns (returncode, log, answers, probe rows)."""
-    probe_dir = root / "probe"
-    probe_dir.mkdir(exist_ok=True)
-    (probe_dir / "sitecustomize.py").write_text(PROBE)
     out = root / name
-    env = swift_env(SWIFT_LIGER_BACKEND="torch", SWIFT_INFER_PROBE_OUT=str(out),
-                    PYTHONPATH=os.pathsep.join(filter(None, [str(probe_dir), os.environ.get("PYTHONPATH")])))
+    env = probe_env(root, PROBE, SWIFT_INFER_PROBE_OUT=str(out))
     cmd = [sys.executable, "-m", "swift.cli.main", "infer", *model_info["swift_flags"], *FLAGS, *extra]
     proc = subprocess.run(cmd, input="\n".join(TURNS + ["exit"]) + "\n", env=env, cwd=str(root),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
@@ -203,12 +214,8 @@ LAYOUT_PROBE = textwrap.dedent('''
 
 def batch_infer(model_info, root, name, max_batch_size):
     """`swift infer --val_dataset <8 rows> --max_batch_size N` with a 16 + 2 token ring; (responses, plan counts)."""
-    probe_dir = root / "layout_probe"
-    probe_dir.mkdir(exist_ok=True)
-    (probe_dir / "sitecustomize.py").write_text(LAYOUT_PROBE)
     out = root / name
-    env = swift_env(SWIFT_LIGER_BACKEND="torch", SWIFT_INFER_LAYOUT_OUT=str(out),
-                    PYTHONPATH=os.pathsep.join(filter(None, [str(probe_dir), os.environ.get("PYTHONPATH")])))
+    env = probe_env(root, LAYOUT_PROBE, SWIFT_INFER_LAYOUT_OUT=str(out))
     cmd = [sys.executable, "-m", "swift.cli.main", "infer", *model_info["swift_flags"], "--infer_backend", "pt",
            "--val_dataset", f"{model_info['sft']}#8", "--max_batch_size", str(max_batch_size), "--max_new_tokens",
            str(MAX_NEW), "--torch_dtype", "float32", "--use_liger", "--liger_rolling_cache", "16,2",
