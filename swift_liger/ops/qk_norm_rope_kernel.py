@@ -464,8 +464,12 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     if not _common.use_triton(q) or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
         return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps=eps, offset=offset, casting=casting,
                                       unsqueeze_dim=unsqueeze_dim)
-    qo, ko = QKNormRoPEFunction.apply(q4, k4, q_weight, k_weight, cos3, sin3, float(eps), float(offset),
-                                      casting == "gemma")
+    if _common.records_grad(q4, k4, q_weight, k_weight):
+        qo, ko = QKNormRoPEFunction.apply(q4, k4, q_weight, k_weight, cos3, sin3, float(eps), float(offset),
+                                          casting == "gemma")
+    else:
+        qo, ko = _common.compiled_or_eager("swift_liger::qk_norm_rope_fwd", _fwd_launch)(
+            q4, k4, q_weight, k_weight, cos3, sin3, float(eps), float(offset), casting == "gemma")
     if transposed:
         qo, ko = qo.transpose(1, 2), ko.transpose(1, 2)
     return qo, ko

@@ -548,4 +548,8 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
     _validate(x, weight, eps, offset, casting, residual)
     if x.shape[-1] > MAX_FUSED_H or not _common.use_triton(x):
         return rms_norm_reference(x, weight, eps, offset=offset, casting=casting, residual=residual)
+    if not _common.records_grad(x, weight, residual):
+        y, s, _ = _common.compiled_or_eager("swift_liger::rms_norm_fwd", _rms_norm_fwd)(
+            x, weight, residual, float(eps), float(offset), _CASTING_CODE[casting], False)
+        return (y, s) if residual is not None else y
     return RMSNormFunction.apply(x, weight, residual, float(eps), float(offset), _CASTING_CODE[casting])

@@ -421,7 +421,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     q4, k4, cos3, sin3, transposed = check_rope_args(q, k, cos, sin, unsqueeze_dim)
     if not _common.use_triton(q) or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
         return apply_rope_reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
-    qo, ko = RoPEFunction.apply(q4, k4, cos3, sin3, interleaved)
+    if _common.records_grad(q4, k4):
+        qo, ko = RoPEFunction.apply(q4, k4, cos3, sin3, interleaved)
+    else:
+        qo, ko = _common.compiled_or_eager("swift_liger::rope_fwd", _rope_fwd)(q4, k4, cos3, sin3, interleaved)
     if transposed:
         qo, ko = qo.transpose(1, 2), ko.transpose(1, 2)
     return qo, ko

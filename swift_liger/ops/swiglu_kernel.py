@@ -310,14 +310,18 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = Fal
     no-op under torch.compile); other graph nodes that saved gate / up raise instead of reading gradients.
     """
     _check(gate, up)
-    if _common.use_triton(gate):
-        return SwiGLUFunction.apply(gate, up, inplace_backward)
-    return swiglu_reference(gate, up)
+    if not _common.use_triton(gate):
+        return swiglu_reference(gate, up)
+    if not _common.records_grad(gate, up):
+        return _common.compiled_or_eager("swift_liger::glu_fwd", _glu_forward)(gate, up, SILU)
+    return SwiGLUFunction.apply(gate, up, inplace_backward)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = False) -> torch.Tensor:
     """GeGLU with the tanh GELU (HF ``gelu_pytorch_tanh``): ``gelu_tanh(gate) * up``. Arguments as :func:`swiglu`."""
     _check(gate, up)
-    if _common.use_triton(gate):
-        return GeGLUFunction.apply(gate, up, inplace_backward)
-    return geglu_reference(gate, up)
+    if not _common.use_triton(gate):
+        return geglu_reference(gate, up)
+    if not _common.records_grad(gate, up):
+        return _common.compiled_or_eager("swift_liger::glu_fwd", _glu_forward)(gate, up, GELU_TANH)
+    return GeGLUFunction.apply(gate, up, inplace_backward)
