@@ -199,8 +199,10 @@ def cleanup(device):
 # Sections
 # ---------------------------------------------------------------------------------------------------------------
 
-def matched_context(model, args, device, log):
-    rows = []
+def matched_context(model, args, device, log, rows=None, on_row=None):
+    """Rows appended to `rows` (a new list by default); `on_row()` after each one (the caller saves partial
+    results, so a run cut by a time limit keeps what it measured)."""
+    rows = [] if rows is None else rows
     vocab = model.config.vocab_size
     base = allocated(device)
     for batch in args.batches:
@@ -230,6 +232,8 @@ def matched_context(model, args, device, log):
                                peak_over_weights=(torch.cuda.max_memory_allocated() - base
                                                   if device.type == "cuda" else 0))
                     rows.append(row)
+                    if on_row:
+                        on_row()
                     log(f"  b={batch} {kind:20s} ctx={L:6d}  {ms:7.3f} ms/tok  KV {row['kv_bytes'] / GiB:7.3f} GiB")
             except Exception as exc:   # e.g. OOM for the growing cache: reported, not fatal
                 msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
@@ -764,7 +768,10 @@ def main(argv=None):
         save()
     if not args.no_matched:
         log("1. matched context")
-        report["matched_context"] = matched_context(model, args, device, log)
+        def partial():
+            report["speedups"] = summarize(report["matched_context"], args)
+            save()
+        matched_context(model, args, device, log, rows=report["matched_context"], on_row=partial)
         report["speedups"] = summarize(report["matched_context"], args)
         save()
     log("2. long runs")
