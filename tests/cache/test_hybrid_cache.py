@@ -35,14 +35,6 @@ HYBRID = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def hybrid_model(device, family, attn="sdpa"):
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(HYBRID[family](), attn_implementation=attn).to(device).eval()

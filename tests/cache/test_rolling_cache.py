@@ -25,15 +25,6 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
 CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen3": Qwen3Config}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: intra-op threads only contend (10x slower on a loaded 2-core CI box).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_model(device, family="llama", attn="sdpa", **overrides):
     torch.manual_seed(0)
     cfg = CONFIGS[family](**{**TINY, **overrides})
