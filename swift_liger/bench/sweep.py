@@ -1,7 +1,8 @@
 """The per-op sweep of issue 12: every op at every shape of its grid, ours beside every peer, fwd+bwd, bf16.
 
     python -m swift_liger.bench.sweep run --out DIR [--ops rms_norm,swiglu,...] [--deadline 500] [--rep-ms 40]
-    python -m swift_liger.bench.sweep report DIR/sweep.jsonl --out docs/benchmarks [--name kernel_sweep_h200]
+                                          [--skip EARLIER/sweep.jsonl]
+    python -m swift_liger.bench.sweep report DIR/sweep.jsonl [MORE.jsonl ...] --out docs/benchmarks [--name NAME]
 
 `run` (CUDA) takes the grid of swift_liger.bench.kernels.sweep_groups (RMSNorm with and without the fused residual
 over tokens x hidden, SwiGLU/GeGLU over intermediate, RoPE and QK-norm+RoPE over head layouts and head dims,
@@ -11,6 +12,8 @@ DIR/sweep.jsonl as it goes (a cut run keeps what it measured). torch.compile's c
 so every shape gets its own static compile (dynamo's recompile limit would otherwise fall back to eager).
 --graphs times each fwd+bwd as one CUDA graph replay: kernel time without the host's share, which at these sizes
 can exceed the kernels' (an implementation that cannot be captured is timed eagerly, marked "(eager)").
+--skip leaves out the cases an earlier run's JSONL already holds, so a grid longer than one device call is measured
+over several calls; `report` merges their files (a case measured twice keeps the later file's rows).
 `report` (no GPU needed) writes <name>.json, <name>.md and <name>.png: per op and shape our time over the fastest
 peer's, achieved GB/s or TFLOP/s, and peak extra memory beside Liger-Kernel's.
 """
@@ -52,6 +55,9 @@ def run(args) -> int:
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
         sys.exit(f"--ops: unknown {unknown}; known: {', '.join(OPS)}")
+    missing = [p for p in args.skip if not os.path.isfile(p)]
+    if missing:
+        sys.exit(f"--skip: no such file {', '.join(missing)} (expected an earlier run's sweep.jsonl)")
     if not torch.cuda.is_available():
         sys.exit("swift_liger.bench.sweep run needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
@@ -60,7 +66,7 @@ def run(args) -> int:
     env = {**harness.environment(), "command": "python -m swift_liger.bench.sweep " + " ".join(sys.argv[1:])}
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps({"environment": env}) + "\n")
-    todo = order(kernels.sweep_groups(), ops)
+    todo, measured = remaining(order(kernels.sweep_groups(), ops), args.skip)
     done = skipped = 0
     for op, key, factory in todo:
         left = args.deadline - (time.time() - t0) if args.deadline else float("inf")
@@ -83,8 +89,18 @@ def run(args) -> int:
         print(f"{op:18s} {key:44s} " + "  ".join(f"{r.impl} {r.ms:.3f}" if r.ms is not None else f"{r.impl} failed"
                                                  for r in results)
               + (f"  ours/best peer {best[0]:.2f} ({best[1]})" if best else ""), flush=True)
-    print(f"sweep: {done} cases measured, {skipped} skipped by the deadline, {time.time() - t0:.0f} s", flush=True)
+    print(f"sweep: {done} cases measured, {skipped} skipped by the deadline, {measured} measured earlier "
+          f"(--skip), {time.time() - t0:.0f} s", flush=True)
     return 0
+
+
+def remaining(todo: List[tuple], skip_paths) -> tuple:
+    """(the (op, key, factory) items of todo that no file in skip_paths measured, how many were measured there)."""
+    measured = set()
+    for path in skip_paths or ():
+        measured |= set(cases(load(path)[1]))
+    left = [t for t in todo if (t[0], t[1]) not in measured]
+    return left, len(todo) - len(left)
 
 
 def _ratio(rows) -> Optional[tuple]:
@@ -209,10 +225,21 @@ def plot(path: str, rows) -> bool:
     return True
 
 
+def merge(paths) -> tuple:
+    """(first file's environment, rows) over several runs' JSONL; a case in a later file replaces earlier rows."""
+    env, by = None, {}
+    for path in paths:
+        e, rows = load(path)
+        if e is None:
+            sys.exit(f"{path}: no environment line (not written by `sweep run`?)")
+        env = env or e
+        for key, got in cases(rows).items():
+            by[key] = got
+    return env, [r for got in by.values() for r in got]
+
+
 def report(args) -> int:
-    env, rows = load(args.jsonl)
-    if env is None:
-        sys.exit(f"{args.jsonl}: no environment line (not written by `sweep run`?)")
+    env, rows = merge(args.jsonl)
     os.makedirs(args.out, exist_ok=True)
     png = f"{args.name}.png" if plot(os.path.join(args.out, f"{args.name}.png"), rows) else None
     command = args.command or env.get("command", "python -m swift_liger.bench.sweep run")
@@ -239,8 +266,10 @@ def main(argv=None) -> int:
     r.add_argument("--rep-ms", type=int, default=40)
     r.add_argument("--graphs", action="store_true",
                    help="time every fwd+bwd as a CUDA graph replay (kernel time, without the host's share)")
+    r.add_argument("--skip", action="append", default=[], metavar="JSONL",
+                   help="an earlier run's sweep.jsonl: its cases are not measured again (repeatable)")
     p = sub.add_parser("report")
-    p.add_argument("jsonl")
+    p.add_argument("jsonl", nargs="+", help="one or more runs' sweep.jsonl, merged in order")
     p.add_argument("--out", required=True)
     p.add_argument("--name", default="kernel_sweep")
     p.add_argument("--command", default=None, help="the command line to print (default: from the JSONL)")

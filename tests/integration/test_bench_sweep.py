@@ -72,3 +72,45 @@ def test_run_refuses_unknown_ops_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match="--ops: unknown"):
         sweep.main(["run", "--out", str(tmp_path / "x"), "--ops", "rms_norm,rmsnorm"])
     assert not (tmp_path / "x").exists()
+
+
+def _write(path, rows, gpu="H200"):
+    with open(path, "w") as f:
+        f.write(json.dumps({"environment": {"gpu": gpu, "command": "python -m swift_liger.bench.sweep run"}}) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_skip_leaves_out_what_an_earlier_run_measured(tmp_path):
+    first = tmp_path / "a.jsonl"
+    _write(first, [_row("rms_norm", "16384x4096", "swift_liger", 0.3), _row("swiglu", "16384x14336", "liger", 1.5)])
+    todo = sweep.order(kernels.sweep_groups(), list(sweep.OPS))
+    left, measured = sweep.remaining(todo, [str(first)])
+    assert measured == 2 and len(left) == len(todo) - 2
+    assert ("rms_norm", "16384x4096") not in {(op, k) for op, k, _ in left}
+    assert [t[:2] for t in left] == [t[:2] for t in todo if t[:2] not in {("rms_norm", "16384x4096"),
+                                                                            ("swiglu", "16384x14336")}]
+    assert sweep.remaining(todo, [])[1] == 0
+
+
+def test_run_refuses_a_missing_skip_file_before_any_work(tmp_path):
+    with pytest.raises(SystemExit, match="--skip: no such file"):
+        sweep.main(["run", "--out", str(tmp_path / "x"), "--skip", str(tmp_path / "nope.jsonl")])
+    assert not (tmp_path / "x").exists()
+
+
+def test_report_merges_runs_later_file_wins(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _write(a, [_row("rms_norm", "1024x1024", "liger", 0.02), _row("rms_norm", "1024x1024", "swift_liger", 0.03),
+               _row("rms_norm", "4096x4096", "liger", 0.05), _row("rms_norm", "4096x4096", "swift_liger", 0.04)])
+    _write(b, [_row("rms_norm", "1024x1024", "liger", 0.02), _row("rms_norm", "1024x1024", "swift_liger", 0.01),
+               _row("swiglu", "16384x14336", "liger", 1.5), _row("swiglu", "16384x14336", "swift_liger", 1.2)],
+           gpu="other")
+    assert sweep.main(["report", str(a), str(b), "--out", str(tmp_path), "--name", "m"]) == 0
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert data["environment"]["gpu"] == "H200" and len(data["results"]) == 6
+    by = sweep.cases(data["results"])
+    assert sweep._ratio(by[("rms_norm", "1024x1024")]) == pytest.approx((0.5, "liger"))   # b's rows replace a's
+    assert sweep._ratio(by[("rms_norm", "4096x4096")]) == pytest.approx((0.8, "liger"))
+    with pytest.raises(SystemExit, match="no environment line"):
+        (tmp_path / "c.jsonl").write_text(json.dumps(_row("rms_norm", "1x1", "liger", 1.0)) + "\n")
+        sweep.main(["report", str(tmp_path / "c.jsonl"), "--out", str(tmp_path), "--name", "c"])
