@@ -16,6 +16,7 @@
 #          (DECODE_BATCHES, default 1,4; DECODE_ARGS adds e.g. --pad-step 64 or --liger: our RMSNorm/RoPE/SwiGLU
 #          kernels in the decode model); results in $OUT/decode
 # sweep:   per-op sweep against every peer, CUDA-graph timing (python -m swift_liger.bench.sweep run; SWEEP_ARGS)
+# tune:    launch-configuration grid per op, CUDA-graph timing (python3 tools/tune.py; TUNE_OPS, default rms_norm)
 # longctx: longest trainable context per variant, 8B LoRA (python -m swift_liger.bench.long_context; LONGCTX_ARGS)
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/bench"
@@ -162,6 +163,10 @@ PY
     timeout "${SWEEP_TIMEOUT:-540}" python3 -m swift_liger.bench.sweep run --out "$OUT/sweep" \
       ${SWEEP_ARGS:---graphs --deadline 520} >"$OUT/sweep.log" 2>&1; echo "sweep rc $?"
     tail -3 "$OUT/sweep.log" ;;
+  tune)
+    stamp tune
+    timeout "${TUNE_TIMEOUT:-150}" python3 tools/tune.py ${TUNE_OPS:-rms_norm} >"$OUT/tune.log" 2>&1; echo "tune rc $?"
+    grep -E " ms " "$OUT/tune.log" | head -${TUNE_LINES:-24} ;;
   longctx)
     stamp longctx
     timeout "${LONGCTX_TIMEOUT:-570}" python3 -m swift_liger.bench.long_context --out "$OUT/bench" \

@@ -1,10 +1,11 @@
 """Sweep launch configurations through the benchmark harness (fresh inputs per setting, same timing as the benchmarks).
 
-    python3 tools/tune.py rms_norm rope qk_norm_rope
+    python3 tools/tune.py rms_norm rope qk_norm_rope      # [--eager]: host-inclusive timing instead of CUDA graphs
 
 A point forces fields of a kernel module's launch configurations (``swift_liger.ops._common.set_launch_override``,
 per launch kind); AUTO leaves a field to the module's ``launch_config``. The override stays set through the
-backward, which the harness runs after the timed function returns.
+backward, which the harness runs after the timed function returns. Each point's fwd+bwd is timed as one CUDA graph
+replay (kernel time: eager timings of sub-millisecond ops measure the host on the lent H200).
 """
 import itertools
 import sys
@@ -36,6 +37,9 @@ def with_settings(module, settings, fn):
     return run
 
 
+GRAPHS = "--eager" not in sys.argv
+
+
 def sweep(case, module, grid, ours):
     """grid: {kind: {field: [values]}} (all combinations) or a list of such dicts (their combinations, one after
     another). kind is a key of ``module.LAUNCH_CONFIGS`` (None for single-kernel modules)."""
@@ -53,7 +57,7 @@ def sweep(case, module, grid, ours):
             impls[label] = with_settings(module, settings, ours)
     case.impls = impls
     try:
-        rows = harness.run_case(case, warmup_ms=50, rep_ms=200)
+        rows = harness.run_case(case, warmup_ms=50, rep_ms=200, graphs=GRAPHS)
     finally:
         for kind in kinds:
             _common.set_launch_override(module, kind)
@@ -69,8 +73,9 @@ def main(ops):
         # Backward: rows per tile, warps, grid (None: from the compiled kernel's occupancy), register prefetch.
         from swift_liger.ops import rms_norm_kernel as m
         case = kernels.rms_norm_cases()[0]
-        sweep(case, m, {"bwd": {"block_m": [1, 2, 4], "num_warps": [16, 32], "programs": [None, 2 * sms],
-                                "prefetch": [True, False]}},
+        sweep(case, m, [{"fwd": {"block_m": [1, 2, 4], "num_warps": [4, 8, 16]}},
+                        {"bwd": {"block_m": [1, 2], "num_warps": [8, 16, 32], "programs": [None, 2 * sms, 4 * sms],
+                                 "prefetch": [True, False]}}],
               lambda i: m.rms_norm(i["x"], i["w"], 1e-6))
     if "rope" in ops:
         from swift_liger.ops import rope as m
@@ -87,4 +92,4 @@ def main(ops):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["rms_norm", "rope", "qk_norm_rope"])
+    main([a for a in sys.argv[1:] if not a.startswith("--")] or ["rms_norm", "rope", "qk_norm_rope"])
