@@ -12,9 +12,9 @@
 # qlora:   QLoRA tests on CUDA (no xdist), then tiny `swift sft --quant_method bnb --quant_bits 4` bf16: stock vs
 #          --use_liger, per-step losses (needs the bitsandbytes wheel in .whl/: ../shared/gpu/slim_bnb.sh)
 # rolling: RollingKVCache decode benchmark (ROLLING_ARGS; ROLLING_ARGS=--only-hybrid: the Gemma-2 hybrid cache only)
-# decode:  issue 15's eager/graph grid at 32 layers: profile, then matched context at window -/+, 2x, 8x
-#          (DECODE_BATCHES, default 1,4; DECODE_ARGS adds e.g. --pad-step 64 or --liger: our RMSNorm/RoPE/SwiGLU
-#          kernels in the decode model); results in $OUT/decode
+# decode:  issue 15's eager/graph grid at 32 layers: profile past the window, then matched context at window -/+,
+#          2x, 8x (DECODE_BATCHES default 1,4; DECODE_KINDS, DECODE_CONTEXTS, DECODE_STEPS x DECODE_ROUNDS;
+#          DECODE_ARGS adds e.g. --pad-step 64); results in $OUT/decode
 # sweep:   per-op sweep against every peer, CUDA-graph timing (python -m swift_liger.bench.sweep run; SWEEP_ARGS)
 # tune:    launch-configuration grid per op, CUDA-graph timing (python3 tools/tune.py; TUNE_OPS, default rms_norm)
 # longctx: longest trainable context per variant, 8B LoRA (python -m swift_liger.bench.long_context; LONGCTX_ARGS)
@@ -27,9 +27,12 @@ for section in "$@"; do
   case "$section" in
   tests)
     stamp tests
+    # -v: every result line names its test, so a run cut by the time limit still says which ones failed
     SWIFT_LIGER_TEST_GPU=1 timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest ${TEST_PATHS:-tests/ops tests/models tests/cache} -n 16 -rf \
-      -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1; echo "pytest rc $?"
-    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -15 ;;
+      -v -p no:cacheprovider -W ignore::pytest.PytestWarning >"$OUT/gpu_tests.log" 2>&1; echo "pytest rc $?"
+    pkill -f "python3 -m pytest" 2>/dev/null; pkill -f "execnet" 2>/dev/null; sleep 1   # workers a timeout orphaned
+    echo "tests: $(grep -c " PASSED " "$OUT/gpu_tests.log") passed, $(grep -c " SKIPPED " "$OUT/gpu_tests.log") skipped"
+    grep -E "[0-9]+ (passed|failed)|FAILED|^ERROR| ERROR " "$OUT/gpu_tests.log" | cut -c1-220 | tail -15 ;;
   bench)
     for suite in kernels attention; do
       stamp "bench $suite"
@@ -153,9 +156,13 @@ PY
     grep -E "ms/tok|long run|agreement|targets|Error|error" "$OUT/rc.log" | head -60 ;;
   decode)
     stamp decode
+    # ours with our kernels (swift infer --use_liger), both position modes, eager and graphed; HF's sliding caches
+    # on the stock model and on ours (the cache's own share)
+    DECODE_DEFAULT_KINDS=rolling_absolute+liger,rolling_streaming+liger,rolling_absolute+graph+liger,rolling_streaming+graph+liger,hf_dynamic_sliding,hf_static_sliding,hf_dynamic_sliding+liger,hf_static_sliding+liger
     timeout "${DECODE_TIMEOUT:-420}" python3 -m swift_liger.bench.rolling_cache --out "$OUT/decode" --layers 32 \
-      --batches "${DECODE_BATCHES:-1,4}" --contexts 3840,4352,8192,32768 --steps 32 --warmup 8 --profile-steps 16 \
-      --kinds rolling_absolute,rolling_streaming,rolling_absolute+graph,rolling_streaming+graph,hf_dynamic_sliding,hf_static_sliding \
+      --batches "${DECODE_BATCHES:-1,4}" --contexts "${DECODE_CONTEXTS:-3840,4352,8192,32768}" \
+      --steps "${DECODE_STEPS:-16}" --rounds "${DECODE_ROUNDS:-3}" --warmup 8 --profile-steps "${DECODE_PROFILE:-16}" \
+      --kinds "${DECODE_KINDS:-$DECODE_DEFAULT_KINDS}" \
       --long-kinds= --no-agreement --no-hybrid ${DECODE_ARGS:-} >"$OUT/decode.log" 2>&1; echo "decode rc $?"
     grep -E "ms/tok|ms/step|targets|Error|error" "$OUT/decode.log" | head -80 ;;
   sweep)

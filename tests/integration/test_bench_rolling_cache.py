@@ -58,3 +58,55 @@ def test_profile_section_with_our_kernels(tmp_path):
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other")])
 def test_kernel_groups(name, group):
     assert rolling_cache.kernel_group(name) == group
+
+
+def test_liger_kinds_beside_the_stock_model(tmp_path):
+    """'+liger' kinds run with our kernels patched in for their rows only (reverted after): one run compares the
+    stock model's HF caches with `swift infer --use_liger`'s stack, and the same-model column isolates the cache."""
+    rolling_cache.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--batches", "1", "--rounds", "3",
+                        "--steps", "2", "--profile-steps", "2",
+                        "--kinds", "rolling_absolute+liger,hf_dynamic_sliding,hf_static_sliding,"
+                                   "hf_dynamic_sliding+liger,rolling_streaming",
+                        "--long-kinds", "", "--no-agreement", "--no-hybrid"])
+    report = json.loads((tmp_path / "rolling_cache.json").read_text())
+    rows = {(r["cache"], r["context"]): r for r in report["matched_context"]}
+    assert len(rows) == 5 * 3 and not any(r.get("error") for r in rows.values())
+    for (kind, _), r in rows.items():
+        assert (r["liger_modules"] > 0) == kind.endswith("+liger"), (kind, r["liger_modules"])
+        assert len(r["ms_rounds"]) == 3 and r["ms_per_token"] == sorted(r["ms_rounds"])[1]
+    sp = {(s["cache"], s["context"]): s for s in report["speedups"]}
+    assert set(sp) == {(k, c) for k in ("rolling_absolute+liger", "rolling_streaming") for c in (64, 128, 256)}
+    s = sp[("rolling_absolute+liger", 128)]
+    best = min(rows[(k, 128)]["ms_per_token"] for k in ("hf_dynamic_sliding", "hf_static_sliding"))
+    assert s["speedup_vs_best_hf_sliding"] == pytest.approx(best / rows[("rolling_absolute+liger", 128)]["ms_per_token"])
+    assert s["speedup_vs_best_hf_sliding_same_model"] == pytest.approx(
+        rows[("hf_dynamic_sliding+liger", 128)]["ms_per_token"] / rows[("rolling_absolute+liger", 128)]["ms_per_token"])
+    t = report["targets"]
+    assert set(t["min_speedup_vs_hf_sliding"]) == {"rolling_absolute+liger", "rolling_streaming"}
+    # the profile runs where the rings are full: the first context >= window + sinks (tiny: 64 + 4 -> 128)
+    assert {r["context"] for r in report["profile"]} == {128}
+    assert all("top_kernels" in r and "top_host_ops" in r for r in report["profile"])
+    md = (tmp_path / "rolling_cache.md").read_text()
+    assert "vs best HF sliding, same model" in md and "| 1 | 128 | absolute+liger |" in md
+
+
+def test_unknown_kind_is_refused_before_any_work(tmp_path):
+    with pytest.raises(SystemExit):
+        rolling_cache.main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "x"), "--kinds", "rolling_abs+liger"])
+    assert not (tmp_path / "x").exists()
+
+
+def test_kernels_for_patches_one_kind_and_reverts():
+    import argparse
+
+    import torch
+
+    from swift_liger.models.patcher import find_states
+    args = argparse.Namespace(tiny=True, layers=2, liger=False)
+    model = rolling_cache.build_model(rolling_cache.model_config(args), torch.device("cpu"), torch.float32)
+    with rolling_cache.kernels_for("rolling_absolute+graph+liger", model, args) as k:
+        assert k.modules > 0 and find_states(model)
+    assert not find_states(model)
+    with rolling_cache.kernels_for("hf_dynamic_sliding", model, args) as k:
+        assert k.modules == 0 and not find_states(model)
+    assert rolling_cache.split_kind("rolling_absolute+graph+liger") == ("rolling_absolute+graph", True)
