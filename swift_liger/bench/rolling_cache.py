@@ -28,6 +28,12 @@ Sections
      and max |logit diff| / top-1 agreement of the two on the same teacher-forced tokens. --only-hybrid runs just
      this section, --no-hybrid skips it.
 Writes rolling_cache.json and rolling_cache.md under --out (rolling_cache_hybrid.* with --only-hybrid).
+
+    python -m swift_liger.bench.rolling_cache --merge A/rolling_cache.json B/rolling_cache.json --out DIR
+
+merges runs made in separate device calls (same model and settings; e.g. batch 1 in one, batches 4-32 in
+another): their rows in order, a (batch, cache, context) measured twice keeping the later file's; speed-ups and
+targets recomputed; both commands listed. No GPU needed.
 """
 from __future__ import annotations
 
@@ -615,6 +621,51 @@ def environment(device) -> dict:
 HF_SLIDING = ("hf_dynamic_sliding", "hf_static_sliding")
 
 
+def merge_reports(paths, out) -> int:
+    """--merge: one report from several runs' JSON (see the module docstring)."""
+    import argparse
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        sys.exit(f"--merge: no such file {', '.join(missing)} (expected rolling_cache.json files)")
+    reports = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            reports.append(json.load(f))
+    first = reports[0]
+    for path, r in zip(paths[1:], reports[1:]):
+        if r.get("model") != first.get("model"):
+            sys.exit(f"--merge: {path} measured another model ({r.get('model')!r} vs {first.get('model')!r})")
+    merged = {"environment": dict(first["environment"]), "model": first["model"],
+              "settings": dict(first["settings"]), "long_runs": []}
+    merged["environment"]["commands"] = [r["environment"]["command"] for r in reports]
+    for key in ("matched_context", "profile"):
+        by = {}
+        for r in reports:
+            for row in r.get(key) or []:
+                by[(row["batch"], row["cache"], row.get("context"))] = row
+        merged[key] = list(by.values())
+    for r in reports:
+        merged["long_runs"] += r.get("long_runs") or []
+        for key in ("agreement", "hybrid"):
+            if r.get(key):
+                merged[key] = r[key]
+    rows = merged["matched_context"]
+    args = argparse.Namespace(**{**merged["settings"],
+                                 "batches": sorted({r["batch"] for r in rows}),
+                                 "contexts": sorted({r["context"] for r in rows if r.get("context")})})
+    merged["settings"]["batches"], merged["settings"]["contexts"] = args.batches, args.contexts
+    merged["speedups"] = summarize(rows, args)
+    merged["targets"] = targets(merged, args)
+    merged["wall_s"] = sum(r.get("wall_s") or 0 for r in reports)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "rolling_cache.json"), "w") as f:
+        json.dump(merged, f, indent=1, default=str)
+    with open(os.path.join(out, "rolling_cache.md"), "w") as f:
+        f.write(markdown(merged))
+    print(f"merged {len(paths)} runs ({len(rows)} rows) into {out}/rolling_cache.{{json,md}}")
+    return 0
+
+
 def summarize(rows, args):
     """Speed ratios per (batch, context, rolling kind): others' ms / rolling's ms (> 1 = rolling faster), against
     each stock-model cache, the best (fastest) stock HF sliding-window cache, and the best HF sliding-window cache
@@ -656,8 +707,9 @@ def markdown(report) -> str:
                           f"- decode timed over {args['steps']} greedy steps after {args['warmup']} warm-up steps "
                           f"at each context (chunked prefill of {args['prefill_chunk']}); eager PyTorch", ""]
                          + hybrid_markdown(report["hybrid"]))
+    commands = env.get("commands") or [env["command"]]
     lines = ["# RollingKVCache decode benchmark", "",
-             f"- date: {env['date']}", f"- command: `{env['command']}`",
+             f"- date: {env['date']}", *(f"- command: `{c}`" for c in commands),
              f"- device: {env['gpu'] or env['device']}; torch {env['torch']} (CUDA {env['cuda']}), "
              f"triton {env['triton']}, transformers {env['transformers']}",
              f"- model: {report['model']}",
@@ -789,7 +841,11 @@ def main(argv=None):
     ap.add_argument("--hybrid-contexts", default="8192,32768", help="context lengths for the hybrid timing")
     ap.add_argument("--only-hybrid", action="store_true", help="run only section 4 (hybrid model)")
     ap.add_argument("--no-hybrid", action="store_true", help="skip section 4")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                    help="merge these runs' rolling_cache.json into --out (no GPU; every other option is ignored)")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge_reports(args.merge, args.out)
     if args.tiny:
         args.layers, args.window, args.sinks = 2, 64, 4
         args.contexts, args.steps, args.warmup, args.prefill_chunk = "64,128,256", 8, 4, 64

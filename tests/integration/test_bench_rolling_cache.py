@@ -110,3 +110,20 @@ def test_kernels_for_patches_one_kind_and_reverts():
     with rolling_cache.kernels_for("hf_dynamic_sliding", model, args) as k:
         assert k.modules == 0 and not find_states(model)
     assert rolling_cache.split_kind("rolling_absolute+graph+liger") == ("rolling_absolute+graph", True)
+
+
+def test_merge_runs_of_separate_calls(tmp_path):
+    common = ["--tiny", "--device", "cpu", "--steps", "2", "--kinds", "rolling_absolute,hf_dynamic_sliding",
+              "--long-kinds", "", "--no-agreement", "--no-hybrid"]
+    rolling_cache.main(common + ["--out", str(tmp_path / "a"), "--batches", "1"])
+    rolling_cache.main(common + ["--out", str(tmp_path / "b"), "--batches", "2"])
+    assert rolling_cache.main(["--merge", str(tmp_path / "a" / "rolling_cache.json"),
+                               str(tmp_path / "b" / "rolling_cache.json"), "--out", str(tmp_path / "m")]) == 0
+    report = json.loads((tmp_path / "m" / "rolling_cache.json").read_text())
+    assert len(report["matched_context"]) == 2 * 3 + 2 * 3
+    assert {(s["batch"], s["context"]) for s in report["speedups"]} == {(b, c) for b in (1, 2) for c in (64, 128, 256)}
+    assert report["settings"]["batches"] == [1, 2] and "rolling_absolute" in report["targets"]["min_speedup_vs_hf_sliding"]
+    md = (tmp_path / "m" / "rolling_cache.md").read_text()
+    assert md.count("- command: `") == 2 and "| 2 | 256 | absolute |" in md
+    with pytest.raises(SystemExit, match="--merge: no such file"):
+        rolling_cache.main(["--merge", str(tmp_path / "nope.json"), "--out", str(tmp_path / "m2")])
