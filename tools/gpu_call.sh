@@ -27,9 +27,9 @@ for section in "$@"; do
   case "$section" in
   tests)
     stamp tests
-    # -v: every result line names its test, so a run cut by the time limit still says which ones failed
+    # -vv (addopts has -q): every result line names its test, so a run cut by the time limit still says which ones failed
     SWIFT_LIGER_TEST_GPU=1 timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest ${TEST_PATHS:-tests/ops tests/models tests/cache} -n 16 -rf \
-      -v -p no:cacheprovider -W ignore::pytest.PytestWarning >"$OUT/gpu_tests.log" 2>&1; echo "pytest rc $?"
+      -vv -p no:cacheprovider -W ignore::pytest.PytestWarning >"$OUT/gpu_tests.log" 2>&1; echo "pytest rc $?"
     pkill -f "python3 -m pytest" 2>/dev/null; pkill -f "execnet" 2>/dev/null; sleep 1   # workers a timeout orphaned
     echo "tests: $(grep -c " PASSED " "$OUT/gpu_tests.log") passed, $(grep -c " SKIPPED " "$OUT/gpu_tests.log") skipped"
     grep -E "[0-9]+ (passed|failed)|FAILED|^ERROR| ERROR " "$OUT/gpu_tests.log" | cut -c1-220 | tail -15 ;;

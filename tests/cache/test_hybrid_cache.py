@@ -286,7 +286,9 @@ def test_non_hybrid_model_unchanged(device):
     ids = torch.randint(2, 64, (1, 5), device=device)
     s_dyn, l_dyn, _ = generate(model, DynamicCache(), ids, None, 5)   # 5 + 4 fed < capacity: DynamicCache's
     s_roll, l_roll, _ = generate(model, cache, ids, None, 5)
-    assert torch.equal(s_roll, s_dyn) and torch.equal(l_roll, l_dyn)
+    # CUDA decodes through the split-KV kernel (another summation order than SDPA): equal to rounding there
+    assert torch.equal(s_roll, s_dyn)
+    assert_close(l_roll, l_dyn.double(), torch.float32, slack=10, name="llama, explicit window")
     assert all(layer.keys.shape[2] == 10 for layer in cache.layers)
     with pytest.raises(ValueError, match="needs sliding-window layers; this llama config has none"):
         RollingKVCache(model, window="model")
