@@ -330,9 +330,13 @@ def test_flag_and_config_spelling():
     assert parse_flag(" Model ") == {"window": "model"}
     assert parse_flag('{"window": "model"}') == {"window": "model"}
     assert parse_flag("64,4") == {"window": 64, "sinks": 4}
+    assert parse_flag("64, 4, Graph") == {"window": 64, "sinks": 4, "cuda_graph": True}
+    with pytest.raises(ValueError, match='optionally ",graph"'):
+        parse_flag("64,4,fast")
     assert normalize({"window": "MODEL"}) == {"window": "model"}
     assert LigerConfig(rolling_cache={"window": "model"}).rolling_cache == {"window": "model"}
-    with pytest.raises(ValueError, match='liger_rolling_cache must be "window,sinks" \\(two integers\\), "model"'):
+    with pytest.raises(ValueError, match='liger_rolling_cache must be "window,sinks" \\(two integers, optionally '
+                                         '",graph"\\), "model"'):
         parse_flag("auto")
     with pytest.raises(ValueError, match="LigerConfig.rolling_cache: window 'model' keeps the model's own sliding "
                                          "window exactly, without sinks"):
