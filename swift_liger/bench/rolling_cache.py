@@ -392,6 +392,28 @@ def profile_section(model, args, device, log):
     return rows
 
 
+def summary_markdown(rows, args) -> list:
+    """Per cache kind and batch: the range of ms/token over the contexts where the rings are full."""
+    full = args["window"] + args["sinks"]
+    got = {}
+    for r in rows:
+        if r.get("ms_per_token") and r["context"] >= full:
+            got.setdefault((r["cache"], r["batch"]), []).append(r["ms_per_token"])
+    if not got:
+        return []
+    batches = sorted({b for _, b in got})
+    kinds = list(dict.fromkeys(k for k, _ in got))
+    out = [f"## Summary: ms/token past the window (contexts >= {full}; min-max over them)", "",
+           "| cache | " + " | ".join(f"batch {b}" for b in batches) + " |", "|---|" + "---:|" * len(batches)]
+    for k in kinds:
+        cells = []
+        for b in batches:
+            v = got.get((k, b))
+            cells.append("—" if not v else f"{min(v):.2f}" if max(v) - min(v) < 0.005 else f"{min(v):.2f}-{max(v):.2f}")
+        out.append(f"| {k} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def profile_markdown(rows) -> list:
     groups = [g for g, _ in KERNEL_GROUPS] + ["other"]
     out = ["## Where a decode step's time goes (torch.profiler)", "",
@@ -638,6 +660,8 @@ def merge_reports(paths, out) -> int:
     merged = {"environment": dict(first["environment"]), "model": first["model"],
               "settings": dict(first["settings"]), "long_runs": []}
     merged["environment"]["commands"] = [r["environment"]["command"] for r in reports]
+    merged["settings"]["steps"] = " / ".join(   # per command, in order: steps x rounds (median round reported)
+        f"{r['settings']['steps']} x {r['settings'].get('rounds', 1)}" for r in reports) + " (steps x rounds per command)"
     for key in ("matched_context", "profile"):
         by = {}
         for r in reports:
@@ -714,13 +738,16 @@ def markdown(report) -> str:
              f"triton {env['triton']}, transformers {env['transformers']}",
              f"- model: {report['model']}",
              f"- window {args['window']} + {args['sinks']} sinks; decode timed over {args['steps']} greedy steps "
-             f"after {args['warmup']} warm-up steps at each context (chunked prefill of {args['prefill_chunk']}); "
+             + (f"in each of {args['rounds']} rounds (median round) " if (args.get("rounds") or 1) > 1 else "")
+             + f"after {args['warmup']} warm-up steps at each context (chunked prefill of {args['prefill_chunk']}); "
              "sdpa attention; eager PyTorch except the `+graph` rows (RollingKVCache(cuda_graph=True): each decode "
              "step after the ring is full replays one CUDA graph of the decoder; the LM head and argmax stay eager)"]
     if args.get("pad_step"):
         lines.append(f"- left-padded batches (batch > 1): row b starts with b x {args['pad_step']} pad columns and "
                      "every forward gets the 2D attention mask (as generate passes it)")
     lines.append("")
+    if report["matched_context"]:
+        lines += summary_markdown(report["matched_context"], args)
     if report.get("profile"):
         lines += profile_markdown(report["profile"])
     if report["matched_context"]:

@@ -125,5 +125,10 @@ def test_merge_runs_of_separate_calls(tmp_path):
     assert report["settings"]["batches"] == [1, 2] and "rolling_absolute" in report["targets"]["min_speedup_vs_hf_sliding"]
     md = (tmp_path / "m" / "rolling_cache.md").read_text()
     assert md.count("- command: `") == 2 and "| 2 | 256 | absolute |" in md
+    assert "8 x 1 / 8 x 1 (steps x rounds per command)" in md   # --tiny: 8 steps
+    # the summary: one row per cache, one column per batch, over the contexts past the window (tiny: 64 + 4)
+    head = md[md.index("## Summary: ms/token past the window (contexts >= 68"):]
+    head = head[:head.index("\n## ")]
+    assert "| cache | batch 1 | batch 2 |" in head and head.count("| rolling_absolute | ") == 1
     with pytest.raises(SystemExit, match="--merge: no such file"):
         rolling_cache.main(["--merge", str(tmp_path / "nope.json"), "--out", str(tmp_path / "m2")])
