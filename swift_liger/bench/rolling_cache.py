@@ -72,12 +72,13 @@ class kernels_for:
     def __init__(self, kind, model, args):
         self.on = split_kind(kind)[1] and not args.liger
         self.model = model
+        self.fused = bool(getattr(args, "fused_projections", False))
         self.modules = 0   # modules patched for this kind (0: the stock model, or --liger's shared patch)
 
     def __enter__(self):
         if self.on:
             import swift_liger
-            report = swift_liger.apply(self.model, cross_entropy="off")
+            report = swift_liger.apply(self.model, cross_entropy="off", fused_projections=self.fused)
             self.modules = sum(v for v in report.patched.values() if isinstance(v, int))
         return self
 
@@ -851,6 +852,8 @@ def main(argv=None):
     ap.add_argument("--liger", action="store_true",
                     help="sections 0-2: swift_liger's RMSNorm, RoPE and SwiGLU kernels in the decode model (for every "
                          "cache; the loss head is not used in decode)")
+    ap.add_argument("--fused-projections", action="store_true",
+                    help="with --liger or '+liger' kinds: also fused_projections (one GEMM for q/k/v, one for gate/up)")
     ap.add_argument("--pad-step", type=int, default=0,
                     help="section 1 with left-padded batches: row b starts with b * this many pad columns")
     ap.add_argument("--tokens", type=int, default=32768, help="long run length at batch 1 (0 = skip)")
@@ -921,9 +924,11 @@ def main(argv=None):
                   f"heads / {config.num_key_value_heads} kv heads x {config.head_dim}, vocab {config.vocab_size}")
     if args.liger:
         import swift_liger
-        patched = swift_liger.apply(model, cross_entropy="off").patched
+        patched = swift_liger.apply(model, cross_entropy="off", fused_projections=args.fused_projections).patched
         model_desc += ("; swift_liger kernels applied to every cache's model (" +
                        ", ".join(f"{k} {v}" for k, v in patched.items() if v) + " modules)")
+    if args.fused_projections and not args.liger:
+        model_desc += "; the '+liger' kinds also fuse the q/k/v and gate/up projections (fused_projections)"
     log(f"{model_desc}; setup {time.perf_counter() - t_start:.1f} s")
     report = {"environment": environment(device), "model": model_desc,
               "settings": {k: v for k, v in vars(args).items()}}

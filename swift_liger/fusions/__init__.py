@@ -4,12 +4,13 @@ patcher (models/patcher.py) runs the patches in `order`. A new fusion is one mod
 """
 from __future__ import annotations
 
-from . import (compile_layers, cross_entropy, lora_fusion, offload_checkpoints, qk_norm_rope, rms_norm, rolling_cache,
-               rope, save_attention, swiglu, tiled_mlp)
+from . import (compile_layers, cross_entropy, fused_projections, lora_fusion, offload_checkpoints, qk_norm_rope,
+               rms_norm, rolling_cache, rope, save_attention, swiglu, tiled_mlp)
 from .base import Fusion, PatchContext
 
 REGISTRY = tuple(m.FUSION for m in (rms_norm, rope, qk_norm_rope, swiglu, lora_fusion, tiled_mlp, offload_checkpoints,
-                                    save_attention, cross_entropy, rolling_cache, compile_layers))
+                                    save_attention, cross_entropy, rolling_cache, fused_projections,
+                                    compile_layers))
 BY_KEY = {f.key: f for f in REGISTRY}
 COUNTED = tuple(f.key for f in REGISTRY if f.counted)          # PatchReport.patched keys, in this order
 PATCHES = tuple(sorted((f for f in REGISTRY if f.patch is not None), key=lambda f: f.order))

@@ -132,3 +132,14 @@ def test_merge_runs_of_separate_calls(tmp_path):
     assert "| cache | batch 1 | batch 2 |" in head and head.count("| rolling_absolute | ") == 1
     with pytest.raises(SystemExit, match="--merge: no such file"):
         rolling_cache.main(["--merge", str(tmp_path / "nope.json"), "--out", str(tmp_path / "m2")])
+
+
+def test_fused_projections_in_the_liger_kinds(tmp_path):
+    rolling_cache.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--batches", "1", "--fused-projections",
+                        "--kinds", "rolling_absolute+liger,hf_dynamic_sliding", "--long-kinds", "", "--no-agreement",
+                        "--no-hybrid"])
+    report = json.loads((tmp_path / "rolling_cache.json").read_text())
+    mods = {r["cache"]: r["liger_modules"] for r in report["matched_context"]}
+    # tiny: 2 layers -> rms_norm 5, rope 2, swiglu 2, fused_projections 2 x 2
+    assert mods == {"rolling_absolute+liger": 5 + 2 + 2 + 4, "hf_dynamic_sliding": 0}
+    assert "fused_projections" in report["model"]

@@ -291,6 +291,7 @@ def test_default_report_and_summary(caplog):
     assert isinstance(report, PatchReport)
     assert report.patched == {"rms_norm": 5, "rope": 2, "qk_norm_rope": 2, "swiglu": 2, "tiled_mlp": 0,
                               "offload_checkpoints": 0, "save_attention": 0, "cross_entropy": 1, "rolling_cache": 0,
+                              "fused_projections": 0,
                               "compile_layers": 0}
     assert report.activation == "swiglu" and report.model_type == "qwen3"
     text = str(report)
