@@ -234,12 +234,17 @@ def timed_decode(model, cache, tok, steps, device, padding=None, rounds=1):
     """(next token, median over `rounds` rounds of the mean ms per step over `steps` steps, every round's ms).
     Eager decode is host-bound on the lent H200: a median of rounds resists a slow second on a shared host."""
     per_round = []
-    for _ in range(max(1, rounds)):
-        sync(device)
-        t0 = time.perf_counter()
-        tok = decode(model, cache, tok, steps, padding=padding)
-        sync(device)
-        per_round.append((time.perf_counter() - t0) * 1e3 / steps)
+    gc.collect()
+    gc.disable()   # a collection inside a host-bound round would be charged to whichever cache is timed
+    try:
+        for _ in range(max(1, rounds)):
+            sync(device)
+            t0 = time.perf_counter()
+            tok = decode(model, cache, tok, steps, padding=padding)
+            sync(device)
+            per_round.append((time.perf_counter() - t0) * 1e3 / steps)
+    finally:
+        gc.enable()
     return tok, sorted(per_round)[len(per_round) // 2], per_round
 
 
