@@ -15,7 +15,9 @@
 # decode:  issue 15's eager/graph grid at 32 layers: profile past the window, then matched context at window -/+,
 #          2x, 8x (DECODE_BATCHES default 1,4; DECODE_KINDS, DECODE_CONTEXTS, DECODE_STEPS x DECODE_ROUNDS;
 #          DECODE_ARGS adds e.g. --pad-step 64); results in $OUT/decode
-# sweep:   per-op sweep against every peer, CUDA-graph timing (python -m swift_liger.bench.sweep run; SWEEP_ARGS)
+# sweep:   per-op sweep against every peer, CUDA-graph timing (python -m swift_liger.bench.sweep run; SWEEP_ARGS).
+#          The 119 cases take ~2 calls: copy the first call's sweep.jsonl into the tree (untracked files travel) and
+#          run the second with SWEEP_ARGS="--graphs --deadline 520 --skip that/sweep.jsonl"; `sweep report A B` merges
 # tune:    launch-configuration grid per op, CUDA-graph timing (python3 tools/tune.py; TUNE_OPS, default rms_norm)
 # longctx: longest trainable context per variant, 8B LoRA (python -m swift_liger.bench.long_context; LONGCTX_ARGS)
 set -uo pipefail
