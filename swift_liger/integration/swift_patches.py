@@ -418,7 +418,9 @@ def destroy_gloo_group_at_exit() -> None:
     during interpreter finalization ("terminate called without an active exception", SIGABRT) after every step was
     logged and the run's files were written: a gloo worker thread still holding tensors takes the GIL while Python
     is being torn down (the mechanism described in pytorch/pytorch#179291, a PR that would have registered this
-    handler in init_process_group), and torchrun reports the whole run as failed. `atexit` handlers run before finalization, so destroying the group there removes that race. Only after
+    handler in init_process_group), and torchrun reports the whole run as failed. `atexit` handlers run before
+    finalization, so destroying the group there (and collecting the cycles that keep FSDP2's meshes and their
+    groups alive) narrows that race; under CPU load one FSDP2 run on 2 ranks still hit it. Only after
     `train` returned (every rank is past its last collective) and only for gloo, whose destroy is local to the rank;
     NCCL groups are left to the user."""
     global _gloo_exit_registered
@@ -436,9 +438,12 @@ _gloo_exit_registered = False
 
 
 def _destroy_default_group() -> None:
+    import gc
+
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()   # cycles (trainer <-> callbacks) can keep the model, its DeviceMesh and so the groups alive
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -67,12 +67,13 @@ class SwiftRun:
             self._proc = None
         return self
 
-    def check(self, stock_teardown_abort_ok: bool = False):
-        """Assert the run exited 0. `stock_teardown_abort_ok`, for unpatched gloo torchrun runs only: also accept
-        stock ms-swift's exit-time abort (no destroy_process_group, pytorch/pytorch#179291) when it came after
-        `main` ended; --use_liger runs destroy the group at exit (swift_patches.destroy_gloo_group_at_exit) and are
-        always checked strictly."""
-        if self.returncode != 0 and stock_teardown_abort_ok and teardown_abort_only(self.log):
+    def check(self, teardown_abort_ok: bool = False):
+        """Assert the run exited 0. `teardown_abort_ok`, for gloo torchrun runs: also accept a rank's exit-time
+        abort (pytorch/pytorch#179291: ms-swift never calls destroy_process_group) when it came after `main` ended
+        with no traceback before it. --use_liger runs destroy the group in an atexit handler
+        (swift_patches.destroy_gloo_group_at_exit), which makes the abort rarer but, under CPU load, not absent:
+        one FSDP2 run still hit it, so patched and stock runs are judged alike."""
+        if self.returncode != 0 and teardown_abort_ok and teardown_abort_only(self.log):
             return self
         assert self.returncode == 0, f"{' '.join(self.cmd[2:])} failed ({self.returncode}):\n{self.log[-6000:]}"
         return self

@@ -79,7 +79,7 @@ def test_both_runs_are_real_ddp(runs):
     for name, run in runs.items():
         if name.endswith("_ga2"):
             continue
-        run.check(stock_teardown_abort_ok=name == "base")
+        run.check(teardown_abort_ok=True)
         assert "-m torch.distributed.run --nproc_per_node 2" in run.log, name  # ms-swift's launcher used torchrun
         assert f"world_size: {NPROC}" in run.log and NOT_DDP not in run.log, name
         assert [r["step"] for r in run.steps()] == list(range(1, STEPS + 1)), name  # rank 0 alone logs each step
@@ -89,7 +89,8 @@ def test_both_runs_are_real_ddp(runs):
 
 
 def test_torchrun_losses_match_unpatched(runs):
-    base, liger = runs["base"].check(stock_teardown_abort_ok=True).steps(), runs["liger"].check().steps()
+    base = runs["base"].check(teardown_abort_ok=True).steps()
+    liger = runs["liger"].check(teardown_abort_ok=True).steps()
     assert [r["step"] for r in base] == [r["step"] for r in liger] == list(range(1, STEPS + 1))
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(base, liger)]
     assert max(diffs) <= 1e-5, diffs
@@ -102,7 +103,7 @@ def test_two_ranks_against_one_process_with_accumulation(runs):
     rows by their token counts): the patched runs reproduce stock's per-step losses in both set-ups, so the gap
     between the set-ups is the same with and without --use_liger."""
     names = ("liger", "base", "liger_ga2", "base_ga2")
-    steps = {name: [r["loss"] for r in runs[name].check(stock_teardown_abort_ok=name == "base").steps()]
+    steps = {name: [r["loss"] for r in runs[name].check(teardown_abort_ok=not name.endswith("_ga2")).steps()]
              for name in names}
     assert all(len(v) == STEPS for v in steps.values()), steps
     assert abs(steps["liger"][0] - steps["liger_ga2"][0]) <= 1e-5, steps
@@ -165,7 +166,9 @@ def rlhf_runs(tiny_llama, tmp_path_factory):
 
 @pytest.mark.parametrize("setup", ["ddp", "fsdp", "ga2"])
 def test_rlhf_dpo_patched_equals_stock_on_two_ranks_and_with_accumulation(rlhf_runs, setup):
-    liger, base = rlhf_runs[f"{setup}_liger"].check(), rlhf_runs[f"{setup}_base"].check(stock_teardown_abort_ok=True)
+    ranks = setup != "ga2"   # torchrun set-ups; ga2 is one process
+    liger = rlhf_runs[f"{setup}_liger"].check(teardown_abort_ok=ranks)
+    base = rlhf_runs[f"{setup}_base"].check(teardown_abort_ok=ranks)
     a, b = base.steps(), liger.steps()
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, RLHF_STEPS + 1))
     compared = 0
@@ -191,7 +194,7 @@ def test_rlhf_two_ranks_equal_one_process_with_accumulation(rlhf_runs, setup):
     """DPO with one pair per micro-batch: 2 ranks x 1 pair average the same per-pair losses as 1 process x 2
     accumulated pairs, so every step's loss and grad norm agree across the set-ups, patched and stock."""
     for kind in ("liger", "base"):
-        ranks = rlhf_runs[f"{setup}_{kind}"].check(stock_teardown_abort_ok=kind == "base").steps()
+        ranks = rlhf_runs[f"{setup}_{kind}"].check(teardown_abort_ok=True).steps()
         one = rlhf_runs[f"ga2_{kind}"].check().steps()
         assert len(ranks) == len(one) == RLHF_STEPS, (ranks, one)
         for ra, rb in zip(ranks, one):
@@ -217,7 +220,7 @@ def fsdp_runs(tiny_qwen3, tmp_path_factory):
 
 
 def test_fsdp2_losses_match_unpatched_with_the_fused_head(fsdp_runs):
-    liger, base = fsdp_runs["liger"].check(), fsdp_runs["base"].check(stock_teardown_abort_ok=True)
+    liger, base = fsdp_runs["liger"].check(teardown_abort_ok=True), fsdp_runs["base"].check(teardown_abort_ok=True)
     for run in (liger, base):
         assert "Using FSDP2" in run.log and "-m torch.distributed.run --nproc_per_node 2" in run.log
     a, b = base.steps(), liger.steps()
@@ -237,9 +240,8 @@ def test_fsdp2_first_step_equals_ddp_and_one_process_with_accumulation(fsdp_runs
     DDP's, and its loss equals accumulation's (whose grad norm differs by itself: it weights rows by their token
     counts, DDP averages the ranks' means), patched and stock."""
     for kind in ("liger", "base"):
-        ok = kind == "base"
-        fsdp = fsdp_runs[kind].check(stock_teardown_abort_ok=ok).steps()[0]
-        ddp = runs[kind].check(stock_teardown_abort_ok=ok).steps()[0]
+        fsdp = fsdp_runs[kind].check(teardown_abort_ok=True).steps()[0]
+        ddp = runs[kind].check(teardown_abort_ok=True).steps()[0]
         one = runs[f"{kind}_ga2"].check().steps()[0]
         assert fsdp["step"] == ddp["step"] == one["step"] == 1
         assert abs(fsdp["loss"] - ddp["loss"]) <= 1e-5 and abs(fsdp["loss"] - one["loss"]) <= 1e-5, (kind, fsdp,
