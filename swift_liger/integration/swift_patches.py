@@ -419,8 +419,8 @@ def destroy_gloo_group_at_exit() -> None:
     logged and the run's files were written: a gloo worker thread still holding tensors takes the GIL while Python
     is being torn down (the mechanism described in pytorch/pytorch#179291, a PR that would have registered this
     handler in init_process_group), and torchrun reports the whole run as failed. `atexit` handlers run before
-    finalization, so destroying the group there (and collecting the cycles that keep FSDP2's meshes and their
-    groups alive) narrows that race; under CPU load one FSDP2 run on 2 ranks still hit it. Only after
+    finalization, so destroying the group there narrows that race; under CPU load one FSDP2 run on 2 ranks still
+    hit it. Only after
     `train` returned (every rank is past its last collective) and only for gloo, whose destroy is local to the rank;
     NCCL groups are left to the user."""
     global _gloo_exit_registered
@@ -438,12 +438,11 @@ _gloo_exit_registered = False
 
 
 def _destroy_default_group() -> None:
-    import gc
-
+    # No gc.collect() here: collecting the trainer's cycles destroys DDP's Reducer and with it the gloo group while
+    # this thread holds the GIL, and a gloo worker freeing a tensor waits for the GIL: a deadlock (seen, DDP).
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
-        gc.collect()   # cycles (trainer <-> callbacks) can keep the model, its DeviceMesh and so the groups alive
 
 
 # ---------------------------------------------------------------------------------------------------------------
