@@ -225,14 +225,15 @@ def cos_sin_strides(cos: torch.Tensor, sin: torch.Tensor):
 
 
 def _rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 backward: bool, interleaved: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                 backward: bool, interleaved: bool = False, inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, T, D], k [B, Hk, T, D] (any strides, last dim contiguous), cos/sin [Bc, T, Dr] (Bc in {1, B},
-    last dim contiguous). Returns new tensors shaped and strided like q and k (``empty_like``)."""
+    last dim contiguous). Returns new tensors shaped and strided like q and k (``empty_like``), or q and k
+    themselves, rotated in place (each program reads a token's heads before it writes them)."""
     B, HQ, T, D = q.shape
     HK = k.shape[1]
     half = cos.shape[-1] // 2
-    qo = _common.new_empty_like(q)
-    ko = _common.new_empty_like(k)
+    qo = q if inplace else _common.new_empty_like(q)
+    ko = k if inplace else _common.new_empty_like(k)
     n_tok = B * T
     if n_tok == 0 or (HQ == 0 and HK == 0) or D == 0:
         return qo, ko
@@ -285,14 +286,28 @@ def last_dim_contiguous(g: torch.Tensor) -> torch.Tensor:
     return g
 
 
+def _writable(t: torch.Tensor) -> bool:
+    """A tensor the kernels may overwrite: last dim contiguous and no two elements sharing memory (the latter is
+    checked for the common layouts: non-zero strides)."""
+    return (t.shape[-1] <= 1 or t.stride(-1) == 1) and all(st != 0 or n == 1 for n, st in zip(t.shape, t.stride()))
+
+
 class RoPEFunction(torch.autograd.Function):
     """Autograd wrapper. q [B, Hq, T, D], k [B, Hk, T, D], cos/sin [Bc, T, Dr] (validated by ``apply_rope``),
-    interleaved: bool (positional; default False = rotate-half)."""
+    interleaved: bool (positional; default False = rotate-half), inplace: bool (eager only: forward overwrites q and
+    k, backward the incoming gradients; their version counters are bumped, so a graph node that saved them fails
+    loudly instead of reading rotated values)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, interleaved=False):
+    def forward(ctx, q, k, cos, sin, interleaved=False, inplace=False):
         interleaved = bool(interleaved)
-        qo, ko = _common.compiled_or_eager("swift_liger::rope_fwd", _rope_fwd)(q, k, cos, sin, interleaved)
+        ctx.inplace = bool(inplace) and not torch.compiler.is_compiling()
+        if ctx.inplace:
+            qo, ko = _rope_launch(q, k, cos, sin, False, interleaved, inplace=True)
+            torch.autograd.graph.increment_version(q)
+            torch.autograd.graph.increment_version(k)
+        else:
+            qo, ko = _common.compiled_or_eager("swift_liger::rope_fwd", _rope_fwd)(q, k, cos, sin, interleaved)
         ctx.save_for_backward(cos, sin)
         ctx.interleaved = interleaved
         return qo, ko
@@ -301,9 +316,14 @@ class RoPEFunction(torch.autograd.Function):
     def backward(ctx, dqo, dko):
         # Unused outputs arrive as zeros (materialize_grads); expanded grads need a contiguous last dim.
         cos, sin = ctx.saved_tensors
-        dq, dk = _common.compiled_or_eager("swift_liger::rope_bwd", _rope_bwd)(
-            last_dim_contiguous(dqo), last_dim_contiguous(dko), cos, sin, ctx.interleaved)
-        return dq, dk, None, None, None
+        if ctx.inplace and _writable(dqo) and _writable(dko) and dqo.data_ptr() != dko.data_ptr():
+            dq, dk = _rope_launch(dqo, dko, cos, sin, True, ctx.interleaved, inplace=True)
+            torch.autograd.graph.increment_version(dqo)
+            torch.autograd.graph.increment_version(dko)
+        else:
+            dq, dk = _common.compiled_or_eager("swift_liger::rope_bwd", _rope_bwd)(
+                last_dim_contiguous(dqo), last_dim_contiguous(dko), cos, sin, ctx.interleaved)
+        return dq, dk, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -398,7 +418,8 @@ def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-               unsqueeze_dim: int = 1, interleaved: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+               unsqueeze_dim: int = 1, interleaved: bool = False,
+               inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k by cos/sin (HF rotate-half convention, or GLM's interleaved one) in one kernel launch.
 
     Args:
@@ -411,6 +432,11 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         interleaved: False = rotate-half pairs (j, Dr/2 + j) with cos/sin[..., j] and [..., Dr/2 + j] (Llama,
            Qwen, ...). True = GLM-4 (``models/glm4``): pairs (2i, 2i + 1) with cos/sin[..., i]; the second half
            of cos/sin is not read.
+        inplace: rotate q and k in their own memory (the results share it) and, in training, the incoming
+           gradients in theirs: no [B, H, T, D] outputs or gradients are allocated (Liger-Kernel's memory). Only
+           for q/k that nothing else reads afterwards (e.g. fresh projection outputs); a graph node that saved
+           them fails at backward instead of reading rotated values. q and k in one buffer, expanded (stride 0)
+           tensors, torch.compile and the CPU reference path run out of place.
     Returns:
         (q_embed, k_embed): new tensors with q's / k's shape, dtype and memory layout (``empty_like``: a transposed
         [B, T, H, D] input gives a transposed [B, T, H, D]-contiguous output, which is what SDPA/flash prefer).
@@ -418,11 +444,17 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """
     if not isinstance(interleaved, bool):
         raise TypeError(f"apply_rope: interleaved must be a bool, got {type(interleaved).__name__}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"apply_rope: inplace must be a bool, got {type(inplace).__name__}")
     q4, k4, cos3, sin3, transposed = check_rope_args(q, k, cos, sin, unsqueeze_dim)
     if not _common.use_triton(q) or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
         return apply_rope_reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
+    inplace = (inplace and not torch.compiler.is_compiling() and _writable(q4) and _writable(k4)
+               and q4.untyped_storage().data_ptr() != k4.untyped_storage().data_ptr())
     if _common.records_grad(q4, k4):
-        qo, ko = RoPEFunction.apply(q4, k4, cos3, sin3, interleaved)
+        qo, ko = RoPEFunction.apply(q4, k4, cos3, sin3, interleaved, inplace)
+    elif inplace:
+        qo, ko = _rope_launch(q4, k4, cos3, sin3, False, interleaved, inplace=True)
     else:
         qo, ko = _common.compiled_or_eager("swift_liger::rope_fwd", _rope_fwd)(q4, k4, cos3, sin3, interleaved)
     if transposed:

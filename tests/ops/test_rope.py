@@ -398,3 +398,129 @@ def test_rope_function_direct_interleaved(device):
     (rdq,) = torch.autograd.grad(rq.sum(), (q64,))
     assert_close(qo, rq, torch.float32, name="q")
     assert_close(dq, rdq, torch.float32, name="dq")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inplace=True: q/k rotated in their own memory, incoming gradients rotated in theirs (Liger-Kernel's memory).
+# ---------------------------------------------------------------------------------------------------------------
+
+def _inplace_case(device, dtype, B, T, Hq, Hk, D, Dr, form, layout, interleaved=False):
+    """Projection outputs (non-leaf views of leaves, as an attention layer sees q/k) rotated in place; values and
+    gradients against the float64 reference, and which memory each result lives in."""
+    cos, sin = make_cos_sin(B, T, Dr, dtype, device, form)
+    q_src, k_src = make_heads(B, T, Hq, D, dtype, device, layout), make_heads(B, T, Hk, D, dtype, device, layout)
+    q64, k64 = f64(q_src), f64(k_src)
+    q, k = q_src * 1, k_src * 1   # fresh non-leaf tensors with q_src's strides
+    qo, ko = apply_rope(q, k, cos, sin, interleaved=interleaved, inplace=True)
+    assert qo.data_ptr() == q.data_ptr() and ko.data_ptr() == k.data_ptr()
+    for out, inp in ((qo, q), (ko, k)):   # same layout (strides of size-1 dims do not matter)
+        assert [st for n, st in zip(out.shape, out.stride()) if n > 1] == \
+            [st for n, st in zip(inp.shape, inp.stride()) if n > 1]
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    gq_in, gk_in = gq.clone(), gk.clone()
+    dq, dk = torch.autograd.grad((qo, ko), (q, k), (gq, gk))   # the gradients RoPE hands to the projections
+    rq, rk = apply_rope_reference(q64, k64, f64(cos), f64(sin), interleaved=interleaved)
+    rdq, rdk = torch.autograd.grad((rq, rk), (q64, k64), (f64(gq_in), f64(gk_in)))
+    for name, a, e in (("q_embed", qo, rq), ("k_embed", ko, rk), ("dq", dq, rdq), ("dk", dk, rdk)):
+        assert_close(a, e, dtype, name=name)
+    # the gradients were rotated in the incoming buffers (no new [B, H, T, D] tensors)
+    assert dq.data_ptr() == gq.data_ptr() and dk.data_ptr() == gk.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_inplace_values_and_gradients(device, dtype):
+    _inplace_case(device, dtype, *CASES[0])
+
+
+@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: "-".join(map(str, c)))
+def test_rope_inplace_shapes_layouts(device, case):
+    _inplace_case(device, torch.float32, *case)
+
+
+def test_rope_inplace_interleaved(device):
+    _inplace_case(device, torch.float32, *IL_CASES[1], interleaved=True)
+
+
+def test_rope_inplace_head_loop_path(device):
+    with launch_override(rope_mod, block_hq=1, block_hk=1, programs=8):
+        _inplace_case(device, torch.float32, 2, 13, 6, 3, 32, 24, "btd", "view")
+
+
+def test_rope_inplace_leaf_and_no_grad(device):
+    # A leaf that requires grad is overwritten too (the caller asked), and still gets the right gradient;
+    # under no_grad the launcher runs directly.
+    B, T, Hq, Hk, D = 2, 5, 3, 1, 16
+    cos, sin = make_cos_sin(B, T, D, torch.float32, device)
+    q, k = make_heads(B, T, Hq, D, torch.float32, device), make_heads(B, T, Hk, D, torch.float32, device)
+    q64, k64 = f64(q), f64(k)
+    rq, rk = apply_rope_reference(q64, k64, f64(cos), f64(sin))
+    qo, ko = apply_rope(q, k, cos, sin, inplace=True)
+    assert qo.data_ptr() == q.data_ptr()
+    assert_close(q, rq, torch.float32, name="q overwritten")
+    g = torch.randn_like(qo)
+    (qo * g).sum().backward()
+    (rdq,) = torch.autograd.grad((rq * f64(g)).sum(), (q64,))
+    assert_close(q.grad, rdq, torch.float32, name="dq of a leaf")
+    with torch.no_grad():
+        q2, k2 = q.detach().clone(), k.detach().clone()
+        a, b = apply_rope(q2, k2, cos, sin, inplace=True)
+        assert a.data_ptr() == q2.data_ptr() and b.data_ptr() == k2.data_ptr()
+        ra, rb = apply_rope_reference(f64(q.detach()), f64(k.detach()), f64(cos), f64(sin))
+        assert_close(q2, ra, torch.float32, name="no_grad q")
+        assert_close(k2, rb, torch.float32, name="no_grad k")
+
+
+def test_rope_inplace_saved_input_fails_loudly(device):
+    # A graph node that saved q before the rotation must not read rotated values: autograd's version check.
+    B, T, Hq, Hk, D = 1, 4, 2, 1, 16
+    cos, sin = make_cos_sin(B, T, D, torch.float32, device)
+    x = torch.randn(B, T, Hq, D, device=device, requires_grad=True)
+    q = (x * 2).transpose(1, 2)
+    saved = q * q                       # mul saves q
+    qo, _ = apply_rope(q, make_heads(B, T, Hk, D, torch.float32, device), cos, sin, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (saved.sum() + qo.sum()).backward()
+
+
+def test_rope_inplace_falls_back_out_of_place(device):
+    # q and k in one buffer (a fused qkv projection), an expanded incoming gradient: new tensors, right values.
+    B, T, H, D = 2, 5, 2, 16
+    cos, sin = make_cos_sin(B, T, D, torch.float32, device)
+    qkv = torch.randn(B, T, 3 * H * D, device=device)
+    q = qkv[..., : H * D].view(B, T, H, D).transpose(1, 2)
+    k = qkv[..., H * D: 2 * H * D].view(B, T, H, D).transpose(1, 2)
+    before = qkv.clone()
+    qo, ko = apply_rope(q, k, cos, sin, inplace=True)
+    assert qo.data_ptr() != q.data_ptr() and torch.equal(qkv, before)
+    rq, rk = apply_rope_reference(f64(q), f64(k), f64(cos), f64(sin))
+    assert_close(qo, rq, torch.float32, name="q")
+    q_src = make_heads(B, T, H, D, torch.float32, device)
+    k_src = make_heads(B, T, H, D, torch.float32, device)
+    qo, ko = apply_rope(q_src * 1, k_src * 1, cos, sin, inplace=True)
+    dq, = torch.autograd.grad(qo.sum(), (q_src,))   # stride-0 gradient: rotated into a new tensor
+    q64 = f64(q_src)
+    (rdq,) = torch.autograd.grad(apply_rope_reference(q64, f64(k_src), f64(cos), f64(sin))[0].sum(), (q64,))
+    assert_close(dq, rdq, torch.float32, name="dq from an expanded gradient")
+
+
+def test_rope_inplace_bad_flag(device):
+    B, T, H, D = 1, 3, 1, 8
+    cos, sin = make_cos_sin(B, T, D, torch.float32, device)
+    q = make_heads(B, T, H, D, torch.float32, device, requires_grad=False)
+    with pytest.raises(TypeError, match="inplace"):
+        apply_rope(q, q.clone(), cos, sin, inplace=1)
+
+
+def test_rope_inplace_torch_backend(device, monkeypatch):
+    # SWIFT_LIGER_BACKEND=torch (users without CUDA): the reference runs out of place; q and k stay as they were.
+    monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
+    B, T, Hq, Hk, D = 2, 5, 3, 1, 16
+    cos, sin = make_cos_sin(B, T, D, torch.float32, device)
+    q, k = make_heads(B, T, Hq, D, torch.float32, device), make_heads(B, T, Hk, D, torch.float32, device)
+    with inputs_unchanged(q, k, cos, sin):
+        qo, ko = apply_rope(q * 1, k * 1, cos, sin, inplace=True)
+        dq, dk = torch.autograd.grad((qo, ko), (q, k), (torch.ones_like(qo), torch.ones_like(ko)))
+    eq, ek = apply_rope_reference(q, k, cos, sin)
+    assert torch.equal(qo, eq) and torch.equal(ko, ek)
+    edq, edk = torch.autograd.grad((eq, ek), (q, k), (torch.ones_like(eq), torch.ones_like(ek)))
+    assert torch.equal(dq, edq) and torch.equal(dk, edk)
