@@ -81,10 +81,36 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / (denom if denom > 0 else 1.0)
 
 
+class NotCapturable(RuntimeError):
+    """An implementation synchronises with the host (``.item()``, ``nonzero``, ...): it cannot be captured."""
+
+
+def _host_sync(fn, inputs, grads_cache, leaves) -> Optional[str]:
+    """The first host synchronisation of one fwd+bwd (torch's sync debug mode), or None. Checked before a capture:
+    a capture that fails part-way leaves the CUDA RNG in capture mode, and every later ``torch.randn`` on the GPU
+    then raises ("Offset increment outside graph capture"), which would fail every following case."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for leaf in leaves:
+            leaf.grad = None
+        _fwd_bwd(fn, inputs, grads_cache)
+        return None
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize()
+
+
 def _graph_ms(fn, inputs, grads_cache, leaves, warmup_ms: int, rep_ms: int) -> float:
     """Median ms of one forward+backward captured in a CUDA graph: kernel time without the host's share (Python,
-    autograd, launches), which at a few hundred microseconds per fwd+bwd can exceed the kernels' own time."""
+    autograd, launches), which at a few hundred microseconds per fwd+bwd can exceed the kernels' own time.
+    Raises NotCapturable (before any capture) for an implementation that synchronises with the host."""
     from triton.testing import do_bench
+    sync = _host_sync(fn, inputs, grads_cache, leaves)
+    if sync is not None:
+        raise NotCapturable(sync)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):   # warm-up on a side stream, as capture requires
@@ -139,20 +165,21 @@ def run_case(case: Case, *, warmup_ms: int = 100, rep_ms: int = 500, graphs: boo
             _fwd_bwd(fn, inputs, grads_cache)
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / GiB
-            graphed = None
+            graphed, note = None, None
             if graphs:
                 try:
                     ms, graphed = _graph_ms(fn, inputs, grads_cache, leaves, warmup_ms, rep_ms), True
-                except Exception:   # capture needs no host syncs; an implementation with one is timed eagerly
+                except Exception as exc:   # an implementation that syncs with the host is timed eagerly
                     torch.cuda.synchronize()
                     graphed = False
+                    note = f"not graphed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             if not graphed:
                 ms = do_bench(lambda: _fwd_bwd(fn, inputs, grads_cache), warmup=warmup_ms, rep=rep_ms,
                               grad_to_none=leaves, return_mode="median")
             results.append(Result(case.op, case.shape, name, ms,
                                   case.min_bytes / (ms * 1e-3) / 1e9 if case.min_bytes else None,
                                   case.min_flops / (ms * 1e-3) / 1e12 if case.min_flops else None,
-                                  peak, case.grad_bytes / GiB if case.grad_bytes else None, err,
+                                  peak, case.grad_bytes / GiB if case.grad_bytes else None, err, note,
                                   rel_errs=errs, graphed=graphed))
         except Exception as exc:  # a peer that fails (OOM, missing feature) is reported, not fatal
             msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
