@@ -1,6 +1,6 @@
 """Sweep launch configurations through the benchmark harness (fresh inputs per setting, same timing as the benchmarks).
 
-    python3 tools/tune.py rms_norm rope qk_norm_rope      # [--eager]: host-inclusive timing instead of CUDA graphs
+    python3 tools/tune.py rms_norm cross_entropy rope qk_norm_rope glu   # [--eager]: host-inclusive timing
 
 A point forces fields of a kernel module's launch configurations (``swift_liger.ops._common.set_launch_override``,
 per launch kind); AUTO leaves a field to the module's ``launch_config``. The override stays set through the
@@ -70,18 +70,27 @@ def sweep(case, module, grid, ours):
 def main(ops):
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if "rms_norm" in ops:
-        # Backward: rows per tile, warps, grid (None: from the compiled kernel's occupancy), register prefetch.
+        # Backward: register prefetch (one tile ahead) and warps; grid from the compiled kernel's occupancy.
         from swift_liger.ops import rms_norm_kernel as m
-        case = kernels.rms_norm_cases()[0]
-        sweep(case, m, [{"fwd": {"block_m": [1, 2, 4], "num_warps": [4, 8, 16]}},
-                        {"bwd": {"block_m": [1, 2], "num_warps": [8, 16, 32], "programs": [None, 2 * sms, 4 * sms],
-                                 "prefetch": [True, False]}}],
-              lambda i: m.rms_norm(i["x"], i["w"], 1e-6))
+        for n, h, res in [(16384, 4096, False), (16384, 8192, False), (16384, 2048, False), (65536, 1024, False),
+                          (16384, 4096, True)]:
+            case = kernels.rms_norm_case(n, h, res)
+            ours = ((lambda i: m.rms_norm(i["x"], i["w"], 1e-6, residual=i["r"])) if res else
+                    (lambda i: m.rms_norm(i["x"], i["w"], 1e-6)))
+            sweep(case, m, {"bwd": {"prefetch": [True, False], "num_warps": [8, 16, 32]}}, ours)
+    if "cross_entropy" in ops:
+        # Vocabulary loop: block and warps (forward and backward share the config).
+        from swift_liger.ops import cross_entropy_kernel as m
+        for v in (32768, 128256):
+            case = kernels.cross_entropy_case(8192, v)
+            sweep(case, m, {None: {"block_v": [4096, 8192], "num_warps": [4, 8, 16]}},
+                  lambda i: m.cross_entropy(i["logits"], i["labels"]))
     if "rope" in ops:
         from swift_liger.ops import rope as m
-        case = kernels.rope_cases()[0]
-        sweep(case, m, {None: {"num_warps": [2, 4, 8], "programs": [AUTO, 16 * sms], "block_hq": [AUTO, 16]}},
-              lambda i: m.apply_rope(i["q"], i["k"], i["cos"], i["sin"]))
+        for layout in [(32, 8, 128), (8, 8, 128), (16, 8, 64)]:
+            case = kernels.rope_case(1, 16384, *layout)
+            sweep(case, m, {None: {"num_warps": [1, 2, 4, 8], "programs": [AUTO, 16 * sms]}},
+                  lambda i: m.apply_rope(i["q"], i["k"], i["cos"], i["sin"]))
     if "qk_norm_rope" in ops:
         from swift_liger.ops import qk_norm_rope_kernel as m
         case = kernels.qk_norm_rope_cases()[0]
@@ -89,7 +98,14 @@ def main(ops):
                         "bwd": {"num_warps": [4, 8, 16], "programs": [2 * sms, 4 * sms, 8 * sms],
                                 "block_hq": [AUTO, 8]}},
               lambda i: m.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]))
+    if "glu" in ops:
+        from swift_liger.ops import swiglu_kernel as m
+        for op, i_ in [("geglu", 4864), ("swiglu", 4864), ("geglu", 14336)]:
+            case = kernels.glu_case(op, 16384, i_)
+            fn = getattr(m, op)
+            sweep(case, m, {None: {"block": [1024, 2048, 4096, 8192], "num_warps": [4, 8, 16]}},
+                  lambda i, fn=fn: fn(i["a"], i["b"]))
 
 
 if __name__ == "__main__":
-    main([a for a in sys.argv[1:] if not a.startswith("--")] or ["rms_norm", "rope", "qk_norm_rope"])
+    main([a for a in sys.argv[1:] if not a.startswith("--")] or ["rms_norm", "cross_entropy", "rope", "glu"])
