@@ -34,8 +34,21 @@ ARCHS: Dict[str, Arch] = {
 }
 
 
+def divisibility_hints(fn, signature: dict) -> dict:
+    """ASTSource attrs marking every pointer and integer argument divisible by 16, as a launch marks them when the
+    values are (16-byte aligned tensors, hidden sizes and strides that are multiples of 16). Without these hints
+    Triton's pipeliner declines 16-bit loads (narrower than cp.async's 4 bytes), so an offline compile would
+    under-report shared memory: decode attention's split kernel, D=256 bf16 on sm_90, 43 KB without, 141 KB with."""
+    attrs = {}
+    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
+        if not param.is_constexpr and (signature[name].startswith("*") or signature[name] in ("i32", "i64")):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
 def compile_for(fn, signature: dict, constexprs: dict, arch: str, num_warps: int = 4, num_stages: Optional[int] = None):
-    """triton.compile one specialisation of the @triton.jit ``fn`` for ``arch`` (e.g. "sm_80")."""
+    """triton.compile one specialisation of the @triton.jit ``fn`` for ``arch`` (e.g. "sm_80"), with the
+    divisibility hints of an aligned launch (``divisibility_hints``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,7 +56,7 @@ def compile_for(fn, signature: dict, constexprs: dict, arch: str, num_warps: int
     options = {"num_warps": int(num_warps)}
     if num_stages is not None:
         options["num_stages"] = int(num_stages)
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=divisibility_hints(fn, signature))
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch].cc, 32), options=options)
 
 

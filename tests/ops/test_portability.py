@@ -298,8 +298,10 @@ def worker_main(procs: int = 2):
         heaviest = {}
         for job in flat:
             mod, fn_name, cj, warps, stages, arch, dt = job
-            weight = (sum(v for v in json.loads(cj).values() if isinstance(v, int) and not isinstance(v, bool)),
-                      warps)
+            consts = json.loads(cj)
+            # ties broken by the feature flags that are on: the all-off variant (sm_90 only) does no work
+            weight = (sum(v for v in consts.values() if isinstance(v, int) and not isinstance(v, bool)), warps,
+                      sum(1 for v in consts.values() if v is True))
             key = (fn_name, arch, dt)
             if key not in heaviest or weight > heaviest[key][0]:
                 heaviest[key] = (weight, job)
