@@ -89,7 +89,7 @@ def main(ops):
         from swift_liger.ops import rope as m
         for layout in [(32, 8, 128), (8, 8, 128), (16, 8, 64)]:
             case = kernels.rope_case(1, 16384, *layout)
-            sweep(case, m, {None: {"num_warps": [1, 2, 4, 8], "programs": [AUTO, 16 * sms]}},
+            sweep(case, m, {None: {"num_warps": [1, 2, 4, 8]}},
                   lambda i: m.apply_rope(i["q"], i["k"], i["cos"], i["sin"]))
     if "qk_norm_rope" in ops:
         from swift_liger.ops import qk_norm_rope_kernel as m

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _reduce
 from .rope import (RoPEConfig, apply_rope_reference, check_rope_args, cos_sin_strides, last_dim_contiguous,
                    load_cos_sin, load_heads, rotary_config, rotate, store_heads, token_coords)
 
@@ -103,46 +103,44 @@ def _load_vec(ptr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, D: tl.constexpr
 
 @triton.jit
 def _qk_norm_rope_fwd_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
-                             n_tok, T, eps, offset,
+                             T, eps, offset,
                              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
                              sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,
                              sc_b, sc_t, ss_b, ss_t,
                              HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
                              BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                              BLOCK_PASS: tl.constexpr, GEMMA: tl.constexpr, ROUND_Y: tl.constexpr):
-    """Grid: (programs,). Program p handles tokens p, p + programs, ...; token = b * T + t."""
+    """Grid: (B * T,), one program per token = b * T + t (as rope's kernel, whose persistent loop cost 20
+    registers per thread)."""
     DT: tl.constexpr = q_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     wq1, wq2, wq3 = _load_vec(qw_ptr, HALF, BLOCK_HALF, D, BLOCK_PASS)
     wk1, wk2, wk3 = _load_vec(kw_ptr, HALF, BLOCK_HALF, D, BLOCK_PASS)
-    for tok in range(pid, n_tok, nprog):
-        b, t = token_coords(tok, T)
-        c1, c2, s1, s2 = load_cos_sin(cos_ptr, sin_ptr, b, t, sc_b, sc_t, ss_b, ss_t, HALF, BLOCK_HALF)
-        q_in = q_ptr + b * sq_b + t * sq_t
-        k_in = k_ptr + b * sk_b + t * sk_t
-        q_out = qo_ptr + b * sqo_b + t * sqo_t
-        k_out = ko_ptr + b * sko_b + t * sko_t
-        if BLOCK_HQ >= HQ and BLOCK_HK >= HK:  # every load of the token before the first store
-            q1, q2, q3 = load_heads(q_in, sq_h, 0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
-            k1, k2, k3 = load_heads(k_in, sk_h, 0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
-            o1, o2, o3 = _norm_rope_fwd_math(q1, q2, q3, wq1, wq2, wq3, c1, c2, s1, s2, eps, offset,
+    b, t = token_coords(tl.program_id(0), T)
+    c1, c2, s1, s2 = load_cos_sin(cos_ptr, sin_ptr, b, t, sc_b, sc_t, ss_b, ss_t, HALF, BLOCK_HALF)
+    q_in = q_ptr + b * sq_b + t * sq_t
+    k_in = k_ptr + b * sk_b + t * sk_t
+    q_out = qo_ptr + b * sqo_b + t * sqo_t
+    k_out = ko_ptr + b * sko_b + t * sko_t
+    if BLOCK_HQ >= HQ and BLOCK_HK >= HK:  # every load of the token before the first store
+        q1, q2, q3 = load_heads(q_in, sq_h, 0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
+        k1, k2, k3 = load_heads(k_in, sk_h, 0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+        o1, o2, o3 = _norm_rope_fwd_math(q1, q2, q3, wq1, wq2, wq3, c1, c2, s1, s2, eps, offset,
+                                         DT, D, GEMMA, ROUND_Y)
+        store_heads(q_out, sqo_h, 0, o1, o2, o3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
+        o1, o2, o3 = _norm_rope_fwd_math(k1, k2, k3, wk1, wk2, wk3, c1, c2, s1, s2, eps, offset,
+                                         DT, D, GEMMA, ROUND_Y)
+        store_heads(k_out, sko_h, 0, o1, o2, o3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+    else:
+        for h0 in range(0, HQ, BLOCK_HQ):
+            x1, x2, x3 = load_heads(q_in, sq_h, h0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
+            o1, o2, o3 = _norm_rope_fwd_math(x1, x2, x3, wq1, wq2, wq3, c1, c2, s1, s2, eps, offset,
                                              DT, D, GEMMA, ROUND_Y)
-            store_heads(q_out, sqo_h, 0, o1, o2, o3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
-            o1, o2, o3 = _norm_rope_fwd_math(k1, k2, k3, wk1, wk2, wk3, c1, c2, s1, s2, eps, offset,
+            store_heads(q_out, sqo_h, h0, o1, o2, o3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
+        for h0 in range(0, HK, BLOCK_HK):
+            x1, x2, x3 = load_heads(k_in, sk_h, h0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+            o1, o2, o3 = _norm_rope_fwd_math(x1, x2, x3, wk1, wk2, wk3, c1, c2, s1, s2, eps, offset,
                                              DT, D, GEMMA, ROUND_Y)
-            store_heads(k_out, sko_h, 0, o1, o2, o3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
-        else:
-            for h0 in range(0, HQ, BLOCK_HQ):
-                x1, x2, x3 = load_heads(q_in, sq_h, h0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
-                o1, o2, o3 = _norm_rope_fwd_math(x1, x2, x3, wq1, wq2, wq3, c1, c2, s1, s2, eps, offset,
-                                                 DT, D, GEMMA, ROUND_Y)
-                store_heads(q_out, sqo_h, h0, o1, o2, o3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS)
-            for h0 in range(0, HK, BLOCK_HK):
-                x1, x2, x3 = load_heads(k_in, sk_h, h0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
-                o1, o2, o3 = _norm_rope_fwd_math(x1, x2, x3, wk1, wk2, wk3, c1, c2, s1, s2, eps, offset,
-                                                 DT, D, GEMMA, ROUND_Y)
-                store_heads(k_out, sko_h, h0, o1, o2, o3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
+            store_heads(k_out, sko_h, h0, o1, o2, o3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
 
 
 @triton.jit
@@ -233,61 +231,37 @@ def _qk_norm_rope_bwd_kernel(q_ptr, k_ptr, gq_ptr, gk_ptr, qw_ptr, kw_ptr, cos_p
         tl.store(rk + 2 * HALF + p, tl.sum(ak3, axis=0), mask=pmask)
 
 
-@triton.jit
-def _dw_reduce_kernel(part_ptr, dwq_ptr, dwk_ptr, P, D: tl.constexpr, BLOCK_P: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
-    """Grid: (cdiv(D, BLOCK_D), 2). Column sums of part [2, P, D] (fp32): row block 0 into dwq, 1 into dwk."""
-    pid = tl.program_id(0)
-    which = tl.program_id(1)
-    cols = pid * BLOCK_D + tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    base = part_ptr + which * P * D
-    acc = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        rows = p0 + tl.arange(0, BLOCK_P)
-        acc += tl.load(base + rows[:, None] * D + cols[None, :], mask=(rows[:, None] < P) & cmask[None, :],
-                       other=0.0)
-    total = tl.sum(acc, axis=0)
-    if which == 0:
-        tl.store(dwq_ptr + cols, total.to(dwq_ptr.dtype.element_ty), mask=cmask)
-    else:
-        tl.store(dwk_ptr + cols, total.to(dwk_ptr.dtype.element_ty), mask=cmask)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Launch
 # ---------------------------------------------------------------------------------------------------------------
 
-QKNormRoPEConfig = RoPEConfig   # forward and backward kernels: the rotary head tiles, warps and grid
+QKNormRoPEConfig = RoPEConfig   # forward: one program per token
 
 
 @dataclasses.dataclass(frozen=True)
-class DWReduceConfig:
-    """Launch of _dw_reduce_kernel: block_p (BLOCK_P) partial rows and block_d (BLOCK_D) columns per step."""
-    block_p: int
-    block_d: int
-    num_warps: int
+class QKNormRoPEBwdConfig(RoPEConfig):
+    """Launch of the persistent backward: RoPEConfig's head tiles and warps, plus programs (grid size; each program
+    keeps fp32 weight-gradient partials, summed by ``_reduce.column_sums``)."""
+    programs: int
 
 
-LAUNCH_CONFIGS = {"fwd": QKNormRoPEConfig, "bwd": QKNormRoPEConfig, "reduce": DWReduceConfig}
+LAUNCH_CONFIGS = {"fwd": QKNormRoPEConfig, "bwd": QKNormRoPEBwdConfig}
 
 
 def launch_config(kind: str, n_tok: int, HQ: int, HK: int, D: int, half: int, device):
-    """Launch parameters for ``kind`` in ("fwd", "bwd", "reduce"); arguments as rope.launch_config.
+    """Launch parameters for ``kind`` in ("fwd", "bwd"); n_tok = B * T tokens, the rest as rope.launch_config.
 
-    fwd: one program per token. bwd: a persistent grid of 4 programs per SM (each keeps fp32 weight-gradient
-    partials) capped at the token count, 8 warps. reduce: sums the bwd grid's partials, 32 columns per program.
+    fwd: one program per token, rope's tiles and warps (``rope.rotary_config``). bwd: a persistent grid of 4
+    programs per SM capped at the token count, 8 warps.
     """
-    if kind == "reduce":
-        programs = launch_config("bwd", n_tok, HQ, HK, D, half, device).programs
-        cfg = DWReduceConfig(min(64, _common.next_pow2(programs)), min(32, _common.next_pow2(D)), 4)
-    elif kind == "fwd":
-        cfg = rotary_config(n_tok, HQ, HK, D, half)
+    if kind == "fwd":
+        cfg = rotary_config(HQ, HK, D, half)
     elif kind == "bwd":
         programs = max(1, min(n_tok, _common.target(device).sm_count * 4))
-        cfg = rotary_config(n_tok, HQ, HK, D, half, num_warps=8, programs=programs)
+        cfg = QKNormRoPEBwdConfig(**dataclasses.asdict(rotary_config(HQ, HK, D, half, num_warps=8)),
+                                  programs=programs)
     else:
-        raise ValueError(f"kind must be 'fwd', 'bwd' or 'reduce', got {kind!r}")
+        raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
     return _common.apply_override(__name__, kind, cfg)
 
 
@@ -308,8 +282,8 @@ def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps: float, offset: float, g
     if n_tok == 0 or (HQ == 0 and HK == 0):
         return qo, ko
     cfg = launch_config("fwd", n_tok, HQ, HK, D, half, q.device)
-    _qk_norm_rope_fwd_kernel[(cfg.programs,)](
-        q, k, q_weight, k_weight, cos, sin, qo, ko, n_tok, T, float(eps), float(offset),
+    _qk_norm_rope_fwd_kernel[(n_tok,)](
+        q, k, q_weight, k_weight, cos, sin, qo, ko, T, float(eps), float(offset),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         *cos_sin_strides(cos, sin),
@@ -351,9 +325,7 @@ def _bwd_launch(q, k, gq, gk, q_weight, k_weight, cos, sin, eps: float, offset: 
         HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk, BLOCK_HALF=cfg.block_half,
         BLOCK_PASS=cfg.block_pass, GEMMA=gemma, COMPUTE_DW=compute_dw, num_warps=cfg.num_warps)
     if compute_dw:
-        red = launch_config("reduce", n_tok, HQ, HK, D, half, q.device)
-        _dw_reduce_kernel[(_common.cdiv(D, red.block_d), 2)](
-            part, dqw, dkw, P, D=D, BLOCK_P=red.block_p, BLOCK_D=red.block_d, num_warps=red.num_warps)
+        _reduce.column_sums(part, dqw, dkw)
     return dq, dk, dqw, dkw
 
 

@@ -4,7 +4,7 @@
 
 Forward: one pass over x (whole row in registers), writes y (and s = x + residual) plus rstd (fp32, one per row).
 Backward: a persistent grid; every program walks rows with a stride, writes dx and keeps its dW partial in fp32
-registers; the partials ([programs, H] fp32) are summed by one small torch reduction. No atomics.
+registers; the partials ([programs, H] fp32) are summed and cast by one small kernel (``_reduce``). No atomics.
 
 Casting modes (``casting``), matching Hugging Face eager code:
 * ``"llama"`` (LlamaRMSNorm, Qwen, Mistral, ...): ``xhat = (x.float() * rstd).to(x.dtype)``, then
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _reduce
 
 __all__ = ["rms_norm", "rms_norm_reference", "RMSNormFunction", "launch_config", "LaunchConfig",
            "LAUNCH_CONFIGS"]
@@ -63,10 +63,10 @@ def launch_config(kind: str, n_rows: int, H: int, device) -> LaunchConfig:
     """Launch parameters for ``kind`` in ("fwd", "bwd") on ``device`` (torch.device or _common.Target).
 
     BLOCK_H = next_pow2(H) (whole row in registers; loads vectorise to 16 bytes when H is a multiple of 8 for
-    bf16), tiles of ~4096 elements (at most 64 rows). Forward: one tile per program. Backward: persistent, #SMs x
-    the compiled kernel's occupancy, ~8 live fp32 values per element so 8 elements per thread (64 registers), and
-    register prefetch while a thread holds at most 8 elements. Interpreter: 16384-element tiles, at most 4
-    programs, 4 warps.
+    bf16), tiles of ~4096 elements (at most 64 rows). Forward: one tile per program. Backward: persistent (grid
+    resolved by the launcher, ``_bwd_programs``); up to 1024 columns 4 warps, up to 2048 8, both with register
+    prefetch; wider rows ~8 elements per thread (64 registers), prefetch while a thread holds at most 8 elements.
+    Interpreter: 16384-element tiles, at most 4 programs, 4 warps.
     """
     if kind not in LAUNCH_CONFIGS:
         raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
@@ -80,6 +80,10 @@ def launch_config(kind: str, n_rows: int, H: int, device) -> LaunchConfig:
         if kind == "fwd":
             cfg = LaunchConfig(block_m, block_h, _common.num_warps_for(block_m * block_h),
                                _common.cdiv(n_rows, block_m), False)
+        elif block_h <= 2048:
+            # Measured on the H200 (docs/benchmarks/rms_lab_h200.md): at 1024-2048 columns 4 / 8 warps with
+            # register prefetch beat 16 warps by 7-30% at 1k-16k rows.
+            cfg = LaunchConfig(block_m, block_h, 4 if block_h <= 1024 else 8, None, True)
         else:
             num_warps = min(32, max(4, _common.next_pow2(block_m * block_h // (32 * 8))))
             cfg = LaunchConfig(block_m, block_h, num_warps, None, block_m * block_h <= 32 * num_warps * 8)
@@ -396,11 +400,28 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
     if programs is None:
         tiles = _common.cdiv(n_rows, cfg.block_m)
         probe = args[:6] + (rstd,) + args[7:]  # any fp32 buffer stands in for the dW partials while compiling
-        programs = _programs_by_occupancy(_rms_norm_bwd_kernel, probe, kwargs, cfg.num_warps, tiles, x.device)
+        programs = _bwd_programs(
+            _programs_by_occupancy(_rms_norm_bwd_kernel, probe, kwargs, cfg.num_warps, tiles, x.device), tiles,
+            x.device)
     dw_part = _common.new_empty((programs, H), dtype=torch.float32, device=x.device) if need_dw else rstd
     _rms_norm_bwd_kernel[(programs,)](*args[:6], dw_part, *args[7:], num_warps=cfg.num_warps, **kwargs)
-    dw = dw_part.sum(0).to(weight.dtype) if need_dw else x.new_empty(0)
+    if need_dw:
+        dw = _common.new_empty((H,), dtype=weight.dtype, device=x.device)
+        _reduce.column_sums(dw_part, dw)
+    else:
+        dw = x.new_empty(0)
     return dx, dw
+
+
+def _bwd_programs(by_occupancy: int, tiles: int, device: torch.device) -> int:
+    """Backward grid: at least ~4 tiles per program (fewer dW partial rows to write and sum; prefetch overlaps a
+    program's tiles) but never fewer programs than SMs, and at most what fits (``by_occupancy``). Measured on the
+    H200 (docs/benchmarks/rms_lab_h200.md): 1024 rows x 1024 best at 128 programs of 256 tiles (18.3 against
+    19.8 µs at 256 programs), 4096 x 1024 at 256 of 1024 tiles, 16384 x 1024 at 1024 of 4096."""
+    if device.type != "cuda":
+        return by_occupancy
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(by_occupancy, max(_common.sm_count(index), _common.cdiv(tiles, 4))))
 
 
 # torch.compile: the launchers as opaque custom ops (no graph break); eager calls bypass the dispatcher.

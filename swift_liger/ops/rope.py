@@ -132,41 +132,38 @@ def token_coords(tok, T):
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
-                 n_tok, T,
+                 T,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
                  sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,
                  sc_b, sc_t, ss_b, ss_t,
                  HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, D: tl.constexpr,
                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  BLOCK_PASS: tl.constexpr, BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Grid: (programs,). Program p handles tokens p, p + programs, ...; token = b * T + t."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    for tok in range(pid, n_tok, nprog):
-        b, t = token_coords(tok, T)
-        c1, c2, s1, s2 = load_cos_sin(cos_ptr, sin_ptr, b, t, sc_b, sc_t, ss_b, ss_t, HALF, BLOCK_HALF,
-                                      INTERLEAVED)
-        q_in = q_ptr + b * sq_b + t * sq_t
-        k_in = k_ptr + b * sk_b + t * sk_t
-        q_out = qo_ptr + b * sqo_b + t * sqo_t
-        k_out = ko_ptr + b * sko_b + t * sko_t
-        if BLOCK_HQ >= HQ and BLOCK_HK >= HK:
-            # Every load of the token before the first store: stores may alias later loads for the compiler.
-            q1, q2, q3 = load_heads(q_in, sq_h, 0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
-            k1, k2, k3 = load_heads(k_in, sk_h, 0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
-            o1, o2 = rotate(q1, q2, c1, c2, s1, s2, BACKWARD)
-            store_heads(q_out, sqo_h, 0, o1, o2, q3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
-            o1, o2 = rotate(k1, k2, c1, c2, s1, s2, BACKWARD)
-            store_heads(k_out, sko_h, 0, o1, o2, k3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
-        else:
-            for h0 in range(0, HQ, BLOCK_HQ):
-                x1, x2, x3 = load_heads(q_in, sq_h, h0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
-                o1, o2 = rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
-                store_heads(q_out, sqo_h, h0, o1, o2, x3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
-            for h0 in range(0, HK, BLOCK_HK):
-                x1, x2, x3 = load_heads(k_in, sk_h, h0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
-                o1, o2 = rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
-                store_heads(k_out, sko_h, h0, o1, o2, x3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
+    """Grid: (B * T,), one program per token = b * T + t. (A persistent loop over tokens cost 20 registers per
+    thread, 80 against 60 at D=256 on sm_90, and up to 1.5x the time: docs/benchmarks/rope_lab_h200.md.)"""
+    b, t = token_coords(tl.program_id(0), T)
+    c1, c2, s1, s2 = load_cos_sin(cos_ptr, sin_ptr, b, t, sc_b, sc_t, ss_b, ss_t, HALF, BLOCK_HALF, INTERLEAVED)
+    q_in = q_ptr + b * sq_b + t * sq_t
+    k_in = k_ptr + b * sk_b + t * sk_t
+    q_out = qo_ptr + b * sqo_b + t * sqo_t
+    k_out = ko_ptr + b * sko_b + t * sko_t
+    if BLOCK_HQ >= HQ and BLOCK_HK >= HK:
+        # Every load of the token before the first store: stores may alias later loads for the compiler.
+        q1, q2, q3 = load_heads(q_in, sq_h, 0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
+        k1, k2, k3 = load_heads(k_in, sk_h, 0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
+        o1, o2 = rotate(q1, q2, c1, c2, s1, s2, BACKWARD)
+        store_heads(q_out, sqo_h, 0, o1, o2, q3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
+        o1, o2 = rotate(k1, k2, c1, c2, s1, s2, BACKWARD)
+        store_heads(k_out, sko_h, 0, o1, o2, k3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
+    else:
+        for h0 in range(0, HQ, BLOCK_HQ):
+            x1, x2, x3 = load_heads(q_in, sq_h, h0, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
+            o1, o2 = rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
+            store_heads(q_out, sqo_h, h0, o1, o2, x3, HQ, BLOCK_HQ, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
+        for h0 in range(0, HK, BLOCK_HK):
+            x1, x2, x3 = load_heads(k_in, sk_h, h0, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
+            o1, o2 = rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
+            store_heads(k_out, sko_h, h0, o1, o2, x3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -175,19 +172,17 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
 
 @dataclasses.dataclass(frozen=True)
 class RoPEConfig:
-    """Launch of a rotary kernel (rope, qk_norm_rope) for one head layout.
+    """Launch of a one-program-per-token rotary kernel (rope; qk_norm_rope's forward) for one head layout.
 
     block_hq / block_hk: BLOCK_HQ / BLOCK_HK, q / k heads per register tile (powers of 2; all heads when they fit,
     else the kernel loops over head blocks). block_half: BLOCK_HALF, next_pow2(rotary dims / 2). block_pass:
-    BLOCK_PASS, next_pow2(pass-through dims) (1 without). num_warps. programs: grid size; the token count is one
-    program per token, fewer make a persistent grid striding over tokens.
+    BLOCK_PASS, next_pow2(pass-through dims) (1 without). num_warps.
     """
     block_hq: int
     block_hk: int
     block_half: int
     block_pass: int
     num_warps: int
-    programs: int
 
 
 LAUNCH_CONFIGS = {None: RoPEConfig}
@@ -200,22 +195,35 @@ def head_block(n_heads: int, half: int, tile_elems: int) -> int:
     return min(_common.next_pow2(n_heads), 1 << (fit.bit_length() - 1))
 
 
-def rotary_config(n_tok: int, HQ: int, HK: int, D: int, half: int, *, num_warps=None, programs=None) -> RoPEConfig:
+def rope_warps(HQ: int, HK: int, D: int, block_hq: int, block_hk: int, block_half: int) -> int:
+    """Warps of the one-program-per-token kernels, from a per-layout grid on the H200 (rope's forward kernel, 18
+    layouts: q8..q64 over kv4/kv8 at D 64/128/256, warps 2/4/8; docs/benchmarks/rope_lab_h200.md). What decides it
+    is the cos/sin columns each thread keeps for all its heads: at D=256 4 warps hold 8 of them x 4 tensors (64
+    registers), 8 warps half that. By BLOCK_HALF: >= 128: 8 warps when all heads fit in one tile, 2 when the kernel
+    loops over head blocks; 64: 4, or 8 from 8192 q+k elements per token; <= 32: 2 up to 2048 elements, else 4."""
+    elems = (HQ + HK) * D
+    if block_half >= 128:
+        return 8 if (block_hq >= HQ and block_hk >= HK) else 2
+    if block_half >= 64:
+        return 8 if elems >= 8192 else 4
+    return 2 if elems <= 2048 else 4
+
+
+def rotary_config(HQ: int, HK: int, D: int, half: int, *, num_warps=None) -> RoPEConfig:
     """Head tiles of at most 4096 q (or k) elements: all 32 heads x 64 of D=128 fit, so a program issues every load
-    of its token before its first store. num_warps None: 4, or 8 when a token's tiles hold more than 8192 elements;
-    programs None: one per token. Shared with qk_norm_rope."""
+    of its token before its first store. num_warps None: ``rope_warps``. Shared with qk_norm_rope."""
     pas = D - 2 * half
     bhq, bhk = head_block(HQ, half, 4096), head_block(HK, half, 4096)
     bhalf, bpass = _common.next_pow2(half), (_common.next_pow2(pas) if pas > 0 else 1)
     if num_warps is None:
-        num_warps = 8 if (bhq + bhk) * (2 * bhalf + bpass) > 8192 else 4
-    return RoPEConfig(bhq, bhk, bhalf, bpass, num_warps, max(1, n_tok) if programs is None else programs)
+        num_warps = rope_warps(HQ, HK, D, bhq, bhk, bhalf)
+    return RoPEConfig(bhq, bhk, bhalf, bpass, num_warps)
 
 
-def launch_config(n_tok: int, HQ: int, HK: int, D: int, half: int, device) -> RoPEConfig:
-    """Launch parameters of _rope_kernel (forward and backward) for n_tok = B * T tokens of q [B, HQ, T, D] and
-    k [B, HK, T, D] with ``half`` = rotary dims / 2; the same on every device."""
-    return _common.apply_override(__name__, None, rotary_config(n_tok, HQ, HK, D, half))
+def launch_config(HQ: int, HK: int, D: int, half: int, device) -> RoPEConfig:
+    """Launch parameters of _rope_kernel (forward and backward) for q [B, HQ, T, D] and k [B, HK, T, D] with
+    ``half`` = rotary dims / 2; one program per token; the same on every device."""
+    return _common.apply_override(__name__, None, rotary_config(HQ, HK, D, half))
 
 
 def cos_sin_strides(cos: torch.Tensor, sin: torch.Tensor):
@@ -237,9 +245,9 @@ def _rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     n_tok = B * T
     if n_tok == 0 or (HQ == 0 and HK == 0) or D == 0:
         return qo, ko
-    cfg = launch_config(n_tok, HQ, HK, D, half, q.device)
-    _rope_kernel[(cfg.programs,)](
-        q, k, cos, sin, qo, ko, n_tok, T,
+    cfg = launch_config(HQ, HK, D, half, q.device)
+    _rope_kernel[(n_tok,)](
+        q, k, cos, sin, qo, ko, T,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         *cos_sin_strides(cos, sin),

@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from swift_liger.ops import (_common, _targets, cross_entropy_kernel as ce, decode_attention_kernel as da,
+from swift_liger.ops import (_common, _reduce as red, _targets, cross_entropy_kernel as ce,
+                             decode_attention_kernel as da,
                              dropout_mask as dm, fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
                              qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope, swiglu_kernel as sw)
 
@@ -25,9 +26,11 @@ def _calls():
         yield rn, kind, lambda d, kind=kind, n=n, H=H: rn.launch_config(kind, n, H, d)
     for (HQ, HK), D, n in itertools.product(HEADS, (64, 128, 256), ROWS):
         for half in (D // 2, D // 4):
-            yield rope, None, lambda d, a=(n, HQ, HK, D, half): rope.launch_config(*a, d)
-            for kind in ("fwd", "bwd", "reduce"):
+            yield rope, None, lambda d, a=(HQ, HK, D, half): rope.launch_config(*a, d)
+            for kind in ("fwd", "bwd"):
                 yield qk, kind, lambda d, kind=kind, a=(n, HQ, HK, D, half): qk.launch_config(kind, *a, d)
+    for P, N in itertools.product((1, 7, 132, 528, 1056), (1, 96, 4096, 65536)):
+        yield red, None, lambda d, P=P, N=N: red.launch_config(P, N, d)
     for I, contiguous in itertools.product((1, 4864, 11008, 28672), (True, False)):
         yield sw, None, lambda d, I=I, c=contiguous: sw.launch_config(I, c, d)
     for V in (1, 1000, 32000, 151936, 256000):
@@ -42,7 +45,7 @@ def _calls():
         yield da, None, lambda d, b=block_d, e=elt: da.launch_config(b, e, d)
 
 
-MODULES = (rn, rope, qk, sw, ce, fl, kv, dm, da)
+MODULES = (rn, rope, qk, red, sw, ce, fl, kv, dm, da)
 
 
 def test_every_module_follows_the_convention():
@@ -77,7 +80,7 @@ def test_selection_per_architecture():
     assert da.launch_config(128, 2, TARGETS["sm_90"]) == da.DEFAULT
     assert da.launch_config(256, 4, torch.device("cpu")) == da.DEFAULT   # interpreter: no shared-memory limit
     for mod, kind, call in _calls():
-        if mod is not da and not (mod is qk and kind in ("bwd", "reduce")):
+        if mod is not da and not (mod is qk and kind == "bwd"):
             assert call(TARGETS["sm_75"]) == call(TARGETS["sm_80"]) == call(TARGETS["sm_90"]), (mod.__name__, kind)
 
 

@@ -109,7 +109,8 @@ def _both(flags, **modes):
 
 def _enumerate():
     """{(module, kernel, constexprs-json, num_warps, num_stages)} over the shape grid, per arch when it matters."""
-    from swift_liger.ops import (_common, cross_entropy_kernel as ce, decode_attention_kernel as da, dropout_mask as dm,
+    from swift_liger.ops import (_common, _reduce as red, cross_entropy_kernel as ce, decode_attention_kernel as da,
+                                 dropout_mask as dm,
                                  fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
                                  qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope, swiglu_kernel as sw)
     from swift_liger.ops import _targets
@@ -150,7 +151,7 @@ def _enumerate():
     for (HQ, HK), D, part in [(h, d, p) for h in HEADS for d in HEAD_DIMS for p in (1, 2) if p == 1 or d == 128]:
         half = D // 2 // part
         base = dict(HQ=HQ, HK=HK, HALF=half, D=D)
-        c = rope.launch_config(1, HQ, HK, D, half, cuda)
+        c = rope.launch_config(HQ, HK, D, half, cuda)
         for bwd, il in ((False, False), (True, True)):
             add("rope", "_rope_kernel", dict(base, **blocks(c), BACKWARD=bwd, INTERLEAVED=il), c.num_warps)
         c = qk.launch_config("fwd", 1, HQ, HK, D, half, cuda)
@@ -163,9 +164,10 @@ def _enumerate():
                                                                        COMPUTE_DW=dw), c.num_warps)
         for arch, t in targets.items():
             for n_tok in ROWS:
-                c = qk.launch_config("reduce", n_tok, HQ, HK, D, half, t)
-                add("qk_norm_rope_kernel", "_dw_reduce_kernel", dict(D=D, BLOCK_P=c.block_p, BLOCK_D=c.block_d),
-                    c.num_warps, archs=(arch,))
+                P = qk.launch_config("bwd", n_tok, HQ, HK, D, half, t).programs
+                c = red.launch_config(P, D, cuda)
+                add("_reduce", "_column_sum_kernel", dict(BLOCK_P=c.block_p, BLOCK_N=c.block_n), c.num_warps,
+                    archs=(arch,))
 
     # swiglu / geglu: flat (contiguous) and row-strided paths over the intermediate sizes.
     for I in INTERMEDIATE:

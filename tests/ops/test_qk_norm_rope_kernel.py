@@ -4,6 +4,7 @@ import torch
 
 from helpers import DTYPES, REDUCTION_SLACK, assert_close, f64, inputs_unchanged
 from swift_liger.ops import qk_norm_rope_kernel as qk_mod
+from swift_liger.ops import _reduce as reduce_mod
 from swift_liger.ops._common import launch_override
 from swift_liger.ops.qk_norm_rope_kernel import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_reference
 from swift_liger.ops.rope import apply_rope_reference
@@ -100,10 +101,10 @@ def test_qk_norm_rope_frozen_weights_unsqueeze_2(device):
 
 
 def test_qk_norm_rope_head_loop_path(device):
-    # Two heads per tile (of 6 and 3), a persistent backward of 4 programs, 8-column dW reduction blocks.
+    # Two heads per tile (of 6 and 3), a persistent backward of 4 programs, dW sums in 8-column, 2-row blocks.
     with launch_override(qk_mod, "fwd", block_hq=2, block_hk=2), \
             launch_override(qk_mod, "bwd", block_hq=2, block_hk=2, programs=4), \
-            launch_override(qk_mod, "reduce", block_d=8):
+            launch_override(reduce_mod, block_n=8, block_p=2):
         run_case(device, torch.float32, 2, 7, 6, 3, 32, 24, "btd", "view", casting="gemma")
 
 

@@ -98,7 +98,7 @@ def test_rope_unsqueeze_dim_2(device):
 
 def test_rope_head_loop_path(device):
     # Tiles smaller than the head count: the kernel loops over head blocks instead of one load phase.
-    with launch_override(rope_mod, block_hq=1, block_hk=1, programs=8):   # a persistent grid of 8 programs
+    with launch_override(rope_mod, block_hq=1, block_hk=1):
         run_case(device, torch.float32, 2, 13, 6, 3, 32, 24, "btd", "view")
 
 
@@ -267,7 +267,7 @@ def test_rope_interleaved_fp32_cos_with_bf16_q(device):
 
 
 def test_rope_interleaved_head_loop_path(device):
-    with launch_override(rope_mod, block_hq=1, block_hk=1, programs=8):
+    with launch_override(rope_mod, block_hq=1, block_hk=1):
         run_case(device, torch.float32, 2, 5, 5, 3, 32, 24, "btd", "view", interleaved=True)
 
 
@@ -442,7 +442,7 @@ def test_rope_inplace_interleaved(device):
 
 
 def test_rope_inplace_head_loop_path(device):
-    with launch_override(rope_mod, block_hq=1, block_hk=1, programs=8):
+    with launch_override(rope_mod, block_hq=1, block_hk=1):
         _inplace_case(device, torch.float32, 2, 13, 6, 3, 32, 24, "btd", "view")
 
 
