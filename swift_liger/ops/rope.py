@@ -300,16 +300,24 @@ def _writable(t: torch.Tensor) -> bool:
     return (t.shape[-1] <= 1 or t.stride(-1) == 1) and all(st != 0 or n == 1 for n, st in zip(t.shape, t.stride()))
 
 
+def _can_rotate_in_place(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """In-place rotation is taken only eagerly, for writable q and k in separate storages (a fused qkv buffer, or
+    expanded tensors, run out of place)."""
+    return (not torch.compiler.is_compiling() and _writable(q) and _writable(k)
+            and q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr())
+
+
 class RoPEFunction(torch.autograd.Function):
     """Autograd wrapper. q [B, Hq, T, D], k [B, Hk, T, D], cos/sin [Bc, T, Dr] (validated by ``apply_rope``),
-    interleaved: bool (positional; default False = rotate-half), inplace: bool (eager only: forward overwrites q and
-    k, backward the incoming gradients; their version counters are bumped, so a graph node that saved them fails
-    loudly instead of reading rotated values)."""
+    interleaved: bool (positional; default False = rotate-half), inplace: bool (eager only, and only for q/k that
+    ``_can_rotate_in_place`` accepts, else out of place: forward overwrites q and k, backward the incoming gradients;
+    their version counters are bumped, so a graph node that saved them fails loudly instead of reading rotated
+    values)."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, interleaved=False, inplace=False):
         interleaved = bool(interleaved)
-        ctx.inplace = bool(inplace) and not torch.compiler.is_compiling()
+        ctx.inplace = bool(inplace) and _can_rotate_in_place(q, k)
         if ctx.inplace:
             qo, ko = _rope_launch(q, k, cos, sin, False, interleaved, inplace=True)
             torch.autograd.graph.increment_version(q)
@@ -457,8 +465,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     q4, k4, cos3, sin3, transposed = check_rope_args(q, k, cos, sin, unsqueeze_dim)
     if not _common.use_triton(q) or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
         return apply_rope_reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
-    inplace = (inplace and not torch.compiler.is_compiling() and _writable(q4) and _writable(k4)
-               and q4.untyped_storage().data_ptr() != k4.untyped_storage().data_ptr())
+    inplace = inplace and _can_rotate_in_place(q4, k4)
     if _common.records_grad(q4, k4):
         qo, ko = RoPEFunction.apply(q4, k4, cos3, sin3, interleaved, inplace)
     elif inplace:

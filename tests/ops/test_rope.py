@@ -503,6 +503,22 @@ def test_rope_inplace_falls_back_out_of_place(device):
     assert_close(dq, rdq, torch.float32, name="dq from an expanded gradient")
 
 
+def test_rope_function_direct_inplace_checks_its_inputs(device):
+    # RoPEFunction.apply(..., inplace=True) called directly (not through apply_rope) with q and k in one buffer:
+    # the same check runs, so the buffer is left alone and the values are right.
+    B, T, H, D = 1, 4, 2, 8
+    cos, sin = make_cos_sin(B, T, D, torch.float32, device)
+    qk = torch.randn(B, T, 2 * H * D, device=device)
+    q = qk[..., : H * D].view(B, T, H, D).transpose(1, 2)
+    k = qk[..., H * D:].view(B, T, H, D).transpose(1, 2)
+    before = qk.clone()
+    qo, ko = RoPEFunction.apply(q, k, cos, sin, False, True)
+    assert torch.equal(qk, before) and qo.data_ptr() != q.data_ptr()
+    rq, rk = apply_rope_reference(f64(q), f64(k), f64(cos), f64(sin))
+    assert_close(qo, rq, torch.float32, name="q")
+    assert_close(ko, rk, torch.float32, name="k")
+
+
 def test_rope_inplace_bad_flag(device):
     B, T, H, D = 1, 3, 1, 8
     cos, sin = make_cos_sin(B, T, D, torch.float32, device)
