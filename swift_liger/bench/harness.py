@@ -81,6 +81,12 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / (denom if denom > 0 else 1.0)
 
 
+def describe(exc: BaseException, limit: int = 160) -> str:
+    """"Type: first line of the message" (at most ``limit`` characters of it), for a result row."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:limit]}" if text else type(exc).__name__
+
+
 class NotCapturable(RuntimeError):
     """An implementation synchronises with the host (``.item()``, ``nonzero``, ...): it cannot be captured."""
 
@@ -97,7 +103,7 @@ def _host_sync(fn, inputs, grads_cache, leaves) -> Optional[str]:
         _fwd_bwd(fn, inputs, grads_cache)
         return None
     except RuntimeError as exc:
-        return str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        return describe(exc)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.synchronize()
@@ -172,7 +178,7 @@ def run_case(case: Case, *, warmup_ms: int = 100, rep_ms: int = 500, graphs: boo
                 except Exception as exc:   # an implementation that syncs with the host is timed eagerly
                     torch.cuda.synchronize()
                     graphed = False
-                    note = f"not graphed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                    note = f"not graphed: {describe(exc)}"
             if not graphed:
                 ms = do_bench(lambda: _fwd_bwd(fn, inputs, grads_cache), warmup=warmup_ms, rep=rep_ms,
                               grad_to_none=leaves, return_mode="median")
@@ -182,8 +188,7 @@ def run_case(case: Case, *, warmup_ms: int = 100, rep_ms: int = 500, graphs: boo
                                   peak, case.grad_bytes / GiB if case.grad_bytes else None, err, note,
                                   rel_errs=errs, graphed=graphed))
         except Exception as exc:  # a peer that fails (OOM, missing feature) is reported, not fatal
-            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-            results.append(Result(case.op, case.shape, name, None, None, None, None, None, None, msg))
+            results.append(Result(case.op, case.shape, name, None, None, None, None, None, None, describe(exc)))
             torch.cuda.empty_cache()
         del inputs, leaves
         gc.collect()

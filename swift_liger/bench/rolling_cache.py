@@ -50,6 +50,8 @@ import time
 
 import torch
 
+from .harness import describe
+
 # "+graph": RollingKVCache(cuda_graph=True), decode steps after the wrap replay one CUDA graph of the decoder.
 # "+liger" (after any kind): swift_liger's RMSNorm/RoPE/SwiGLU kernels in the model for that kind's rows only, the
 # model `swift infer --use_liger` runs; the kinds without it keep the stock model, so one run compares both stacks.
@@ -297,7 +299,7 @@ def matched_context(model, args, device, log, rows=None, on_row=None):
                             on_row()
                         log(f"  b={batch} {kind:20s} ctx={L:6d}  {ms:7.3f} ms/tok  KV {row['kv_bytes'] / GiB:7.3f} GiB")
                 except Exception as exc:   # e.g. OOM for the growing cache: reported, not fatal
-                    msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                    msg = describe(exc)
                     rows.append(dict(batch=batch, cache=kind, context=None, error=msg))
                     log(f"  b={batch} {kind}: {msg}")
                 del cache, tok
