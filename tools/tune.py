@@ -70,14 +70,15 @@ def sweep(case, module, grid, ours):
 def main(ops):
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if "rms_norm" in ops:
-        # Backward: register prefetch (one tile ahead) and warps; grid from the compiled kernel's occupancy.
+        # Backward: register prefetch (one tile ahead) and warps; grid from the launcher's rule (occupancy, ~4 tiles
+        # per program). tools/rms_lab.py varies the grid itself.
         from swift_liger.ops import rms_norm_kernel as m
         for n, h, res in [(16384, 4096, False), (16384, 8192, False), (16384, 2048, False), (65536, 1024, False),
-                          (16384, 4096, True)]:
+                          (1024, 1024, False), (4096, 1024, False), (16384, 4096, True)]:
             case = kernels.rms_norm_case(n, h, res)
             ours = ((lambda i: m.rms_norm(i["x"], i["w"], 1e-6, residual=i["r"])) if res else
                     (lambda i: m.rms_norm(i["x"], i["w"], 1e-6)))
-            sweep(case, m, {"bwd": {"prefetch": [True, False], "num_warps": [8, 16, 32]}}, ours)
+            sweep(case, m, {"bwd": {"prefetch": [True, False], "num_warps": [4, 8, 16, 32]}}, ours)
     if "cross_entropy" in ops:
         # Vocabulary loop: block and warps (forward and backward share the config).
         from swift_liger.ops import cross_entropy_kernel as m
@@ -93,11 +94,13 @@ def main(ops):
                   lambda i: m.apply_rope(i["q"], i["k"], i["cos"], i["sin"]))
     if "qk_norm_rope" in ops:
         from swift_liger.ops import qk_norm_rope_kernel as m
-        case = kernels.qk_norm_rope_cases()[0]
-        sweep(case, m, {"fwd": {"num_warps": [4, 8]},
-                        "bwd": {"num_warps": [4, 8, 16], "programs": [2 * sms, 4 * sms, 8 * sms],
-                                "block_hq": [AUTO, 8]}},
-              lambda i: m.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]))
+        fn = lambda i: m.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"])  # noqa: E731
+        sweep(kernels.qk_norm_rope_cases()[0], m,
+              {"fwd": {"num_warps": [4, 8]},
+               "bwd": {"num_warps": [4, 8, 16], "programs": [2 * sms, 4 * sms, 8 * sms], "block_hq": [AUTO, 8]}}, fn)
+        # The forward's head-block loop (40 / 64 query heads at D=256): warps.
+        for hq in (40, 64):
+            sweep(kernels.qk_norm_rope_case(1, 16384, hq, 8, 256), m, {"fwd": {"num_warps": [2, 4, 8]}}, fn)
     if "glu" in ops:
         from swift_liger.ops import swiglu_kernel as m
         for op, i_ in [("geglu", 4864), ("swiglu", 4864), ("geglu", 14336)]:
