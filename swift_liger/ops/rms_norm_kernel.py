@@ -418,10 +418,7 @@ def _bwd_programs(by_occupancy: int, tiles: int, device: torch.device) -> int:
     program's tiles) but never fewer programs than SMs, and at most what fits (``by_occupancy``). Measured on the
     H200 (docs/benchmarks/rms_lab_h200.md): 1024 rows x 1024 best at 128 programs of 256 tiles (18.3 against
     19.8 µs at 256 programs), 4096 x 1024 at 256 of 1024 tiles, 16384 x 1024 at 1024 of 4096."""
-    if device.type != "cuda":
-        return by_occupancy
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, min(by_occupancy, max(_common.sm_count(index), _common.cdiv(tiles, 4))))
+    return max(1, min(by_occupancy, max(_common.target(device).sm_count, _common.cdiv(tiles, 4))))
 
 
 # torch.compile: the launchers as opaque custom ops (no graph break); eager calls bypass the dispatcher.

@@ -465,10 +465,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     q4, k4, cos3, sin3, transposed = check_rope_args(q, k, cos, sin, unsqueeze_dim)
     if not _common.use_triton(q) or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)):
         return apply_rope_reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
-    inplace = inplace and _can_rotate_in_place(q4, k4)
     if _common.records_grad(q4, k4):
-        qo, ko = RoPEFunction.apply(q4, k4, cos3, sin3, interleaved, inplace)
-    elif inplace:
+        qo, ko = RoPEFunction.apply(q4, k4, cos3, sin3, interleaved, inplace)   # checks inplace itself
+    elif inplace and _can_rotate_in_place(q4, k4):
         qo, ko = _rope_launch(q4, k4, cos3, sin3, False, interleaved, inplace=True)
     else:
         qo, ko = _common.compiled_or_eager("swift_liger::rope_fwd", _rope_fwd)(q4, k4, cos3, sin3, interleaved)
