@@ -19,6 +19,9 @@
 #          The 119 cases take ~2 calls: copy the first call's sweep.jsonl into the tree (untracked files travel) and
 #          run the second with SWEEP_ARGS="--graphs --deadline 520 --skip that/sweep.jsonl"; `sweep report A B` merges
 # tune:    launch-configuration grid per op, CUDA-graph timing (python3 tools/tune.py; TUNE_OPS, default rms_norm)
+# labs:    LABS (default "flce glu host"): tools/flce_lab.py (linear+CE GEMMs, chunk sizes, BLAS backends, profile;
+#          FLCE_ARGS), tools/glu_lab.py (SwiGLU 28672 repeated), tools/host_lab.py (host µs per decode-sized op
+#          call); logs and JSON in $OUT/labs
 # longctx: longest trainable context per variant, 8B LoRA (python -m swift_liger.bench.long_context; LONGCTX_ARGS)
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/bench"
@@ -172,6 +175,19 @@ PY
     timeout "${SWEEP_TIMEOUT:-540}" python3 -m swift_liger.bench.sweep run --out "$OUT/sweep" \
       ${SWEEP_ARGS:---graphs --deadline 520} >"$OUT/sweep.log" 2>&1; echo "sweep rc $?"
     tail -3 "$OUT/sweep.log" ;;
+  labs)
+    mkdir -p "$OUT/labs"
+    for lab in ${LABS:-flce glu host}; do
+      stamp "${lab}_lab"
+      case "$lab" in
+        flce) timeout "${FLCE_TIMEOUT:-240}" python3 tools/flce_lab.py --out "$OUT/labs" \
+                --deadline "${FLCE_DEADLINE:-220}" ${FLCE_ARGS:-} >"$OUT/labs/flce_lab.log" 2>&1 ;;
+        glu)  timeout 120 python3 tools/glu_lab.py --out "$OUT/labs" >"$OUT/labs/glu_lab.log" 2>&1 ;;
+        host) timeout 90 python3 tools/host_lab.py --out "$OUT/labs" >"$OUT/labs/host_lab.log" 2>&1 ;;
+      esac
+      echo "${lab}_lab rc $?"
+      grep -h '"op"\|"impl"\|"section": "op"' "$OUT/labs/${lab}_lab.log" 2>/dev/null | grep -v cprofile | cut -c1-160
+    done ;;
   tune)
     stamp tune
     timeout "${TUNE_TIMEOUT:-150}" python3 tools/tune.py ${TUNE_OPS:-rms_norm} >"$OUT/tune.log" 2>&1; echo "tune rc $?"

@@ -1,6 +1,7 @@
 """Sweep launch configurations through the benchmark harness (fresh inputs per setting, same timing as the benchmarks).
 
     python3 tools/tune.py rms_norm cross_entropy rope qk_norm_rope glu   # [--eager]: host-inclusive timing
+    (also: rms_fp32, qk_loop: the fp32 RMSNorm rows at <= 2048 columns, the QK-norm+RoPE head-loop layouts)
 
 A point forces fields of a kernel module's launch configurations (``swift_liger.ops._common.set_launch_override``,
 per launch kind); AUTO leaves a field to the module's ``launch_config``. The override stays set through the
@@ -79,6 +80,19 @@ def main(ops):
             ours = ((lambda i: m.rms_norm(i["x"], i["w"], 1e-6, residual=i["r"])) if res else
                     (lambda i: m.rms_norm(i["x"], i["w"], 1e-6)))
             sweep(case, m, {"bwd": {"prefetch": [True, False], "num_warps": [4, 8, 16, 32]}}, ours)
+    if "rms_fp32" in ops:
+        # fp32 inputs at <= 1024 columns: the bf16 rule (4 warps, prefetch) takes 255 registers here.
+        from swift_liger.ops import rms_norm_kernel as m
+        for n, h in [(1024, 1024), (16384, 1024), (65536, 1024), (16384, 2048)]:
+            case = kernels.rms_norm_case(n, h, dtype=torch.float32)
+            sweep(case, m, {"bwd": {"prefetch": [True, False], "num_warps": [4, 8]}},
+                  lambda i: m.rms_norm(i["x"], i["w"], 1e-6))
+    if "qk_loop" in ops:
+        # The forward's head-block loop (40 / 64 query heads at D=256) only: warps.
+        from swift_liger.ops import qk_norm_rope_kernel as m
+        fn = lambda i: m.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"])  # noqa: E731
+        for hq in (40, 64):
+            sweep(kernels.qk_norm_rope_case(1, 16384, hq, 8, 256), m, {"fwd": {"num_warps": [2, 4, 8]}}, fn)
     if "cross_entropy" in ops:
         # Vocabulary loop: block and warps (forward and backward share the config).
         from swift_liger.ops import cross_entropy_kernel as m

@@ -44,18 +44,18 @@ def _peers(eager, ours, liger=None, extra=None) -> Dict[str, callable]:
     return impls
 
 
-def rms_norm_case(n: int, h: int, residual: bool = False) -> Case:
+def rms_norm_case(n: int, h: int, residual: bool = False, dtype: torch.dtype = BF16) -> Case:
     """RMSNorm over [n, h] (llama casting), optionally fused with the residual add before it (returns (y, s))."""
     from swift_liger.ops import rms_norm_kernel as ops
     liger_rms = _try_import("liger_kernel.transformers.functional.liger_rms_norm")
     liger_add = _try_import("liger_kernel.transformers.functional.liger_fused_add_rms_norm")
 
     def make():
-        x = torch.randn(n, h, device="cuda", dtype=BF16, requires_grad=True)
-        w = (1 + 0.1 * torch.randn(h, device="cuda", dtype=BF16)).requires_grad_()
+        x = torch.randn(n, h, device="cuda", dtype=dtype, requires_grad=True)
+        w = (1 + 0.1 * torch.randn(h, device="cuda", dtype=dtype)).requires_grad_()
         out = {"x": x, "w": w}
         if residual:
-            out["r"] = torch.randn(n, h, device="cuda", dtype=BF16, requires_grad=True)
+            out["r"] = torch.randn(n, h, device="cuda", dtype=dtype, requires_grad=True)
         return out
     if residual:
         def eager(i):
@@ -65,15 +65,17 @@ def rms_norm_case(n: int, h: int, residual: bool = False) -> Case:
         liger = (lambda i: liger_add(i["x"], i["r"], i["w"], 1e-6, casting_mode="llama", in_place=False)) \
             if liger_add else None
         # fwd: read x, r, write y, s; bwd: read dy, ds, s, write dx (= dr, one tensor for both)
-        nbytes, grads = 8 * n * h * E, 2 * n * h * E
+        nbytes, grads = 8 * n * h, 2 * n * h
     else:
         eager = lambda i: ops.rms_norm_reference(i["x"], i["w"], 1e-6)
         ours = lambda i: ops.rms_norm(i["x"], i["w"], 1e-6)
         liger = (lambda i: liger_rms(i["x"], i["w"], 1e-6, casting_mode="llama", in_place=False)) if liger_rms else None
         # fwd: read x, write y; bwd: read dy, x, write dx (+ rstd, w, dw negligible)
-        nbytes, grads = 5 * n * h * E, n * h * E
-    return Case("rms_norm_residual" if residual else "rms_norm", f"{n}x{h}", make, _peers(eager, ours, liger),
-                min_bytes=nbytes, grad_bytes=grads + h * E)
+        nbytes, grads = 5 * n * h, n * h
+    e = dtype.itemsize
+    return Case("rms_norm_residual" if residual else "rms_norm",
+                f"{n}x{h}" + ("" if dtype == BF16 else f" {str(dtype).replace('torch.', '')}"), make,
+                _peers(eager, ours, liger), min_bytes=nbytes * e, grad_bytes=(grads + h) * e)
 
 
 def rms_norm_cases() -> List[Case]:
