@@ -22,6 +22,7 @@ straight-through gradient HF's autograd also produces), so gradients are at leas
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Tuple, Union
 
 import torch
@@ -70,9 +71,15 @@ def launch_config(kind: str, n_rows: int, H: int, device) -> LaunchConfig:
     """
     if kind not in LAUNCH_CONFIGS:
         raise ValueError(f"kind must be 'fwd' or 'bwd', got {kind!r}")
+    return _common.apply_override(__name__, kind, _base_config(kind, int(n_rows), int(H), device.type == "cuda"))
+
+
+@functools.lru_cache(maxsize=1024)
+def _base_config(kind: str, n_rows: int, H: int, cuda: bool) -> LaunchConfig:
+    """launch_config before overrides; cached (a decode step asks for the same shape every layer)."""
     block_h = max(16, _common.next_pow2(H))
     n_rows = max(int(n_rows), 1)
-    if device.type != "cuda":
+    if not cuda:
         block_m = min(64, max(1, 16384 // block_h), _common.next_pow2(n_rows))
         cfg = LaunchConfig(block_m, block_h, 4, min(_common.cdiv(n_rows, block_m), 4), True)
     else:
@@ -87,7 +94,7 @@ def launch_config(kind: str, n_rows: int, H: int, device) -> LaunchConfig:
         else:
             num_warps = min(32, max(4, _common.next_pow2(block_m * block_h // (32 * 8))))
             cfg = LaunchConfig(block_m, block_h, num_warps, None, block_m * block_h <= 32 * num_warps * 8)
-    return _common.apply_override(__name__, kind, cfg)
+    return cfg
 
 
 _OCCUPANCY: dict = {}
@@ -352,15 +359,23 @@ def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], residual: Opt
     """x, residual: [..., H]; weight: [H] or None -> (y [..., H], s [..., H] or [0], rstd [rows] fp32 or [0])."""
     H = x.shape[-1]
     n_rows = x.numel() // H
-    y = _common.new_empty(x.shape, dtype=_out_dtype(x.dtype, None if weight is None else weight.dtype, casting),
-                          device=x.device)
-    s = _common.new_empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else x.new_empty(0)
+    y_dtype = _out_dtype(x.dtype, None if weight is None else weight.dtype, casting)
+    if x.is_contiguous():   # empty_like: ~2 us less host time than empty(shape, dtype=, device=)
+        y = _common.new_empty_like(x, y_dtype)
+        s = _common.new_empty_like(x) if residual is not None else x.new_empty(0)
+    else:
+        y = _common.new_empty(x.shape, dtype=y_dtype, device=x.device)
+        s = _common.new_empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else x.new_empty(0)
     rstd = (_common.new_empty((n_rows,), dtype=torch.float32, device=x.device) if store_rstd
             else x.new_empty(0, dtype=torch.float32))
     if n_rows == 0:
         return y, s, rstd
-    (x, n_inner, sx_o, sx_i), lay_r = _same_grouping(x, residual)
-    residual, _, sr_o, sr_i = lay_r if lay_r is not None else (None, 0, 0, 0)
+    if x.is_contiguous() and (residual is None or residual.is_contiguous()):   # without the stride walk
+        n_inner, sx_o, sx_i = (n_rows, 0, H) if n_rows > 1 else (1, 0, 0)
+        sr_o, sr_i = sx_o, sx_i
+    else:
+        (x, n_inner, sx_o, sx_i), lay_r = _same_grouping(x, residual)
+        residual, _, sr_o, sr_i = lay_r if lay_r is not None else (None, 0, 0, 0)
     if weight is not None and weight.stride(0) != 1:
         weight = weight.contiguous()
     cfg = launch_config("fwd", n_rows, H, x.device)
@@ -490,6 +505,12 @@ class RMSNormFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------------
 
 def _validate(x, weight, eps, offset, casting, residual, dtypes=_common.FLOAT_DTYPES) -> None:
+    if (residual is None and isinstance(x, torch.Tensor) and x.dtype in dtypes and x.dim() >= 1 and x.shape[-1] > 0
+            and (x.stride(-1) == 1 or x.shape[-1] == 1) and type(eps) is float and eps > 0
+            and type(offset) is float and casting in CASTING_MODES
+            and (weight is None or (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.dtype in dtypes
+                                    and weight.shape[0] == x.shape[-1] and weight.device == x.device))):
+        return   # the common call, accepted in one expression (host time per layer); anything else is checked below
     _common.check_tensor("x", x, min_ndim=1, dtypes=dtypes)
     if x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last (hidden) dimension, got shape {tuple(x.shape)}")

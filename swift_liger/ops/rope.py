@@ -19,6 +19,7 @@ Pure kernel module: no transformers / ms-swift imports.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Tuple
 
 import torch
@@ -209,6 +210,7 @@ def rope_warps(HQ: int, HK: int, D: int, block_hq: int, block_hk: int, block_hal
     return 2 if elems <= 2048 else 4
 
 
+@functools.lru_cache(maxsize=1024)
 def rotary_config(HQ: int, HK: int, D: int, half: int, *, num_warps=None) -> RoPEConfig:
     """Head tiles of at most 4096 q (or k) elements: all 32 heads x 64 of D=128 fit, so a program issues every load
     of its token before its first store. num_warps None: ``rope_warps``. Shared with qk_norm_rope."""
@@ -246,10 +248,10 @@ def _rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     if n_tok == 0 or (HQ == 0 and HK == 0) or D == 0:
         return qo, ko
     cfg = launch_config(HQ, HK, D, half, q.device)
+    sq, sk, sqo, sko = q.stride(), k.stride(), qo.stride(), ko.stride()
     _rope_kernel[(n_tok,)](
         q, k, cos, sin, qo, ko, T,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
+        sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
         *cos_sin_strides(cos, sin),
         HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk, BLOCK_HALF=cfg.block_half,
         BLOCK_PASS=cfg.block_pass, BACKWARD=backward, INTERLEAVED=bool(interleaved), num_warps=cfg.num_warps)
@@ -346,9 +348,42 @@ class RoPEFunction(torch.autograd.Function):
 # Validation, reference, public function
 # ---------------------------------------------------------------------------------------------------------------
 
+def _rope_args_common(q, k, cos, sin, unsqueeze_dim):
+    """check_rope_args's result for the call every attention layer makes (4-D q/k, [Bc, T, Dr] cos/sin, one device,
+    contiguous last dims), accepted in a few comparisons; None sends anything else through the full checks."""
+    if not (type(unsqueeze_dim) is int and (unsqueeze_dim == 1 or unsqueeze_dim == 2) and isinstance(q, torch.Tensor)
+            and isinstance(k, torch.Tensor) and isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)):
+        return None
+    qs, ks, cs = q.shape, k.shape, cos.shape
+    if len(qs) != 4 or len(ks) != 4 or len(cs) != 3 or sin.shape != cs:
+        return None
+    dt, ct = q.dtype, cos.dtype
+    if dt not in _common.FLOAT_DTYPES or k.dtype != dt or ct not in _common.FLOAT_DTYPES or sin.dtype != ct:
+        return None
+    dev = q.device
+    if k.device != dev or cos.device != dev or sin.device != dev:
+        return None
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        return None
+    transposed = unsqueeze_dim == 2
+    if transposed:
+        (B, T, _, D), (kb, kt, _, kd) = qs, ks
+    else:
+        (B, _, T, D), (kb, _, kt, kd) = qs, ks
+    dr = cs[2]
+    if kb != B or kt != T or kd != D or cs[1] != T or (cs[0] != 1 and cs[0] != B) or dr == 0 or dr % 2 or dr > D:
+        return None
+    if transposed:
+        return q.transpose(1, 2), k.transpose(1, 2), cos, sin, True
+    return q, k, cos, sin, False
+
+
 def check_rope_args(q, k, cos, sin, unsqueeze_dim, *, op: str = "apply_rope"):
     """Validate HF-style rotary arguments. Returns (q4, k4, cos3, sin3, transposed): q4/k4 as [B, H, T, D] views,
     cos3/sin3 as [Bc, T, Dr] with Bc in {1, B} and a contiguous last dim."""
+    common = _rope_args_common(q, k, cos, sin, unsqueeze_dim)
+    if common is not None:
+        return common
     _common.check_tensor("q", q, ndim=4)
     _common.check_tensor("k", k, ndim=4)
     _common.check_same_dtype(q=q, k=k)
