@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from swift_liger.ops import (_common, _reduce as red, _targets, cross_entropy_kernel as ce,
+from swift_liger.ops import (_common, _reduce as red, _scale as sc, _targets, cross_entropy_kernel as ce,
                              decode_attention_kernel as da,
                              dropout_mask as dm, fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
                              qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope, swiglu_kernel as sw)
@@ -31,6 +31,8 @@ def _calls():
                 yield qk, kind, lambda d, kind=kind, a=(n, HQ, HK, D, half): qk.launch_config(kind, *a, d)
     for P, N in itertools.product((1, 7, 132, 528, 1056), (1, 96, 4096, 65536)):
         yield red, None, lambda d, P=P, N=N: red.launch_config(P, N, d)
+    for n in (1, 4096, 1 << 30):
+        yield sc, None, lambda d, n=n: sc.launch_config(n, d)
     for I, contiguous in itertools.product((1, 4864, 11008, 28672), (True, False)):
         yield sw, None, lambda d, I=I, c=contiguous: sw.launch_config(I, c, d)
     for V in (1, 1000, 32000, 151936, 256000):
@@ -45,7 +47,7 @@ def _calls():
         yield da, None, lambda d, b=block_d, e=elt: da.launch_config(b, e, d)
 
 
-MODULES = (rn, rope, qk, red, sw, ce, fl, kv, dm, da)
+MODULES = (rn, rope, qk, red, sc, sw, ce, fl, kv, dm, da)
 
 
 def test_every_module_follows_the_convention():

@@ -109,7 +109,8 @@ def _both(flags, **modes):
 
 def _enumerate():
     """{(module, kernel, constexprs-json, num_warps, num_stages)} over the shape grid, per arch when it matters."""
-    from swift_liger.ops import (_common, _reduce as red, cross_entropy_kernel as ce, decode_attention_kernel as da,
+    from swift_liger.ops import (_common, _reduce as red, _scale as sc, cross_entropy_kernel as ce,
+                                 decode_attention_kernel as da,
                                  dropout_mask as dm,
                                  fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
                                  qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope, swiglu_kernel as sw)
@@ -178,6 +179,11 @@ def _enumerate():
                 for inplace in (False, True):
                     add("swiglu_kernel", "_glu_bwd_kernel", dict(ACT=act, FLAT=c.flat, INPLACE=inplace,
                                                                  BLOCK=c.block), c.num_warps)
+
+    # the gradient scaling of the loss ops (fused linear CE's dW / dh)
+    c = sc.launch_config(1 << 20, cuda)
+    for per_row in (False, True):
+        add("_scale", "_scale_kernel", dict(PER_ROW=per_row, BLOCK=c.block), c.num_warps)
 
     # cross_entropy and the fused linear CE (also what fused_linear_logprobs launches).
     for V in VOCABS:
