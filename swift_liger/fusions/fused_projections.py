@@ -28,34 +28,40 @@ class Group:
         self.weight, self.bias = weight, bias
         self.sizes = [m.out_features for m in members]
         self.ptrs = [m.weight.data_ptr() for m in members]
-        self.pending = None   # (input, its _version, [block or None per member]) from the last fused call
+        self.pending = None   # [input, its _version, [block or None per member], blocks left] from the last fused call
 
     def intact(self) -> bool:
         """Whether every member still reads its rows of the buffer; once not (.to(), a reload), the buffer is let
         go for good and the members project on their own."""
         if self.weight is None:
             return False
-        if all(m.weight.data_ptr() == p for m, p in zip(self.members, self.ptrs)):
-            return True
-        self.weight = self.bias = self.pending = None
-        return False
+        for m, p in zip(self.members, self.ptrs):
+            if m.weight.data_ptr() != p:
+                self.weight = self.bias = self.pending = None
+                return False
+        return True
 
     def call(self, i: int, x):
         import torch
         import torch.nn.functional as F
+        pending = self.pending
+        # A member after the first: its block of the product the first one made from this very input (same object,
+        # same version), checked before anything else (eager decode pays this Python per projection per layer).
+        if pending is not None and pending[0] is x and pending[1] == x._version:
+            out = pending[2][i]
+            if out is not None:
+                pending[2][i] = None
+                pending[3] -= 1
+                if pending[3] == 0:
+                    self.pending = None
+                return out
         m = self.members[i]
         if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad))
                 or not self.intact() or x.dtype != self.weight.dtype or x.device != self.weight.device):
             return F.linear(x, m.weight, m.bias)
-        pending = self.pending
-        if pending is not None and pending[0] is x and pending[1] == x._version and pending[2][i] is not None:
-            out, pending[2][i] = pending[2][i], None
-            if all(b is None for b in pending[2]):
-                self.pending = None
-            return out
         blocks: List[Optional[object]] = list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
         out, blocks[i] = blocks[i], None
-        self.pending = (x, x._version, blocks)
+        self.pending = [x, x._version, blocks, len(blocks) - 1]
         return out
 
 
