@@ -68,6 +68,18 @@ def sweep(case, module, grid, ours):
               + (f"  {r.error}" if r.error else ""), flush=True)
 
 
+def _qk_norm_rope(i):
+    from swift_liger.ops import qk_norm_rope_kernel as m
+    return m.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"])
+
+
+def qk_head_loop():
+    """QK-norm+RoPE's forward at the layouts that loop over head blocks (40 / 64 query heads at D=256): warps."""
+    from swift_liger.ops import qk_norm_rope_kernel as m
+    for hq in (40, 64):
+        sweep(kernels.qk_norm_rope_case(1, 16384, hq, 8, 256), m, {"fwd": {"num_warps": [2, 4, 8]}}, _qk_norm_rope)
+
+
 def main(ops):
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if "rms_norm" in ops:
@@ -87,12 +99,8 @@ def main(ops):
             case = kernels.rms_norm_case(n, h, dtype=torch.float32)
             sweep(case, m, {"bwd": {"prefetch": [True, False], "num_warps": [4, 8]}},
                   lambda i: m.rms_norm(i["x"], i["w"], 1e-6))
-    if "qk_loop" in ops:
-        # The forward's head-block loop (40 / 64 query heads at D=256) only: warps.
-        from swift_liger.ops import qk_norm_rope_kernel as m
-        fn = lambda i: m.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"])  # noqa: E731
-        for hq in (40, 64):
-            sweep(kernels.qk_norm_rope_case(1, 16384, hq, 8, 256), m, {"fwd": {"num_warps": [2, 4, 8]}}, fn)
+    if "qk_loop" in ops and "qk_norm_rope" not in ops:
+        qk_head_loop()
     if "cross_entropy" in ops:
         # Vocabulary loop: block and warps (forward and backward share the config).
         from swift_liger.ops import cross_entropy_kernel as m
@@ -108,13 +116,11 @@ def main(ops):
                   lambda i: m.apply_rope(i["q"], i["k"], i["cos"], i["sin"]))
     if "qk_norm_rope" in ops:
         from swift_liger.ops import qk_norm_rope_kernel as m
-        fn = lambda i: m.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"])  # noqa: E731
         sweep(kernels.qk_norm_rope_cases()[0], m,
               {"fwd": {"num_warps": [4, 8]},
-               "bwd": {"num_warps": [4, 8, 16], "programs": [2 * sms, 4 * sms, 8 * sms], "block_hq": [AUTO, 8]}}, fn)
-        # The forward's head-block loop (40 / 64 query heads at D=256): warps.
-        for hq in (40, 64):
-            sweep(kernels.qk_norm_rope_case(1, 16384, hq, 8, 256), m, {"fwd": {"num_warps": [2, 4, 8]}}, fn)
+               "bwd": {"num_warps": [4, 8, 16], "programs": [2 * sms, 4 * sms, 8 * sms], "block_hq": [AUTO, 8]}},
+              _qk_norm_rope)
+        qk_head_loop()
     if "glu" in ops:
         from swift_liger.ops import swiglu_kernel as m
         for op, i_ in [("geglu", 4864), ("swiglu", 4864), ("geglu", 14336)]:

@@ -68,7 +68,8 @@ def scale_into(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> tor
     scale = scale.reshape(-1)
     if scale.dtype != torch.float32:
         scale = scale.float()
+    n_cols = n // src.shape[0] if per_row else 1   # per_row: src has rows, one factor each
     cfg = launch_config(n, src.device)
-    _scale_kernel[(_common.cdiv(n, cfg.block),)](src, scale, out, n, max(1, n // max(1, src.shape[0])) if src.dim()
-                                                 else 1, PER_ROW=per_row, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    _scale_kernel[(_common.cdiv(n, cfg.block),)](src, scale, out, n, n_cols, PER_ROW=per_row, BLOCK=cfg.block,
+                                                 num_warps=cfg.num_warps)
     return out

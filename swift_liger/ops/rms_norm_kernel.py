@@ -78,7 +78,7 @@ def launch_config(kind: str, n_rows: int, H: int, device) -> LaunchConfig:
 def _base_config(kind: str, n_rows: int, H: int, cuda: bool) -> LaunchConfig:
     """launch_config before overrides; cached (a decode step asks for the same shape every layer)."""
     block_h = max(16, _common.next_pow2(H))
-    n_rows = max(int(n_rows), 1)
+    n_rows = max(n_rows, 1)
     if not cuda:
         block_m = min(64, max(1, 16384 // block_h), _common.next_pow2(n_rows))
         cfg = LaunchConfig(block_m, block_h, 4, min(_common.cdiv(n_rows, block_m), 4), True)
@@ -360,7 +360,8 @@ def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], residual: Opt
     H = x.shape[-1]
     n_rows = x.numel() // H
     y_dtype = _out_dtype(x.dtype, None if weight is None else weight.dtype, casting)
-    if x.is_contiguous():   # empty_like: ~2 us less host time than empty(shape, dtype=, device=)
+    contiguous = x.is_contiguous()
+    if contiguous:   # empty_like: ~2 us less host time than empty(shape, dtype=, device=)
         y = _common.new_empty_like(x, y_dtype)
         s = _common.new_empty_like(x) if residual is not None else x.new_empty(0)
     else:
@@ -370,7 +371,7 @@ def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], residual: Opt
             else x.new_empty(0, dtype=torch.float32))
     if n_rows == 0:
         return y, s, rstd
-    if x.is_contiguous() and (residual is None or residual.is_contiguous()):   # without the stride walk
+    if contiguous and (residual is None or residual.is_contiguous()):   # without the stride walk
         n_inner, sx_o, sx_i = (n_rows, 0, H) if n_rows > 1 else (1, 0, 0)
         sr_o, sr_i = sx_o, sx_i
     else:
