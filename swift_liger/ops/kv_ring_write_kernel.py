@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _launch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -179,6 +179,11 @@ def launch_config(kind: str, n_rows: int, D: int, device):
     return _common.apply_override(__name__, kind, cfg)
 
 
+_WRITE = _launch.FastLaunch(_kv_ring_write_kernel)
+_REFRESH = _launch.FastLaunch(_kv_sink_refresh_kernel)
+_ROTATE = _launch.FastLaunch(_kv_sink_rotate_kernel)
+
+
 def _kv_ring_write_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           pos: Optional[torch.Tensor], end: Optional[torch.Tensor], pos0: int, sinks: int,
                           window: int, k_sink: Optional[torch.Tensor], sink_cos: Optional[torch.Tensor],
@@ -203,18 +208,19 @@ def _kv_ring_write_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch
         # Sinks stored by earlier calls (slots < start) never overlap the slots this call writes: order-free.
         n_sink = B * H * sinks
         sc = launch_config("refresh", n_sink, D, k.device)
-        _kv_sink_refresh_kernel[(_common.cdiv(n_sink, sc.rows),)](
+        _REFRESH.launch(
+            (_common.cdiv(n_sink, sc.rows),),
             ks, k_cache, cos, sin, start_t, pos0, n_sink, sinks, H,
             ks.stride(0), ks.stride(1), ks.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             cos.stride(0), sin.stride(0),
             LIMIT=2 if uniform else 1, HALF=D // 2, ROWS=sc.rows, BLOCK_HALF=sc.block_half, num_warps=sc.num_warps)
-    _kv_ring_write_kernel[(grid,)](
+    sk, sv, skc, svc, sks = k.stride(), v.stride(), k_cache.stride(), v_cache.stride(), ks.stride()
+    _WRITE.launch(
+        (grid,),
         k, v, k_cache, v_cache, ks, pos_t, end_t,
         pos0, n_rows, T, H, sinks, window,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2),
+        sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], skc[0], skc[1], skc[2], svc[0], svc[1], svc[2],
+        sks[0], sks[1], sks[2],
         0 if uniform else pos.stride(0), 0 if uniform else pos.stride(1),
         D=D, UNIFORM=uniform, SPLIT_SINKS=split, ROWS=cfg.rows, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps)
 
@@ -225,7 +231,8 @@ def _kv_sink_rotate_launch(dst: torch.Tensor, src: torch.Tensor, cos: torch.Tens
         return
     n_rows = B * H * S
     cfg = launch_config("rotate", n_rows, D, src.device)
-    _kv_sink_rotate_kernel[(_common.cdiv(n_rows, cfg.rows),)](
+    _ROTATE.launch(
+        (_common.cdiv(n_rows, cfg.rows),),
         src, dst, cos, sin, n_rows, S, H,
         src.stride(0), src.stride(1), src.stride(2), dst.stride(0), dst.stride(1), dst.stride(2),
         cos.stride(0), sin.stride(0),

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, _reduce
+from . import _common, _launch, _reduce
 from .rope import (RoPEConfig, apply_rope_reference, check_rope_args, cos_sin_strides, last_dim_contiguous,
                    load_cos_sin, load_heads, rotary_config, rotate, store_heads, token_coords)
 
@@ -275,6 +275,9 @@ def _round_y(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
     return torch.promote_types(x_dtype, w_dtype) == x_dtype
 
 
+_FWD = _launch.FastLaunch(_qk_norm_rope_fwd_kernel)
+
+
 def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps: float, offset: float, gemma: bool):
     """q [B, Hq, T, D], k [B, Hk, T, D] (last dim contiguous), weights [D], cos/sin [Bc, T, Dr].
     Returns (q_out, k_out) laid out like q and k."""
@@ -287,7 +290,8 @@ def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps: float, offset: float, g
     if n_tok == 0 or (HQ == 0 and HK == 0):
         return qo, ko
     cfg = launch_config("fwd", n_tok, HQ, HK, D, half, q.device)
-    _qk_norm_rope_fwd_kernel[(n_tok,)](
+    _FWD.launch(
+        (n_tok,),
         q, k, q_weight, k_weight, cos, sin, qo, ko, T, float(eps), float(offset),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),

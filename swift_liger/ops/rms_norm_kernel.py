@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common, _reduce
+from . import _common, _launch, _reduce
 
 __all__ = ["rms_norm", "rms_norm_reference", "RMSNormFunction", "launch_config", "LaunchConfig",
            "LAUNCH_CONFIGS"]
@@ -354,6 +354,9 @@ def _out_dtype(x_dtype: torch.dtype, w_dtype: Optional[torch.dtype], casting: in
     return x_dtype
 
 
+_FWD = _launch.FastLaunch(_rms_norm_fwd_kernel)
+
+
 def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], residual: Optional[torch.Tensor], eps: float,
                   offset: float, casting: int, store_rstd: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, residual: [..., H]; weight: [H] or None -> (y [..., H], s [..., H] or [0], rstd [rows] fp32 or [0])."""
@@ -380,7 +383,8 @@ def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], residual: Opt
     if weight is not None and weight.stride(0) != 1:
         weight = weight.contiguous()
     cfg = launch_config("fwd", n_rows, H, x.device)
-    _rms_norm_fwd_kernel[(cfg.programs,)](
+    _FWD.launch(
+        (cfg.programs,),
         x, residual if residual is not None else x, weight if weight is not None else x, y,
         s if residual is not None else y, rstd if store_rstd else y,
         n_rows, n_inner, H, sx_o, sx_i, sr_o, sr_i, float(eps), float(offset), 1.0 / H,

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _launch
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,6 +234,9 @@ def cos_sin_strides(cos: torch.Tensor, sin: torch.Tensor):
             sin.stride(0) if sin.shape[0] > 1 else 0, sin.stride(1))
 
 
+_ROPE = _launch.FastLaunch(_rope_kernel)
+
+
 def _rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  backward: bool, interleaved: bool = False, inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, T, D], k [B, Hk, T, D] (any strides, last dim contiguous), cos/sin [Bc, T, Dr] (Bc in {1, B},
@@ -249,8 +252,8 @@ def _rope_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         return qo, ko
     cfg = launch_config(HQ, HK, D, half, q.device)
     sq, sk, sqo, sko = q.stride(), k.stride(), qo.stride(), ko.stride()
-    _rope_kernel[(n_tok,)](
-        q, k, cos, sin, qo, ko, T,
+    _ROPE.launch(
+        (n_tok,), q, k, cos, sin, qo, ko, T,
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
         *cos_sin_strides(cos, sin),
         HQ=HQ, HK=HK, HALF=half, D=D, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk, BLOCK_HALF=cfg.block_half,

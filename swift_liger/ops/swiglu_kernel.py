@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _launch
 
 SILU = 0
 GELU_TANH = 1
@@ -169,6 +169,9 @@ def _layout(*tensors: torch.Tensor):
     return cfg, rows, n_cols, ncb, (rows[0].shape[0] * ncb,)
 
 
+_GLU_FWD = _launch.FastLaunch(_glu_fwd_kernel)
+
+
 def _glu_forward(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     """gate, up [..., I] -> act(gate) * up, new contiguous [..., I] in gate.dtype."""
     out = (_common.new_empty_like(gate) if gate.is_contiguous()
@@ -177,8 +180,8 @@ def _glu_forward(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor
         return out
     cfg, (g, u), n_cols, ncb, grid = _layout(gate, up)
     flat = cfg.flat
-    _glu_fwd_kernel[grid](g, u, out, n_cols, ncb, 0 if flat else g.stride(0), 0 if flat else u.stride(0),
-                          ACT=act, FLAT=flat, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    _GLU_FWD.launch(grid, g, u, out, n_cols, ncb, 0 if flat else g.stride(0), 0 if flat else u.stride(0),
+                    ACT=act, FLAT=flat, BLOCK=cfg.block, num_warps=cfg.num_warps)
     return out
 
 

@@ -1,0 +1,179 @@
+"""Direct launches of compiled Triton kernels, for the calls a decode step repeats.
+
+``kernel[grid](*args, **meta)`` costs 16-18 us of host time per launch on the H200 host against ~7 us for an aten op
+(docs/benchmarks/host_lab_h200.md): on every call Triton binds the arguments, specializes each one in C++, builds a
+cache key from the specialization and the options, and fills launch metadata for its hooks. Eager decode is
+host-bound (a Llama-3-8B step runs ~7 of our launches per layer), so ``FastLaunch`` keeps, per call site, the compiled
+kernel of every argument signature it has launched and calls that kernel's launcher directly.
+
+The signature is what Triton specializes on: per tensor its dtype and whether its address is 16-byte aligned, per
+int whether it is 0, 1 or a multiple of 16 and its integer width, the class of anything else, plus the constexpr and
+option keywords by value. So two calls that share our key share Triton's compiled kernel. A new signature launches
+through ``kernel[grid]`` (compiling if needed) and is remembered.
+
+Plain ``kernel[grid]`` is used instead: under ``TRITON_INTERPRET=1``; with ``SWIFT_LIGER_FAST_LAUNCH=0``; for Triton
+versions whose launcher call has not been read for this (3.6 and 3.7 have; their ``JITFunction.run`` ends in the same
+call made here); while launch hooks or pre-run hooks are installed (e.g. Triton's proton profiler); and for a call
+site that passes a runtime argument by keyword.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import weakref
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+
+from . import _common
+
+# Launcher calls read from triton/runtime/jit.py (JITFunction.run) and compiler.py (CompiledKernel.__getitem__):
+# run(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook,
+# *every parameter in signature order, constexprs included).
+SUPPORTED_TRITON = ((3, 6), (3, 7))
+OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl"))
+_I32 = 1 << 31
+_I64 = 1 << 63
+
+
+def _triton_minor() -> Tuple[int, int]:
+    try:
+        import triton
+        major, minor = triton.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except Exception:   # no Triton, or a version string we cannot read
+        return (0, 0)
+
+
+def _runtime_knobs():
+    try:
+        from triton import knobs
+        return knobs.runtime
+    except Exception:
+        return None
+
+
+ENABLED = (not _common.INTERPRET and os.environ.get("SWIFT_LIGER_FAST_LAUNCH", "1") != "0"
+           and _triton_minor() in SUPPORTED_TRITON)
+_KNOBS = _runtime_knobs() if ENABLED else None
+
+
+def _no_hooks() -> bool:
+    """No launch hook installed: Triton 3.6/3.7 hold them in (possibly empty) HookChains; older ones use None."""
+    k = _KNOBS
+    if k is None:
+        return True
+    enter, leave = k.launch_enter_hook, k.launch_exit_hook
+    return not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave)
+
+
+def _current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _raw_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def signature(args: tuple) -> tuple:
+    """What Triton specializes on, per positional argument (see the module docstring)."""
+    out = []
+    for a in args:
+        c = a.__class__
+        if c is int:
+            if a == 1 or a == 0:
+                out.append(a)
+            else:
+                width = 0 if -_I32 <= a < _I32 else (1 if -_I64 <= a < _I64 else 2)
+                out.append((width, not a & 15))
+        elif isinstance(a, torch.Tensor):
+            out.append((a.dtype, not a.data_ptr() & 15))
+        else:
+            out.append(c if c is not bool else a)
+    return tuple(out)
+
+
+_INSTANCES: "weakref.WeakSet[FastLaunch]" = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def plain_launches() -> Iterator[None]:
+    """Every FastLaunch goes through ``kernel[grid]`` inside the block (A/B timing of the launch path)."""
+    saved = [(fl, fl._plain) for fl in list(_INSTANCES)]
+    for fl, _ in saved:
+        fl._plain = True
+    try:
+        yield
+    finally:
+        for fl, plain in saved:
+            fl._plain = plain
+
+
+class FastLaunch:
+    """``FastLaunch(kernel).launch(grid, *args, **meta)`` does what ``kernel[grid](*args, **meta)`` does.
+
+    One instance per call site: runtime arguments positional, constexprs and options (num_warps, ...) by keyword.
+    """
+
+    __slots__ = ("kernel", "_cache", "_plain", "hits", "misses", "__weakref__")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._cache: Dict[tuple, tuple] = {}
+        self._plain = not ENABLED   # True: every call goes through kernel[grid]
+        self.hits = 0
+        self.misses = 0
+        _INSTANCES.add(self)
+
+    def compiled(self, grid: tuple, *args, **meta):
+        """The compiled kernel a hit for these arguments would launch (None before their first launch)."""
+        entry = self._cache.get((_current_device(), tuple(meta.items()), signature(args)))
+        return None if entry is None else entry[4]
+
+    def launch(self, grid: tuple, *args, **meta) -> None:
+        if self._plain:
+            self.kernel[grid](*args, **meta)
+            return
+        dev = _current_device()
+        key = (dev, tuple(meta.items()), signature(args))
+        hit = self._cache.get(key)
+        if hit is not None and _no_hooks() and not self.kernel.pre_run_hooks:
+            run, function, packed, consts, _ = hit
+            n = len(grid)
+            run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _raw_stream(dev), function, packed,
+                None, None, None, *args, *consts)
+            self.hits += 1
+            return
+        compiled = self.kernel[grid](*args, **meta)
+        self.misses += 1
+        if hit is None:
+            entry = self._entry(compiled, len(args), meta)
+            if entry is None:
+                self._plain = True
+            else:
+                self._cache[key] = entry
+
+    def _entry(self, compiled, n_args: int, meta: Dict[str, Any]) -> Optional[tuple]:
+        """(launcher, function, packed metadata, the parameters after the positional ones in signature order, the
+        compiled kernel), or None when this call site cannot be replayed (a runtime argument by keyword, an unknown compiled-kernel
+        layout)."""
+        kernel = self.kernel
+        names = getattr(kernel, "arg_names", None)
+        params = getattr(kernel, "params", None)
+        function = getattr(compiled, "function", None)
+        if names is None or params is None or function is None or not hasattr(compiled, "packed_metadata"):
+            return None
+        if any(name not in OPTIONS and name not in names[n_args:] for name in meta):
+            return None
+        consts = []
+        for p in params[n_args:]:
+            if not p.is_constexpr:
+                return None
+            if p.name in meta:
+                consts.append(meta[p.name])
+            elif getattr(p, "default", inspect.Parameter.empty) is not inspect.Parameter.empty:
+                consts.append(p.default)
+            else:
+                return None
+        return compiled.run, function, compiled.packed_metadata, tuple(consts), compiled

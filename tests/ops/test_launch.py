@@ -1,0 +1,196 @@
+"""FastLaunch: direct launches of compiled kernels keyed by what Triton specializes on.
+
+On CPU a fake kernel stands in for Triton's JITFunction / CompiledKernel pair (the interpreter compiles nothing);
+on the GPU (SWIFT_LIGER_TEST_GPU=1) the real kernels check that a hit launches the very kernel Triton would pick.
+"""
+import inspect
+import types
+
+import pytest
+import torch
+
+from swift_liger.ops import _launch, rms_norm_kernel
+from swift_liger.ops import rms_norm as rms_norm_op
+
+GPU = torch.cuda.is_available() and not _launch._common.INTERPRET
+
+
+def test_signature_classes():
+    sig = _launch.signature
+    assert sig((0,)) == (0,) and sig((1,)) == (1,)
+    assert sig((16,)) == ((0, True),) and sig((17,)) == ((0, False),)
+    assert sig((1 << 31,)) == ((1, True),) and sig((-(1 << 31),)) == ((0, True),)
+    assert sig((1 << 63,)) == ((2, True),)
+    assert sig((True,)) == (True,) and sig((False,)) != sig((True,))
+    assert sig((0.5,)) == (float,) and sig((None,)) == (type(None),)
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    assert sig((base,)) == ((torch.bfloat16, True),)
+    assert sig((base[1:],)) == ((torch.bfloat16, False),)      # 2-byte offset: not 16-byte aligned
+    assert sig((base[8:],)) == ((torch.bfloat16, True),)
+    assert sig((base.float(),)) != sig((base,))
+
+
+def _param(name, constexpr=False, default=inspect.Parameter.empty):
+    return types.SimpleNamespace(name=name, is_constexpr=constexpr, default=default)
+
+
+class FakeCompiled:
+    def __init__(self, log):
+        self.function, self.packed_metadata = "FUNCTION", "PACKED"
+        self.run = lambda *a: log.append(("direct", a))
+
+
+class FakeKernel:
+    """Parameters (x, n, BLOCK: constexpr, FLAG: constexpr = 7); kernel[grid] logs and returns one compiled kernel."""
+
+    def __init__(self):
+        self.params = [_param("x"), _param("n"), _param("BLOCK", True), _param("FLAG", True, 7)]
+        self.arg_names = [p.name for p in self.params]
+        self.pre_run_hooks = []
+        self.log = []
+        self.compiled = FakeCompiled(self.log)
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.log.append(("triton", grid, args, kw))
+            return self.compiled
+        return run
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_raw_stream", lambda device: 1234)
+    monkeypatch.setattr(_launch, "_KNOBS", None)
+    kernel = FakeKernel()
+    fl = _launch.FastLaunch(kernel)
+    fl._plain = False      # as with compiled Triton 3.6 / 3.7
+    return kernel, fl
+
+
+def test_second_launch_goes_direct(fast):
+    kernel, fl = fast
+    x = torch.zeros(32, dtype=torch.bfloat16)
+    fl.launch((4,), x, 33, BLOCK=64, num_warps=4)
+    assert [e[0] for e in kernel.log] == ["triton"]
+    fl.launch((5, 2), x, 35, BLOCK=64, num_warps=4)            # same signature: 33 and 35 are both plain i32
+    assert kernel.log[-1] == ("direct", (5, 2, 1, 1234, "FUNCTION", "PACKED", None, None, None, x, 35, 64, 7))
+    assert (fl.hits, fl.misses) == (1, 1)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int_one", "int_16", "constexpr", "option"])
+def test_new_signature_goes_through_triton(fast, change):
+    kernel, fl = fast
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    fl.launch((1,), x, 33, BLOCK=64, num_warps=4)
+    args, meta = [x, 33], dict(BLOCK=64, num_warps=4)
+    if change == "misaligned":
+        args[0] = x[1:]
+    elif change == "dtype":
+        args[0] = x.float()
+    elif change == "int_one":
+        args[1] = 1
+    elif change == "int_16":
+        args[1] = 48
+    elif change == "constexpr":
+        meta["BLOCK"] = 128
+    else:
+        meta["num_warps"] = 8
+    fl.launch((1,), *args, **meta)
+    assert kernel.log[-1][0] == "triton"
+    fl.launch((1,), *args, **meta)
+    assert kernel.log[-1][0] == "direct"
+
+
+def test_hooks_and_keyword_runtime_args_stay_on_triton(fast, monkeypatch):
+    kernel, fl = fast
+    x = torch.zeros(32)
+    fl.launch((1,), x, 3, BLOCK=64)
+    hooks = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[print]),
+                                  launch_exit_hook=types.SimpleNamespace(calls=[]))
+    monkeypatch.setattr(_launch, "_KNOBS", hooks)
+    fl.launch((1,), x, 3, BLOCK=64)
+    assert kernel.log[-1][0] == "triton"                       # a profiler's hook must see the launch
+    monkeypatch.setattr(_launch, "_KNOBS", None)
+    kernel.pre_run_hooks.append(print)
+    fl.launch((1,), x, 3, BLOCK=64)
+    assert kernel.log[-1][0] == "triton"
+    kernel.pre_run_hooks.clear()
+    fl.launch((1,), x, 3, BLOCK=64)
+    assert kernel.log[-1][0] == "direct"
+
+    other = _launch.FastLaunch(kernel)
+    other._plain = False
+    other.launch((1,), x, n=3, BLOCK=64)                       # runtime argument by keyword: never replayed
+    other.launch((1,), x, n=3, BLOCK=64)
+    assert kernel.log[-1][0] == "triton" and other._plain
+
+
+def test_interpreter_launches_plainly():
+    if _launch._common.INTERPRET:
+        assert not _launch.ENABLED
+        assert rms_norm_kernel._FWD._plain
+
+
+@pytest.mark.skipif(not GPU, reason="compiled kernels need CUDA")
+def test_hits_launch_the_kernel_triton_picks(monkeypatch):
+    """Decode-path ops at aligned and offset views, odd and aligned widths, three calls each: every call after the
+    first takes the direct path, gives the first call's bits, and its cached compiled kernel is the very object
+    Triton's own binding and cache lookup return (JITFunction.warmup, which compiles or looks up without
+    launching)."""
+    from swift_liger.ops import apply_rope, decode_attention, kv_ring_write, rms_norm, swiglu
+    calls = []
+    plain = _launch.FastLaunch.launch
+
+    def recorded(self, grid, *args, **meta):
+        calls.append((self, grid, args, meta))
+        return plain(self, grid, *args, **meta)
+
+    monkeypatch.setattr(_launch.FastLaunch, "launch", recorded)
+    dev, bf = "cuda", torch.bfloat16
+
+    def view(shape, offset):
+        n = 1
+        for s in shape:
+            n *= s
+        return torch.randn(n + offset, device=dev, dtype=bf)[offset:].view(shape)
+
+    cases = []
+    for rows, H, off in ((1, 4096, 0), (3, 4096, 1), (16, 1000, 0), (5, 17, 3)):
+        x, r, w = view((rows, H), off), view((rows, H), 0), torch.randn(H, device=dev, dtype=bf)
+        cases.append(lambda x=x, w=w: rms_norm(x, w, 1e-6))
+        cases.append(lambda x=x, w=w, r=r: rms_norm(x, w, 1e-6, residual=r))
+        cases.append(lambda x=x, r=r: swiglu(x, r))
+    for B, T, off in ((1, 1, 0), (2, 1, 1), (1, 7, 0)):
+        q, k = view((B, 32, T, 128), off), view((B, 8, T, 128), 0)
+        cos, sin = view((B, T, 128), 0), view((B, T, 128), 0)
+        cases.append(lambda q=q, k=k, c=cos, s=sin: apply_rope(q, k, c, s))
+    for B, C in ((1, 4100), (3, 77)):
+        q, kc, vc = view((B, 32, 1, 128), 0), view((B, 8, C, 128), 0), view((B, 8, C, 128), 0)
+        cases.append(lambda q=q, kc=kc, vc=vc: decode_attention(q, kc, vc, 0.088))
+        kn, vn = view((B, 8, 1, 128), 0), view((B, 8, 1, 128), 0)
+        cases.append(lambda kc=kc, vc=vc, kn=kn, vn=vn, C=C: kv_ring_write(kc, vc, kn, vn, C + 13, None, 4, C - 4))
+    for case in cases:
+        first = case()
+        hits = sum(fl.hits for fl in {c[0] for c in calls})
+        again = [case() for _ in range(2)]
+        assert sum(fl.hits for fl in {c[0] for c in calls}) > hits
+        for out in again:
+            if isinstance(first, torch.Tensor):
+                assert torch.equal(out, first)
+    assert calls
+    for fl, grid, args, meta in calls:
+        mine = fl.compiled(grid, *args, **meta)
+        assert mine is not None
+        assert mine is fl.kernel.warmup(*args, grid=grid, **meta), fl.kernel.__name__
+
+
+def test_plain_launches_block(fast):
+    kernel, fl = fast
+    x = torch.zeros(32)
+    fl.launch((1,), x, 3, BLOCK=64)
+    with _launch.plain_launches():
+        fl.launch((1,), x, 3, BLOCK=64)
+        assert kernel.log[-1][0] == "triton"
+    fl.launch((1,), x, 3, BLOCK=64)
+    assert kernel.log[-1][0] == "direct"
