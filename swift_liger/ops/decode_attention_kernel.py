@@ -14,12 +14,13 @@ Pure kernel module: no transformers imports. Inference only (no autograd).
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _launch
 
 PROGRAMS_PER_SM = 2     # split the keys until there are about this many programs per SM
 
@@ -40,46 +41,54 @@ CANDIDATES = (SplitConfig(64, 3), SplitConfig(64, 2), SplitConfig(32, 2), SplitC
 DEFAULT = CANDIDATES[0]
 
 
-def shared_estimate(cfg: SplitConfig, block_d: int, elt_bytes: int) -> int:
+def shared_estimate(cfg: SplitConfig, block_d: int, elt_bytes: int, write: bool = False) -> int:
     """An upper estimate of the split kernel's shared memory, bytes: K and V tiles for max(1, stages - 1) buffered
     stages plus 24 KiB for the dot operands. Compiled for sm_86 and sm_90 at D 64-256, block_n 16-64, 1-3 stages,
     fp32 and 16-bit, the real figure was at most 20544 B above the tiles (fp32 D=256 block_n 64, 2 stages: 151616
-    real, 155648 estimated); the portability test checks the chosen configurations on every target."""
-    return max(1, cfg.num_stages - 1) * 2 * cfg.block_n * block_d * elt_bytes + 24 * 1024
+    real, 155648 estimated); the portability test checks the chosen configurations on every target. ``write`` (the
+    fused ring write: the tiles pass through a select) costs about one more stage of tiles: at D=256 it measured
+    up to 126 KiB more (fp32, sm_90), counted as one extra stage."""
+    stages = max(1, cfg.num_stages - 1) + (1 if write else 0)
+    return stages * 2 * cfg.block_n * block_d * elt_bytes + 24 * 1024
 
 
-def split_config(block_d: int, elt_bytes: int, max_shared: int) -> SplitConfig:
+def split_config(block_d: int, elt_bytes: int, max_shared: int, write: bool = False) -> SplitConfig:
     for cfg in CANDIDATES:
-        if shared_estimate(cfg, block_d, elt_bytes) <= max_shared:
+        if shared_estimate(cfg, block_d, elt_bytes, write) <= max_shared:
             return cfg
     return CANDIDATES[-1]
 
 
-def config_for(device, block_d: int, elt_bytes: int) -> SplitConfig:
+def config_for(device, block_d: int, elt_bytes: int, write: bool = False) -> SplitConfig:
     """The selection: split_config for the device's shared memory (torch.device or _common.Target); DEFAULT under
     the interpreter (no shared-memory limit)."""
     t = _common.target(device)
     if t.type != "cuda":
         return DEFAULT
-    return split_config(block_d, elt_bytes, t.max_shared)
+    return split_config(block_d, elt_bytes, t.max_shared, write)
 
 
 LAUNCH_CONFIGS = {None: SplitConfig}
 
 
-def launch_config(block_d: int, elt_bytes: int, device) -> SplitConfig:
-    """Launch parameters of the split kernel for BLOCK_D = block_d and elt_bytes-byte inputs: config_for, with any
-    _common.launch_override applied. The merge kernel always runs 4 warps."""
-    return _common.apply_override(__name__, None, config_for(device, block_d, elt_bytes))
+def launch_config(block_d: int, elt_bytes: int, device, write: bool = False) -> SplitConfig:
+    """Launch parameters of the split kernel for BLOCK_D = block_d and elt_bytes-byte inputs (``write``: with the
+    fused ring write): config_for, with any _common.launch_override applied. The merge kernel always runs 4 warps."""
+    return _common.apply_override(__name__, None, config_for(device, block_d, elt_bytes, write))
 
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, C, HKV, keys_per_split, scale,
                          sq_b, sq_h, sk_b, sk_h, sk_c, sv_b, sv_h, sv_c,
+                         kn_ptr, vn_ptr, slot, skn_b, skn_h, svn_b, svn_h,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                         S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                         WRITE: tl.constexpr):
     """Grid (B * HKV, splits). Partial softmax-weighted values of one key slice for the G query heads of one KV
-    head: o[(b*HKV + hk)*G + g, split, :] (normalised within the slice) and lse[..., split]."""
+    head: o[(b*HKV + hk)*G + g, split, :] (normalised within the slice) and lse[..., split].
+    WRITE: the new token's key/value (kn/vn [B, HKV, 1, D]) belong at column `slot` of k/v; the program whose slice
+    holds the slot stores them there and attends to them from registers (what it loads from that column is
+    replaced, so the store and the load need no ordering)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // HKV
@@ -99,12 +108,22 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, C, HKV, keys_per_s
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
     k_base = k_ptr + b * sk_b + hk * sk_h
     v_base = v_ptr + b * sv_b + hk * sv_h
+    if WRITE:
+        k_new = tl.load(kn_ptr + b * skn_b + hk * skn_h + d, mask=dmask, other=0.0)
+        v_new = tl.load(vn_ptr + b * svn_b + hk * svn_h + d, mask=dmask, other=0.0)
+        own = (slot >= start) & (slot < end)
+        tl.store(k_base + slot * sk_c + d, k_new.to(k_ptr.dtype.element_ty), mask=dmask & own)
+        tl.store(v_base + slot * sv_c + d, v_new.to(v_ptr.dtype.element_ty), mask=dmask & own)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_base + n[:, None] * sk_c + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + n[:, None] * sv_c + d[None, :], mask=kv_mask, other=0.0)
+        if WRITE:
+            at = (n == slot)[:, None]
+            k = tl.where(at, k_new[None, :].to(k.dtype), k)
+            v = tl.where(at, v_new[None, :].to(v.dtype), v)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -157,7 +176,13 @@ def _plan(B: int, HKV: int, C: int, device, block_n: int = DEFAULT.block_n):
     return per, _common.cdiv(C, per)
 
 
-def _decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+_SPLIT = _launch.FastLaunch(_decode_split_kernel)
+_MERGE = _launch.FastLaunch(_decode_merge_kernel)
+
+
+def _decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                             k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None,
+                             slot: int = 0) -> torch.Tensor:
     B, HQ, _, D = q.shape
     HKV, C = k.shape[1], k.shape[2]
     out = _common.new_empty((B, 1, HQ, D), dtype=q.dtype, device=q.device)
@@ -165,19 +190,24 @@ def _decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return out
     G = HQ // HKV
     block_d = max(16, _common.next_pow2(D))
-    cfg = launch_config(block_d, q.element_size(), q.device)
+    write = k_new is not None
+    cfg = launch_config(block_d, q.element_size(), q.device, write)
     per, splits = _plan(B, HKV, C, q.device, cfg.block_n)
     s_pad = max(2, _common.next_pow2(splits))
     o_part = torch.empty((B * HQ, s_pad, block_d), dtype=torch.float32, device=q.device)
     lse = torch.empty((B * HQ, s_pad), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(B * HKV, splits)](
+    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
+    skn, svn = (k_new.stride(), v_new.stride()) if write else ((0, 0), (0, 0))
+    _SPLIT.launch(
+        (B * HKV, splits),
         q, k, v, o_part, lse, C, HKV, per, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+        k_new if write else k, v_new if write else v, slot, skn[0], skn[1], svn[0], svn[1],
         G=G, G_PAD=max(16, _common.next_pow2(G)), D=D, BLOCK_D=block_d, S_PAD=s_pad, BLOCK_N=cfg.block_n,
-        UPCAST=_common.INTERPRET, IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps,
+        UPCAST=_common.INTERPRET, IEEE=q.dtype == torch.float32, WRITE=write, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
-    _decode_merge_kernel[(B * HQ,)](o_part, lse, out, splits, out.stride(0), out.stride(2), HQ,
-                                    D=D, BLOCK_D=block_d, S_PAD=s_pad, num_warps=4)
+    _MERGE.launch((B * HQ,), o_part, lse, out, splits, so[0], so[2], HQ,
+                  D=D, BLOCK_D=block_d, S_PAD=s_pad, num_warps=4)
     return out
 
 
@@ -205,6 +235,18 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def decode_attention_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     if _common.use_triton(q):
         return _common.compiled_or_eager("swift_liger::decode_attention", _decode_attention_launch)(q, k, v, scale)
+    return decode_attention_reference(q, k, v, scale)
+
+
+def decode_attention_write_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                     k_new: torch.Tensor, v_new: torch.Tensor, slot: int) -> torch.Tensor:
+    """Store k_new/v_new [B, Hkv, 1, D] at column ``slot`` of k/v (in place), then attend over all of k/v: one
+    launch fewer than a ring write followed by decode_attention (eager decode pays ~40 us of host time per launch
+    and layer on the H200 host). No argument checks; eager only (callers keep it out of torch.compile)."""
+    if _common.use_triton(q):
+        return _decode_attention_launch(q, k, v, scale, k_new, v_new, int(slot))
+    k[:, :, slot] = k_new[:, :, 0]
+    v[:, :, slot] = v_new[:, :, 0]
     return decode_attention_reference(q, k, v, scale)
 
 

@@ -182,20 +182,24 @@ def test_decode_kernel_equals_sdpa(device, family, monkeypatch):
     ids = torch.randint(2, 64, (2, PROMPT), device=device)
     want, want_logits, _ = generate(model, None, ids, None, 12)
     monkeypatch.setattr(rolling, "DECODE_KERNEL_DEVICES", ("cuda", "cpu"))
-    attended = []
-    kernel = rolling.decode_attention_unchecked
+    attended, fused = [], []
+    kernel, kernel_w = rolling.decode_attention_unchecked, rolling.decode_attention_write_unchecked
     monkeypatch.setattr(rolling, "decode_attention_unchecked", lambda *a: attended.append(a[1].shape[2]) or kernel(*a))
+    monkeypatch.setattr(rolling, "decode_attention_write_unchecked",
+                        lambda *a: fused.append(a[1].shape[2]) or kernel_w(*a))
     seqs, logits, _ = generate(model, RollingKVCache(model, window="model"), ids, None, 12)
-    # 11 decode steps x 4 layers; ring layers attend over W slots, full ones over the whole past
-    assert len(attended) == 44
-    assert set(attended) == {W} | set(range(PROMPT + 1, PROMPT + 12))
+    # 11 decode steps x 4 layers; ring layers attend over W slots (storing the token in the same launch), full ones
+    # over the whole past
+    assert len(attended) + len(fused) == 44
+    assert set(fused) == {W} and set(attended) == set(range(PROMPT + 1, PROMPT + 12))
     assert torch.equal(seqs, want)
     assert_close(logits, want_logits.double(), torch.float32, slack=10, name="decode kernel")
     if family == "gemma2":
         eager = hybrid_model(device, family, attn="eager")
         attended.clear()
+        fused.clear()
         check_equal(eager, ids, None, "gemma2 eager, decode kernel devices on", new_tokens=12)
-        assert attended == []
+        assert attended == [] and fused == []
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -315,13 +315,21 @@ def test_eager_decode_kernel_matches_sdpa(device, mode, monkeypatch):
     monkeypatch.setattr(rolling, "DECODE_KERNEL_DEVICES", ())
     want, want_logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode), ids, None, 12)
     monkeypatch.setattr(rolling, "DECODE_KERNEL_DEVICES", ("cuda", "cpu"))
-    attended = []
-    kernel = rolling.decode_attention_unchecked
+    attended, fused, ring_writes = [], [], []
+    kernel, kernel_w = rolling.decode_attention_unchecked, rolling.decode_attention_write_unchecked
+    ring_write = rolling.kv_ring_write_unchecked
     monkeypatch.setattr(rolling, "decode_attention_unchecked", lambda *a: attended.append(a[1].shape[2]) or kernel(*a))
+    monkeypatch.setattr(rolling, "decode_attention_write_unchecked",
+                        lambda *a: fused.append(a[1].shape[2]) or kernel_w(*a))
+    monkeypatch.setattr(rolling, "kv_ring_write_unchecked", lambda *a: ring_writes.append(a[2].shape[2]) or
+                        ring_write(*a))
     seqs, logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode), ids, None, 12)
-    # 11 decode steps x 2 layers; key lengths grow 4..8 (prefix views of the ring), then stay at sinks + window
-    assert len(attended) == 22
-    assert sorted(set(attended)) == list(range(4, WINDOW + SINKS + 1))
+    # 11 decode steps x 2 layers; key lengths grow 4..8 (prefix views of the ring), then stay at sinks + window.
+    # Every decode token lands at stream index >= sinks, so each layer's attention launch also stores its token
+    # (the write is fused; streaming mode's sink rotation is one launch for all layers): no separate ring write.
+    assert attended == [] and len(fused) == 22
+    assert sorted(set(fused)) == list(range(4, WINDOW + SINKS + 1))
+    assert ring_writes == [3, 3]                     # the prompt's chunk, per layer
     assert torch.equal(seqs, want)
     assert_close(logits, want_logits.double(), torch.float32, name="decode kernel logits")
     assert model.config._attn_implementation == "sdpa"
@@ -342,8 +350,9 @@ def test_graph_decode_matches_eager(device, mode, monkeypatch):
     original = RollingKVCache._graph_run
     monkeypatch.setattr(RollingKVCache, "_graph_run", lambda self, *a: runs.append(1) or original(self, *a))
     import swift_liger.cache.rolling as rolling
-    kernel = rolling.decode_attention_unchecked
+    kernel, kernel_w = rolling.decode_attention_unchecked, rolling.decode_attention_write_unchecked
     monkeypatch.setattr(rolling, "decode_attention_unchecked", lambda *a: attended.append(1) or kernel(*a))
+    monkeypatch.setattr(rolling, "decode_attention_write_unchecked", lambda *a: attended.append(1) or kernel_w(*a))
     cache = RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode, cuda_graph=True)
     seqs, logits = generate(model, cache, ids, torch.ones_like(ids), 16)
     # 5 + 16 - 1 tokens fed; steps at stream index >= sinks + window (8) go through the graph: 20 - 8 = 12

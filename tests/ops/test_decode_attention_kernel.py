@@ -88,3 +88,23 @@ def test_split_config_fits_every_architecture():
                 assert da.shared_estimate(cfg, block_d, elt) <= arch.max_shared, (arch, block_d, elt, cfg)
     assert all(da.split_config(d, 2, _targets.ARCHS["sm_90"].max_shared) == da.DEFAULT for d in (64, 128, 256))
     assert da.split_config(256, 4, 1) == da.CANDIDATES[-1]   # nothing fits: the smallest
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,HQ,HKV,C,D", CASES)
+def test_fused_write_matches_write_then_attend(device, dtype, B, HQ, HKV, C, D):
+    """decode_attention_write_unchecked: the new token stored at `slot` (first, last, a split boundary, inside)
+    and attended to in the same launch equals writing it and then attending (float64); every other column of the
+    cache is untouched and the new token's tensors are unchanged."""
+    from swift_liger.ops.decode_attention_kernel import decode_attention_write_unchecked
+    scale = D ** -0.5
+    for slot in sorted({0, C - 1, C // 2, min(C - 1, 64)}):
+        q, k, v = make(B, HQ, HKV, C, D, dtype, device)
+        k_new = torch.randn(B, 1, HKV, D).to(device, dtype).transpose(1, 2)   # [B, Hkv, 1, D], a strided view
+        v_new = torch.randn(B, HKV, 1, D).to(device, dtype)
+        k_want, v_want = k.clone(), v.clone()
+        k_want[:, :, slot], v_want[:, :, slot] = k_new[:, :, 0], v_new[:, :, 0]
+        with inputs_unchanged(q, k_new, v_new):
+            out = decode_attention_write_unchecked(q, k, v, scale, k_new, v_new, slot)
+        assert torch.equal(k, k_want) and torch.equal(v, v_want), f"cache after the fused write, slot {slot}"
+        assert_close(out, f64_reference(q, k_want, v_want, scale), dtype, name=f"fused write, slot {slot}")

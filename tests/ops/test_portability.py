@@ -209,15 +209,17 @@ def _enumerate():
             block_d = max(16, _common.next_pow2(D))
             G = HQ // HKV
             for ieee in (False, True):   # IEEE = fp32 inputs: only compiled with fp32 pointers (see _dtypes_for)
-                cfg = da.launch_config(block_d, 4 if ieee else 2, t)
-                _, splits = da._plan(B, HKV, C, t, cfg.block_n)
-                s_pad = max(2, _common.next_pow2(splits))
-                add("decode_attention_kernel", "_decode_split_kernel",
-                    dict(G=G, G_PAD=max(16, _common.next_pow2(G)), D=D, BLOCK_D=block_d, S_PAD=s_pad,
-                         BLOCK_N=cfg.block_n, UPCAST=False, IEEE=ieee), cfg.num_warps, cfg.num_stages,
-                    archs=(arch,))
-                add("decode_attention_kernel", "_decode_merge_kernel", dict(D=D, BLOCK_D=block_d, S_PAD=s_pad), 4,
-                    archs=(arch,))
+                # WRITE (the ring write fused into eager decode) at the decode shape of a full 4096-slot ring
+                for write in ((False, True) if (B, C) == (1, 4096) else (False,)):
+                    cfg = da.launch_config(block_d, 4 if ieee else 2, t, write)
+                    _, splits = da._plan(B, HKV, C, t, cfg.block_n)
+                    s_pad = max(2, _common.next_pow2(splits))
+                    add("decode_attention_kernel", "_decode_split_kernel",
+                        dict(G=G, G_PAD=max(16, _common.next_pow2(G)), D=D, BLOCK_D=block_d, S_PAD=s_pad,
+                             BLOCK_N=cfg.block_n, UPCAST=False, IEEE=ieee, WRITE=write), cfg.num_warps,
+                        cfg.num_stages, archs=(arch,))
+                    add("decode_attention_kernel", "_decode_merge_kernel", dict(D=D, BLOCK_D=block_d, S_PAD=s_pad),
+                        4, archs=(arch,))
 
     # kv ring write (+ sink refresh / rotate).
     for D, n_rows in itertools.product(HEAD_DIMS, (1, 2, 8, 16, 32, 64, 512, 4096)):
