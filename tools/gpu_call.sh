@@ -19,9 +19,10 @@
 #          The 119 cases take ~2 calls: copy the first call's sweep.jsonl into the tree (untracked files travel) and
 #          run the second with SWEEP_ARGS="--graphs --deadline 520 --skip that/sweep.jsonl"; `sweep report A B` merges
 # tune:    launch-configuration grid per op, CUDA-graph timing (python3 tools/tune.py; TUNE_OPS, default rms_norm)
+# eager:   interleaved eager decode across caches (python -m swift_liger.bench.eager_decode; EAGER_ARGS)
 # labs:    LABS (default "flce glu host"): tools/flce_lab.py (linear+CE GEMMs, chunk sizes, BLAS backends, profile;
 #          FLCE_ARGS), tools/glu_lab.py (SwiGLU 28672 repeated), tools/host_lab.py (host µs per decode-sized op
-#          call); logs and JSON in $OUT/labs
+#          call), "step": tools/step_lab.py (eager decode host time per layer; STEP_ARGS); logs and JSON in $OUT/labs
 # longctx: longest trainable context per variant, 8B LoRA (python -m swift_liger.bench.long_context; LONGCTX_ARGS)
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/bench"
@@ -170,6 +171,12 @@ PY
       --kinds "${DECODE_KINDS:-$DECODE_DEFAULT_KINDS}" \
       --long-kinds= --no-agreement --no-hybrid ${DECODE_ARGS:-} >"$OUT/decode.log" 2>&1; echo "decode rc $?"
     grep -E "ms/tok|ms/step|targets|Error|error" "$OUT/decode.log" | head -80 ;;
+  eager)
+    stamp eager
+    # interleaved eager decode, stock model + transformers' sliding caches vs ours + rings (issue 15 item 1)
+    timeout "${EAGER_TIMEOUT:-540}" python3 -m swift_liger.bench.eager_decode --out "$OUT/eager" ${EAGER_ARGS:-} \
+      >"$OUT/eager.log" 2>&1; echo "eager rc $?"
+    grep -E "ms/tok|rror" "$OUT/eager.log" | cut -c1-160 | tail -90 ;;
   sweep)
     stamp sweep
     timeout "${SWEEP_TIMEOUT:-540}" python3 -m swift_liger.bench.sweep run --out "$OUT/sweep" \
@@ -184,9 +191,11 @@ PY
                 --deadline "${FLCE_DEADLINE:-220}" ${FLCE_ARGS:-} >"$OUT/labs/flce_lab.log" 2>&1 ;;
         glu)  timeout 120 python3 tools/glu_lab.py --out "$OUT/labs" >"$OUT/labs/glu_lab.log" 2>&1 ;;
         host) timeout 90 python3 tools/host_lab.py --out "$OUT/labs" >"$OUT/labs/host_lab.log" 2>&1 ;;
+        step) timeout "${STEP_TIMEOUT:-200}" python3 tools/step_lab.py --out "$OUT/labs" ${STEP_ARGS:-} \
+                >"$OUT/labs/step_lab.log" 2>&1 ;;
       esac
       echo "${lab}_lab rc $?"
-      grep -h '"op"\|"impl"\|"section": "op"' "$OUT/labs/${lab}_lab.log" 2>/dev/null | grep -v cprofile | cut -c1-160
+      grep -h '"op"\|"impl"\|"variant"\|"section": "op"' "$OUT/labs/${lab}_lab.log" 2>/dev/null | grep -v cprofile | cut -c1-160
     done ;;
   tune)
     stamp tune

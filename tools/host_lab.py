@@ -5,7 +5,8 @@
 Each op runs `iters` times back to back under torch.no_grad at batch-1 decode shapes (Llama-3-8B: H 4096, 32/8
 heads of 128, intermediate 14336); the GPU work per call is a few µs, so wall time / iters is the host's cost of one
 call (Python, checks, dispatch, launch). Rows: the Hugging Face eager sequence, our op, and our Triton kernel
-launched directly (no wrapper), plus torch.add and an empty Triton kernel as the floors. Writes host_lab.json.
+launched directly (no wrapper), plus torch.add and an empty Triton kernel (kernel[grid] and FastLaunch) as the floors;
+then our ops again with swift_liger.ops._launch off (every launch through kernel[grid]). Writes host_lab.json.
 """
 import argparse
 import json
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 from swift_liger.bench import harness
-from swift_liger.ops import rms_norm_kernel, rope, swiglu_kernel
+from swift_liger.ops import _launch, decode_attention_kernel, kv_ring_write_kernel, rms_norm_kernel, rope, swiglu_kernel
 
 p = argparse.ArgumentParser()
 p.add_argument("--iters", type=int, default=3000)
@@ -49,6 +50,10 @@ q = torch.randn(1, 1, 32, 128, device=dev, dtype=BF16).transpose(1, 2)
 k = torch.randn(1, 1, 8, 128, device=dev, dtype=BF16).transpose(1, 2)
 cos = torch.randn(1, 1, 128, device=dev, dtype=BF16)
 sin = torch.randn(1, 1, 128, device=dev, dtype=BF16)
+kc = torch.randn(1, 8, 4100, 128, device=dev, dtype=BF16)
+vc = torch.randn(1, 8, 4100, 128, device=dev, dtype=BF16)
+qd = torch.randn(1, 32, 1, 128, device=dev, dtype=BF16)
+kn = torch.randn(1, 8, 1, 128, device=dev, dtype=BF16)
 g = torch.randn(1, 1, 14336, device=dev, dtype=BF16)
 u = torch.randn(1, 1, 14336, device=dev, dtype=BF16)
 
@@ -68,22 +73,35 @@ def hf_rope():
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
+_EMPTY = _launch.FastLaunch(_empty_kernel)
 rows = []
 cases = {
     "torch.add (one aten op)": lambda: torch.add(x, x),
     "empty Triton kernel": lambda: _empty_kernel[(1,)](x, 1),
+    "empty Triton kernel, FastLaunch": lambda: _EMPTY.launch((1,), x, 1),
     "RMSNorm HF eager (7 ops)": hf_rms,
     "RMSNorm ours": lambda: rms_norm_kernel.rms_norm(x, w, 1e-6),
     "RoPE HF eager (q and k)": hf_rope,
     "RoPE ours": lambda: rope.apply_rope(q, k, cos, sin),
     "SwiGLU HF eager": lambda: torch.nn.functional.silu(g) * u,
     "SwiGLU ours": lambda: swiglu_kernel.swiglu(g, u),
+    "decode attention ours (2 launches)": lambda: decode_attention_kernel.decode_attention_unchecked(qd, kc, vc, 0.088),
+    "ring write ours": lambda: kv_ring_write_kernel.kv_ring_write_unchecked(kc, vc, kn, kn, 5000, None, 4, 4096),
+    "ring write + decode attention ours, fused (2 launches)":
+        lambda: decode_attention_kernel.decode_attention_write_unchecked(qd, kc, vc, 0.088, kn, kn, 908),
 }
+OURS = [name for name in cases if "ours" in name]
 with torch.no_grad():
     for name, fn in cases.items():
         host, wall = host_us(fn)
         rows.append({"op": name, "host_us_per_call": round(host, 2), "wall_us_per_call": round(wall, 2)})
         print(json.dumps(rows[-1]), flush=True)
+    with _launch.plain_launches():   # the same ops with every launch through kernel[grid]
+        for name in OURS:
+            host, wall = host_us(cases[name])
+            rows.append({"op": name + ", kernel[grid] launches", "host_us_per_call": round(host, 2),
+                         "wall_us_per_call": round(wall, 2)})
+            print(json.dumps(rows[-1]), flush=True)
     # where our wrapper's time goes: cProfile of 500 calls each
     import cProfile
     import pstats

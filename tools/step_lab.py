@@ -5,12 +5,14 @@
 A Llama-3-8B-shaped model with --layers layers (bf16, sdpa, random init) decodes greedily past a window of 4096 (+4
 sinks for the rings). Variants: the stock model with transformers' dynamic sliding cache; with our kernels
 (swift_liger.apply, loss head off); with our kernels and fused projections; and RollingKVCache with our kernels and
-fused projections. At --layers 4 the GPU work per step is ~0.6 ms and the step is the host's, so ms/step over
+fused projections, the last also with every Triton launch through kernel[grid] (swift_liger.ops._launch off). At
+--layers 4 the GPU work per step is ~0.6 ms and the step is the host's, so ms/step over
 layers is each variant's host cost per layer. Rounds interleave the variants (ABCD ABCD ...) so that a slow
 stretch of the shared host hits all of them; the median step of each round and the best round are reported.
 A cProfile of each variant's steps (top functions by own time) follows. Writes step_lab.json.
 """
 import argparse
+import contextlib
 import cProfile
 import copy
 import gc
@@ -25,6 +27,7 @@ import torch
 
 import swift_liger
 from swift_liger.bench import harness
+from swift_liger.ops import _launch
 from swift_liger.bench.rolling_cache import build_model, make_cache, model_config
 
 p = argparse.ArgumentParser()
@@ -39,11 +42,12 @@ args = p.parse_args()
 cfg_args = argparse.Namespace(tiny=args.tiny, layers=args.layers, window=64 if args.tiny else 4096, sinks=4)
 dev = torch.device("cpu" if args.tiny else "cuda")
 
-VARIANTS = {   # name -> (patch kwargs or None, cache kind)
-    "stock + hf_dynamic_sliding": (None, "hf_dynamic_sliding"),
-    "ours + hf_dynamic_sliding": (dict(fused_projections=False), "hf_dynamic_sliding"),
-    "ours+fused + hf_dynamic_sliding": (dict(fused_projections=True), "hf_dynamic_sliding"),
-    "ours+fused + rolling_absolute": (dict(fused_projections=True), "rolling_absolute"),
+VARIANTS = {   # name -> (patch kwargs or None, cache kind, launches through kernel[grid] instead of FastLaunch)
+    "stock + hf_dynamic_sliding": (None, "hf_dynamic_sliding", False),
+    "ours + hf_dynamic_sliding": (dict(fused_projections=False), "hf_dynamic_sliding", False),
+    "ours+fused + hf_dynamic_sliding": (dict(fused_projections=True), "hf_dynamic_sliding", False),
+    "ours+fused + rolling_absolute": (dict(fused_projections=True), "rolling_absolute", False),
+    "ours+fused + rolling_absolute, kernel[grid] launches": (dict(fused_projections=True), "rolling_absolute", True),
 }
 base = build_model(model_config(cfg_args), dev, torch.float32 if args.tiny else torch.bfloat16)
 models, states = {}, {}
@@ -61,7 +65,7 @@ def model_for(patch):
 
 @torch.no_grad()
 def prefill(name):
-    patch, kind = VARIANTS[name]
+    patch, kind, _ = VARIANTS[name]
     m = model_for(patch)
     cache = make_cache(kind, m, cfg_args)
     ids = torch.randint(2, 200, (args.batch, args.context), device=dev)
@@ -72,6 +76,11 @@ def prefill(name):
 
 @torch.no_grad()
 def steps(name, n, prof=None):
+    with _launch.plain_launches() if VARIANTS[name][2] else contextlib.nullcontext():
+        return _steps(name, n, prof)
+
+
+def _steps(name, n, prof=None):
     m, cache, tok = states[name]
     times = []
     gc.collect()
