@@ -348,7 +348,8 @@ class RollingLayer(_Unsupported, CacheLayerMixin):
         # One launch: write the new tokens and (streaming) re-rotate the sinks stored earlier.
         rotate = self.sink_keys is not None and plan.cos is not None
         pos, end = (plan.pos_t, plan.end_t) if plan.graph else (plan.pos, plan.end)
-        if plan.defer_write and not rotate and plan.layout in ("full", "prefix") and pos >= o.sinks:
+        if (plan.defer_write and not rotate and plan.layout in ("full", "prefix") and pos >= o.sinks
+                and not torch.compiler.is_compiling()):
             # The layer's decode-attention launch stores the token (same slot as the ring write kernel's).
             slot = o.sinks + (pos - o.sinks) % o.window
             keys, values = ((self.keys[:, :, :plan.prefix_len], self.values[:, :, :plan.prefix_len])
@@ -808,9 +809,10 @@ class RollingKVCache(Cache):
                 keys[:, :, slot] = k_new[:, :, 0]
                 values[:, :, slot] = v_new[:, :, 0]
         if left:
-            raise RuntimeError(f"RollingKVCache: {len(left)} layer(s) did not run the decode attention installed "
-                               "for this step; their outputs missed the new token (tokens are stored now). Please "
-                               "report the model; RollingKVCache(cuda_graph=False) on CPU avoids this path.")
+            raise RuntimeError(f"RollingKVCache: {len(left)} layer(s) did not attend through the decode attention "
+                               "installed for this step, so their outputs missed the new token (the tokens are stored "
+                               "now). RollingKVCache expects every layer of a supported family to call transformers' "
+                               "attention interface; please report the model.")
         return out
 
     def _graph_run(self, original, kwargs: dict):

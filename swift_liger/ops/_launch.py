@@ -7,9 +7,10 @@ host-bound (a Llama-3-8B step runs ~7 of our launches per layer), so ``FastLaunc
 kernel of every argument signature it has launched and calls that kernel's launcher directly.
 
 The signature is what Triton specializes on: per tensor its dtype and whether its address is 16-byte aligned, per
-int whether it is 0, 1 or a multiple of 16 and its integer width, the class of anything else, plus the constexpr and
-option keywords by value. So two calls that share our key share Triton's compiled kernel. A new signature launches
-through ``kernel[grid]`` (compiling if needed) and is remembered.
+int whether it is 0, 1 or a multiple of 16 and its integer width, a bool's value, the class of a float or None (any
+other argument type sends the call through ``kernel[grid]``), plus the constexpr and option keywords by value. So two
+calls that share our key share Triton's compiled kernel. A new signature launches through ``kernel[grid]`` (compiling
+if needed) and is remembered.
 
 Plain ``kernel[grid]`` is used instead: under ``TRITON_INTERPRET=1``; with ``SWIFT_LIGER_FAST_LAUNCH=0``; for Triton
 versions whose launcher call has not been read for this (3.6 and 3.7 have; their ``JITFunction.run`` ends in the same
@@ -76,6 +77,10 @@ def _raw_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
+class Unkeyed(Exception):
+    """An argument whose specialization this module does not model (such a call launches through kernel[grid])."""
+
+
 def signature(args: tuple) -> tuple:
     """What Triton specializes on, per positional argument (see the module docstring)."""
     out = []
@@ -89,8 +94,12 @@ def signature(args: tuple) -> tuple:
                 out.append((width, not a & 15))
         elif isinstance(a, torch.Tensor):
             out.append((a.dtype, not a.data_ptr() & 15))
-        else:
-            out.append(c if c is not bool else a)
+        elif c is float or a is None:
+            out.append(c)
+        elif c is bool:
+            out.append(a)
+        else:   # e.g. a numpy integer: Triton may specialize on its value in ways not modelled here
+            raise Unkeyed(c.__name__)
     return tuple(out)
 
 
@@ -136,7 +145,11 @@ class FastLaunch:
             self.kernel[grid](*args, **meta)
             return
         dev = _current_device()
-        key = (dev, tuple(meta.items()), signature(args))
+        try:
+            key = (dev, tuple(meta.items()), signature(args))
+        except Unkeyed:
+            self.kernel[grid](*args, **meta)
+            return
         hit = self._cache.get(key)
         if hit is not None and _no_hooks() and not self.kernel.pre_run_hooks:
             run, function, packed, consts, _ = hit
@@ -156,8 +169,8 @@ class FastLaunch:
 
     def _entry(self, compiled, n_args: int, meta: Dict[str, Any]) -> Optional[tuple]:
         """(launcher, function, packed metadata, the parameters after the positional ones in signature order, the
-        compiled kernel), or None when this call site cannot be replayed (a runtime argument by keyword, an unknown compiled-kernel
-        layout)."""
+        compiled kernel), or None when this call site cannot be replayed (a runtime argument by keyword, an unknown
+        compiled-kernel layout)."""
         kernel = self.kernel
         names = getattr(kernel, "arg_names", None)
         params = getattr(kernel, "params", None)

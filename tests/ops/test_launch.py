@@ -23,6 +23,8 @@ def test_signature_classes():
     assert sig((1 << 63,)) == ((2, True),)
     assert sig((True,)) == (True,) and sig((False,)) != sig((True,))
     assert sig((0.5,)) == (float,) and sig((None,)) == (type(None),)
+    with pytest.raises(_launch.Unkeyed):
+        sig((object(),))
     base = torch.zeros(64, dtype=torch.bfloat16)
     assert sig((base,)) == ((torch.bfloat16, True),)
     assert sig((base[1:],)) == ((torch.bfloat16, False),)      # 2-byte offset: not 16-byte aligned
@@ -194,3 +196,13 @@ def test_plain_launches_block(fast):
         assert kernel.log[-1][0] == "triton"
     fl.launch((1,), x, 3, BLOCK=64)
     assert kernel.log[-1][0] == "direct"
+
+
+def test_unmodelled_argument_goes_through_triton(fast):
+    kernel, fl = fast
+    x = torch.zeros(32)
+    odd = types.SimpleNamespace()
+    for _ in range(2):
+        fl.launch((1,), x, odd, BLOCK=64)
+        assert kernel.log[-1][0] == "triton"
+    assert not fl._cache
