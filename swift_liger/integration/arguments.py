@@ -45,6 +45,8 @@ ENV_VARS = {   # every environment variable swift_liger reads, checked in valida
     PRESET_DIR_ENV: "a directory searched first for liger_config preset names",
     "SWIFT_LIGER_PEAK_TFLOPS": "peak dense TFLOP/s of one device for MFU (a number > 0), when the GPU name is unknown",
     "SWIFT_LIGER_DISABLE_HOOK": "1 turns the ms-swift import hook off (no --use_liger flags)",
+    "SWIFT_LIGER_FAST_LAUNCH": "0 sends every Triton launch through kernel[grid] (default 1: decode-path kernels "
+                               "replay their compiled launcher, ~7 us less host time per launch)",
 }
 
 
@@ -253,6 +255,9 @@ def check_environment() -> None:
     preset_dir = os.environ.get(PRESET_DIR_ENV)
     if preset_dir and not os.path.isdir(preset_dir):
         raise ValueError(f"{PRESET_DIR_ENV}={preset_dir!r} is not a directory")
+    fast = os.environ.get("SWIFT_LIGER_FAST_LAUNCH")
+    if fast is not None and fast.strip() not in ("0", "1"):
+        raise ValueError(f"SWIFT_LIGER_FAST_LAUNCH must be 0 or 1, got {fast!r}")
     peak = os.environ.get("SWIFT_LIGER_PEAK_TFLOPS")
     if peak:
         try:

@@ -55,7 +55,7 @@ def _runtime_knobs():
         return None
 
 
-ENABLED = (not _common.INTERPRET and os.environ.get("SWIFT_LIGER_FAST_LAUNCH", "1") != "0"
+ENABLED = (not _common.INTERPRET and os.environ.get("SWIFT_LIGER_FAST_LAUNCH", "1").strip() != "0"
            and _triton_minor() in SUPPORTED_TRITON)
 _KNOBS = _runtime_knobs() if ENABLED else None
 
