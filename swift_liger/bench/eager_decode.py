@@ -29,7 +29,8 @@ import time
 import torch
 
 from .harness import describe, environment
-from .rolling_cache import build_model, cache_bytes, make_cache, model_config, prefill
+from .rolling_cache import (KINDS, LIGER, ROLLING, build_model, cache_bytes, known_kind, make_cache, model_config,
+                            prefill)
 
 GiB = 1024 ** 3
 DEFAULT_KINDS = ("stock:hf_dynamic_sliding", "stock:hf_static_sliding", "ours:rolling_absolute",
@@ -42,8 +43,9 @@ def _ints(s: str) -> list:
 
 def parse_kind(kind: str) -> tuple:
     model, sep, cache = kind.partition(":")
-    if not sep or model not in ("stock", "ours") or not cache:
-        raise SystemExit(f"--kinds: expected model:cache with model 'stock' or 'ours', got {kind!r}")
+    if not sep or model not in ("stock", "ours") or not known_kind(cache) or cache.endswith(LIGER):
+        raise SystemExit(f"--kinds: expected model:cache with model 'stock' or 'ours' and a cache of "
+                         f"{', '.join(dict.fromkeys(KINDS + ROLLING))}, got {kind!r}")
     return model, cache
 
 
