@@ -77,7 +77,7 @@ def launch_config(block_d: int, elt_bytes: int, device, write: bool = False) -> 
     return _common.apply_override(__name__, None, config_for(device, block_d, elt_bytes, write))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot"])   # the slot moves every step: one compiled kernel for all of them
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, C, HKV, keys_per_split, scale,
                          sq_b, sq_h, sk_b, sk_h, sk_c, sv_b, sv_h, sv_c,
                          kn_ptr, vn_ptr, slot, skn_b, skn_h, svn_b, svn_h,
