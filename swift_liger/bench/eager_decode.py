@@ -29,10 +29,10 @@ import time
 import torch
 
 from .harness import describe, environment
-from .rolling_cache import (KINDS, LIGER, ROLLING, build_model, cache_bytes, known_kind, make_cache, model_config,
-                            prefill)
+from ..ops import _launch
+from .rolling_cache import (GiB, KINDS, LIGER, ROLLING, build_model, cache_bytes, decode, known_kind, make_cache,
+                            model_config, prefill, sync)
 
-GiB = 1024 ** 3
 DEFAULT_KINDS = ("stock:hf_dynamic_sliding", "stock:hf_static_sliding", "ours:rolling_absolute",
                  "ours:rolling_streaming", "ours:hf_dynamic_sliding")
 
@@ -49,19 +49,19 @@ def parse_kind(kind: str) -> tuple:
     return model, cache
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def _direct_launches() -> int:
+    return sum(fl.hits for fl in list(_launch._INSTANCES))
 
 
-@torch.no_grad()
 def _turn(model, cache, tok, steps, device) -> tuple:
-    _sync(device)
+    """(next token, ms per step, launches that took the direct path) over `steps` greedy steps."""
+    hits = _direct_launches()
+    sync(device)
     t0 = time.perf_counter()
-    for _ in range(steps):
-        tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    _sync(device)
-    return tok, (time.perf_counter() - t0) * 1e3 / steps
+    tok = decode(model, cache, tok, steps)
+    sync(device)
+    ms = (time.perf_counter() - t0) * 1e3 / steps
+    return tok, ms, _direct_launches() - hits
 
 
 def run(args, log=print) -> dict:
@@ -69,11 +69,12 @@ def run(args, log=print) -> dict:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     kinds = [parse_kind(k) for k in args.kinds]
     stock = build_model(model_config(args), device, dtype)
-    models = {"stock": stock}
+    models, patched = {"stock": stock}, {}
     if any(m == "ours" for m, _ in kinds):
         import swift_liger
         ours = copy.deepcopy(stock)
-        swift_liger.apply(ours, cross_entropy="off", fused_projections=True)
+        report = swift_liger.apply(ours, cross_entropy="off", fused_projections=True)
+        patched = {k: v for k, v in report.patched.items() if isinstance(v, int) and v}
         models["ours"] = ours
     vocab = stock.config.vocab_size
     rows = []
@@ -90,10 +91,9 @@ def run(args, log=print) -> dict:
                         st["tok"] = prefill(models[m], st["cache"], batch, need, args.prefill_chunk, vocab, device,
                                             st["gen"])
                         st["ctx"] += need
-                    for _ in range(args.warmup):
-                        st["tok"], _ms = _turn(models[m], st["cache"], st["tok"], 1, device)
+                    st["tok"] = decode(models[m], st["cache"], st["tok"], args.warmup)
                     st["ctx"] += args.warmup
-                    st["turns"] = []
+                    st["turns"], st["direct"] = [], 0
                 order = list(live)
                 gc.collect()
                 gc.disable()   # a collection inside a turn would be charged to whichever kind runs
@@ -102,22 +102,25 @@ def run(args, log=print) -> dict:
                         k = r % len(order)
                         for key in order[k:] + order[:k]:
                             st = live[key]
-                            st["tok"], ms = _turn(models[key[0]], st["cache"], st["tok"], args.turn_steps, device)
+                            st["tok"], ms, direct = _turn(models[key[0]], st["cache"], st["tok"], args.turn_steps,
+                                                          device)
                             st["turns"].append(ms)
+                            st["direct"] += direct
                             st["ctx"] += args.turn_steps
                 finally:
                     gc.enable()
                 for (m, c), st in live.items():
-                    row = dict(batch=batch, kind=f"{m}:{c}", model=m, cache=c, context=L,
-                               ms_per_token=round(statistics.median(st["turns"]), 3),
+                    ms = statistics.median(st["turns"])
+                    row = dict(batch=batch, kind=f"{m}:{c}", model=m, cache=c, context=L, ms_per_token=round(ms, 3),
                                best_turn=round(min(st["turns"]), 3), turns=[round(t, 3) for t in st["turns"]],
-                               tokens_per_s=round(batch * 1e3 / statistics.median(st["turns"]), 1),
-                               kv_gib=round(cache_bytes(st["cache"]) / GiB, 3))
+                               tokens_per_s=round(batch * 1e3 / ms, 1), kv_gib=round(cache_bytes(st["cache"]) / GiB, 3),
+                               # counted, not configured: launches per step through ops._launch's direct path
+                               direct_launches_per_step=round(st["direct"] / (args.rounds * args.turn_steps), 1))
                     rows.append(row)
                     log(f"b={batch:3d} ctx={L:6d} {row['kind']:28s} {row['ms_per_token']:8.3f} ms/tok "
                         f"(best turn {row['best_turn']:.3f})")
                 if args.on_row:
-                    args.on_row(rows)
+                    args.on_row(_report(args, rows, patched))
         except Exception as exc:   # e.g. out of memory at a large batch: reported, the other batches still run
             rows.append(dict(batch=batch, error=describe(exc)))
             log(f"b={batch}: {describe(exc)}")
@@ -125,7 +128,12 @@ def run(args, log=print) -> dict:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return dict(environment=_environment(args), settings=_settings(args), rows=rows, ratios=ratios(rows))
+    return _report(args, rows, patched)
+
+
+def _report(args, rows, patched) -> dict:
+    return dict(environment=_environment(args), settings=_settings(args), ours_patched=patched, rows=rows,
+                ratios=ratios(rows))
 
 
 def _environment(args) -> dict:
@@ -169,8 +177,13 @@ def markdown(report: dict) -> str:
              f"transformers {env.get('transformers')}",
              f"- {s['layers']} layers of Llama-3-8B shapes{' (tiny)' if s['tiny'] else ''}, window {s['window']} "
              f"+ {s['sinks']} sinks; {s['rounds']} rounds of {s['turn_steps']}-step turns per kind and context "
-             f"(median turn), after {s['warmup']} warm-up steps", "",
-             ]
+             f"(median turn), after {s['warmup']} warm-up steps"]
+    ours = [r for r in report["rows"] if r.get("model") == "ours" and "direct_launches_per_step" in r]
+    if ours:
+        direct = [r["direct_launches_per_step"] for r in ours]
+        lines.append(f"- ours: modules patched {report.get('ours_patched', {})}; Triton launches per step through "
+                     f"the direct path (counted) {min(direct)}-{max(direct)}")
+    lines.append("")
     kinds = list(dict.fromkeys(r["kind"] for r in report["rows"] if "kind" in r))
     lines.append("| batch | context | " + " | ".join(kinds) + " |")
     lines.append("|---:|---:|" + "---:|" * len(kinds))
@@ -222,8 +235,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name)
 
-    def save(rows):
-        report = dict(environment=_environment(args), settings=_settings(args), rows=rows, ratios=ratios(rows))
+    def save(report):
         with open(stem + ".json", "w") as f:
             json.dump(report, f, indent=1)
         with open(stem + ".md", "w") as f:
@@ -231,7 +243,7 @@ def main(argv=None):
 
     args.on_row = save
     report = run(args)
-    save(report["rows"])
+    save(report)
     print(markdown(report))
 
 

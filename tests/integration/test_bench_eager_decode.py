@@ -25,6 +25,9 @@ def test_interleaved_rows_ratios_and_report(tmp_path):
     assert len(report["ratios"]) == 8 and all(q["best_hf_stock"] == "stock:hf_dynamic_sliding" and q["vs_stock"] > 0
                                               for q in report["ratios"])
     assert "--kinds" in report["environment"]["command"]
+    # CPU reference ops: nothing takes the direct launch path, and the report says so (counted, not configured)
+    assert all(r["direct_launches_per_step"] == 0 for r in rows)
+    assert report["ours_patched"].get("rms_norm", 0) > 0
     md = (tmp_path / "eager_decode.md").read_text()
     assert md.count("| 2 | 80 |") == 3   # the ms/token row and one ratio row per ring
 
