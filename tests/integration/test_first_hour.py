@@ -41,6 +41,7 @@ def runs(tiny_qwen3, tmp_path_factory):
         "bad_mode": (base + ["--use_liger", "--liger_rolling_cache", '{"window": 64, "sinks": 2, "mode": "ring"}'],
                      {}),
         "bad_backend": (base + ["--use_liger"], {"SWIFT_LIGER_BACKEND": "bogus"}),
+        "bad_fast_launch": (base + ["--use_liger"], {"SWIFT_LIGER_FAST_LAUNCH": "yes"}),
         "strict_unsupported": (phi_argv + ["--use_liger", "--liger_strict", "true"], {}),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -56,6 +57,7 @@ def runs(tiny_qwen3, tmp_path_factory):
     ("window_zero", "window must be an int >= 1, got 0"),
     ("bad_mode", "mode must be one of absolute, streaming, got 'ring'"),
     ("bad_backend", "SWIFT_LIGER_BACKEND must be one of auto, triton, torch; got 'bogus'"),
+    ("bad_fast_launch", "SWIFT_LIGER_FAST_LAUNCH must be 0 or 1, got 'yes'"),
     ("strict_unsupported", f"model type 'phi' is not supported (swift_liger patches {', '.join(sorted(FAMILIES))})"),
 ])
 def test_refused_before_the_model_loads_and_no_run_directory(runs, name, message):
