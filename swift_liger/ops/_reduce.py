@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _launch
 
 
 @triton.jit
@@ -59,6 +59,9 @@ def launch_config(P: int, N: int, device) -> ColumnSumConfig:
     return _common.apply_override(__name__, None, cfg)
 
 
+_COLUMN_SUM = _launch.FastLaunch(_column_sum_kernel)
+
+
 def column_sums(part: torch.Tensor, out0: torch.Tensor, out1: torch.Tensor = None) -> None:
     """part [G, P, N] (or [P, N] for G = 1) fp32 contiguous -> out0 = part[0].sum(0), out1 = part[1].sum(0), each
     [N] contiguous, stored in its own dtype (one launch)."""
@@ -67,6 +70,6 @@ def column_sums(part: torch.Tensor, out0: torch.Tensor, out1: torch.Tensor = Non
     if N == 0:
         return
     cfg = launch_config(P, N, part.device)
-    _column_sum_kernel[(_common.cdiv(N, cfg.block_n), G)](
-        part3, out0, out0 if out1 is None else out1, P, N, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
+    _COLUMN_SUM.launch(
+        (_common.cdiv(N, cfg.block_n), G), part3, out0, out0 if out1 is None else out1, P, N, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps)

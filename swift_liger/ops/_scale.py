@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _launch
 
 
 @triton.jit
@@ -70,6 +70,6 @@ def scale_into(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> tor
         scale = scale.float()
     n_cols = n // src.shape[0] if per_row else 1   # per_row: src has rows, one factor each
     cfg = launch_config(n, src.device)
-    _scale_kernel[(_common.cdiv(n, cfg.block),)](src, scale, out, n, n_cols, PER_ROW=per_row, BLOCK=cfg.block,
-                                                 num_warps=cfg.num_warps)
+    _SCALE.launch((_common.cdiv(n, cfg.block),), src, scale, out, n, n_cols, PER_ROW=per_row, BLOCK=cfg.block,
+                  num_warps=cfg.num_warps)
     return out

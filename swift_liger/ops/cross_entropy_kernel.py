@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _launch
 
 from ._loss import LABEL_DTYPES, check_label_range, check_options, int_labels, labels_checked, reduce
 from ._loss import tanh as _tanh
@@ -140,6 +140,10 @@ def launch_config(n_cols: int, device) -> CEConfig:
     return _common.apply_override(__name__, None, CEConfig(block, min(8, _common.num_warps_for(block))))
 
 
+_CE_FWD = _launch.FastLaunch(_ce_fwd_kernel)
+_CE_BWD = _launch.FastLaunch(_ce_bwd_kernel)
+
+
 def _ce_forward(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, label_smoothing: float,
                 softcap: Optional[float], z_loss: float, all_lse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V], labels [N] -> (loss per token [N] fp32, 0 at ignored rows; lse [N] fp32).
@@ -152,8 +156,8 @@ def _ce_forward(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, l
     if n_rows == 0:
         return loss, lse
     cfg = launch_config(n_cols, logits.device)
-    _ce_fwd_kernel[(n_rows,)](
-        logits, labels, loss, lse, logits.stride(0), labels.stride(0), n_cols, ignore_index,
+    _CE_FWD.launch(
+        (n_rows,), logits, labels, loss, lse, logits.stride(0), labels.stride(0), n_cols, ignore_index,
         float(label_smoothing), float(softcap or 1.0), float(z_loss),
         HAS_SMOOTHING=label_smoothing > 0, HAS_SOFTCAP=softcap is not None, HAS_Z_LOSS=z_loss > 0,
         ALL_LSE=bool(all_lse), BLOCK_V=cfg.block_v, num_warps=cfg.num_warps)
@@ -170,8 +174,8 @@ def _ce_backward_into(dlogits: torch.Tensor, logits: torch.Tensor, labels: torch
     if grad_loss.dtype != torch.float32:
         grad_loss = grad_loss.float()
     cfg = launch_config(n_cols, logits.device)
-    _ce_bwd_kernel[(n_rows,)](
-        logits, labels, lse, grad_loss, dlogits, logits.stride(0), labels.stride(0), grad_loss.stride(0),
+    _CE_BWD.launch(
+        (n_rows,), logits, labels, lse, grad_loss, dlogits, logits.stride(0), labels.stride(0), grad_loss.stride(0),
         dlogits.stride(0), n_cols, ignore_index, float(label_smoothing), float(softcap or 1.0), float(z_loss),
         HAS_SMOOTHING=label_smoothing > 0, HAS_SOFTCAP=softcap is not None, HAS_Z_LOSS=z_loss > 0,
         BLOCK_V=cfg.block_v, num_warps=cfg.num_warps)

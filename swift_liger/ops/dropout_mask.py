@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,10 @@ def _masked_scale_kernel(t_ptr, bits_ptr, out_ptr, n, scale, BLOCK: tl.constexpr
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=inb)
 
 
+_PACK = _launch.FastLaunch(_pack_kernel)
+_SCALE = _launch.FastLaunch(_masked_scale_kernel)
+
+
 def _check_mask(mask: torch.Tensor) -> None:
     _common.check_tensor("mask", mask, dtypes=(torch.bool,))
     if not mask.is_contiguous():
@@ -88,8 +92,8 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     bits = torch.empty(n_bytes, dtype=torch.uint8, device=mask.device)
     if n:
         cfg = launch_config("pack", n, mask.device)
-        _pack_kernel[(triton.cdiv(n_bytes, cfg.block),)](mask.view(torch.uint8), bits, n, n_bytes, BLOCK=cfg.block,
-                                                        num_warps=cfg.num_warps)
+        _PACK.launch((triton.cdiv(n_bytes, cfg.block),), mask.view(torch.uint8), bits, n, n_bytes, BLOCK=cfg.block,
+                     num_warps=cfg.num_warps)
     return bits
 
 
@@ -114,6 +118,6 @@ def masked_scale(t: torch.Tensor, bits: torch.Tensor, scale: float, *, out: torc
         return out.copy_(torch.where(keep, t.float() * scale, 0.0))
     if n:
         cfg = launch_config("scale", n, t.device)
-        _masked_scale_kernel[(triton.cdiv(n, cfg.block),)](t, bits, out, n, float(scale), BLOCK=cfg.block,
-                                                           num_warps=cfg.num_warps)
+        _SCALE.launch((triton.cdiv(n, cfg.block),), t, bits, out, n, float(scale), BLOCK=cfg.block,
+                      num_warps=cfg.num_warps)
     return out

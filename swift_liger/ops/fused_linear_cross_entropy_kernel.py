@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _common
+from . import _common, _launch
 from ._scale import scale_into
 from ._loss import LABEL_DTYPES, check_label_range, check_options, int_labels, labels_checked, reduce
 from ._loss import tanh as _tanh
@@ -219,10 +219,14 @@ def launch_config(kind: str, n_cols: int, device) -> FLCEConfig:
     return _common.apply_override(__name__, kind, FLCEConfig(block, _common.num_warps_for(block)))
 
 
+_ROWS = _launch.FastLaunch(_flce_rows_kernel)
+_SLICE = _launch.FastLaunch(_flce_slice_kernel)
+
+
 def _launch_rows(z, labels, loss, lse, logit_sum, V, ignore_index, eps, cap, z_loss, temperature, write_grad):
     cfg = launch_config("rows", V, z.device)
-    _flce_rows_kernel[(z.shape[0],)](
-        z, z.stride(0), labels, loss, lse, logit_sum if logit_sum is not None else lse, V, ignore_index, float(eps),
+    _ROWS.launch(
+        (z.shape[0],), z, z.stride(0), labels, loss, lse, logit_sum if logit_sum is not None else lse, V, ignore_index, float(eps),
         float(cap or 1.0), float(z_loss), 1.0 / float(temperature),
         HAS_CAP=cap is not None and cap > 0, HAS_EPS=eps > 0, HAS_ZLOSS=z_loss > 0, HAS_TEMP=temperature != 1.0,
         WRITE_GRAD=write_grad, WRITE_SUM=logit_sum is not None,
@@ -232,8 +236,8 @@ def _launch_rows(z, labels, loss, lse, logit_sum, V, ignore_index, eps, cap, z_l
 def _launch_slice(z, labels, lse, scale, v0, V, ignore_index, eps, cap, z_loss, temperature):
     n, vs = z.shape
     cfg = launch_config("slice", vs, z.device)
-    _flce_slice_kernel[(n, _common.cdiv(vs, cfg.block_v))](
-        z, z.stride(0), labels, lse, scale, 0 if scale.dim() == 0 else 1, v0, vs, V, ignore_index,
+    _SLICE.launch(
+        (n, _common.cdiv(vs, cfg.block_v)), z, z.stride(0), labels, lse, scale, 0 if scale.dim() == 0 else 1, v0, vs, V, ignore_index,
         float(eps), float(cap or 1.0), float(z_loss), 1.0 / float(temperature),
         HAS_CAP=cap is not None and cap > 0, HAS_EPS=eps > 0, HAS_ZLOSS=z_loss > 0, HAS_TEMP=temperature != 1.0,
         BLOCK_V=cfg.block_v, num_warps=cfg.num_warps)

@@ -276,6 +276,7 @@ def _round_y(x_dtype: torch.dtype, w_dtype: torch.dtype) -> bool:
 
 
 _FWD = _launch.FastLaunch(_qk_norm_rope_fwd_kernel)
+_BWD = _launch.FastLaunch(_qk_norm_rope_bwd_kernel)
 
 
 def _fwd_launch(q, k, q_weight, k_weight, cos, sin, eps: float, offset: float, gemma: bool):
@@ -325,8 +326,8 @@ def _bwd_launch(q, k, gq, gk, q_weight, k_weight, cos, sin, eps: float, offset: 
     cfg = launch_config("bwd", n_tok, HQ, HK, D, half, q.device)
     P = cfg.programs
     part = _common.new_empty((2, P, D) if compute_dw else (1,), dtype=torch.float32, device=q.device)
-    _qk_norm_rope_bwd_kernel[(P,)](
-        q, k, gq, gk, q_weight, k_weight, cos, sin, dq, dk, part, n_tok, T, float(eps), float(offset),
+    _BWD.launch(
+        (P,), q, k, gq, gk, q_weight, k_weight, cos, sin, dq, dk, part, n_tok, T, float(eps), float(offset),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         gq.stride(0), gq.stride(1), gq.stride(2), gk.stride(0), gk.stride(1), gk.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),

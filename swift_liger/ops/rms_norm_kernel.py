@@ -355,6 +355,7 @@ def _out_dtype(x_dtype: torch.dtype, w_dtype: Optional[torch.dtype], casting: in
 
 
 _FWD = _launch.FastLaunch(_rms_norm_fwd_kernel)
+_BWD = _launch.FastLaunch(_rms_norm_bwd_kernel)
 
 
 def _rms_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], residual: Optional[torch.Tensor], eps: float,
@@ -424,7 +425,7 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
             _programs_by_occupancy(_rms_norm_bwd_kernel, probe, kwargs, cfg.num_warps, tiles, x.device), tiles,
             x.device)
     dw_part = _common.new_empty((programs, H), dtype=torch.float32, device=x.device) if need_dw else rstd
-    _rms_norm_bwd_kernel[(programs,)](*args[:6], dw_part, *args[7:], num_warps=cfg.num_warps, **kwargs)
+    _BWD.launch((programs,), *args[:6], dw_part, *args[7:], num_warps=cfg.num_warps, **kwargs)
     if need_dw:
         dw = _common.new_empty((H,), dtype=weight.dtype, device=x.device)
         _reduce.column_sums(dw_part, dw)

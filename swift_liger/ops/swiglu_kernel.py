@@ -170,6 +170,7 @@ def _layout(*tensors: torch.Tensor):
 
 
 _GLU_FWD = _launch.FastLaunch(_glu_fwd_kernel)
+_GLU_BWD = _launch.FastLaunch(_glu_bwd_kernel)
 
 
 def _glu_forward(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
@@ -194,8 +195,8 @@ def _glu_backward_into(d_gate, d_up, d_out, gate, up, act: int, inplace: bool) -
     if inplace:
         d_gate, d_up = g, u
     s = (0, 0, 0) if cfg.flat else (do.stride(0), g.stride(0), u.stride(0))
-    _glu_bwd_kernel[grid](do, g, u, d_gate, d_up, n_cols, ncb, *s,
-                          ACT=act, FLAT=cfg.flat, INPLACE=inplace, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    _GLU_BWD.launch(grid, do, g, u, d_gate, d_up, n_cols, ncb, *s,
+                    ACT=act, FLAT=cfg.flat, INPLACE=inplace, BLOCK=cfg.block, num_warps=cfg.num_warps)
 
 
 def _glu_backward(d_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
