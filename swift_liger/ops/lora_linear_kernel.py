@@ -77,6 +77,23 @@ def _compute_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, param.dtype)
 
 
+def _add_lora_out(y: torch.Tensor, a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> None:
+    """y += scaling * a @ lora_b^T in place, as one GEMM whose epilogue adds (y: a fresh contiguous [..., out]; a:
+    [..., r] in y's dtype): PEFT's separate matmul, scale and add round after each; this rounds once."""
+    y.view(-1, y.shape[-1]).addmm_(a.reshape(-1, a.shape[-1]), lora_b.to(a.dtype).t(), alpha=scaling)
+
+
+def _forward_no_grad(x, x_lora, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float) -> torch.Tensor:
+    """The forward with autograd off (a reentrant checkpoint's first pass, evaluation, generation): nothing is saved,
+    so no mask bits; the dropout draws what LoRALinearFunction draws (torch.native_dropout), so a recompute that
+    restores the RNG state reproduces it."""
+    y = F.linear(x, _dense(weight), bias)
+    if dropout_p > 0:
+        x_lora = torch.native_dropout(x, dropout_p, True)[0]
+    _add_lora_out(y, F.linear(x_lora, lora_a), lora_b, scaling)
+    return y
+
+
 class LoRALinearFunction(torch.autograd.Function):
     """x_lora given (dropout_p == 0): saved as it is. dropout_p > 0 (x_lora None): the dropout is drawn here with
     ``torch.native_dropout`` (what ``nn.Dropout`` runs on CUDA; PEFT drops out an fp32 copy of x, which on CPU
@@ -93,9 +110,12 @@ class LoRALinearFunction(torch.autograd.Function):
             x_lora, mask = torch.native_dropout(x, dropout_p, True)
             bits = pack_mask(mask)
             del mask
-        a = F.linear(x_lora, lora_a)                  # [..., r]
-        y = y + F.linear(a, lora_b) * scaling
-        ctx.save_for_backward(x if bits is not None else x_lora, bits, a, _save_weight(ctx, weight), lora_a, lora_b)
+        cdt = x.dtype                                 # the LoRA branch's compute dtype (lora_linear_problem)
+        a_c, b_c = lora_a.to(cdt), lora_b.to(cdt)     # the casts autocast would make, kept for the backward
+        a = F.linear(x_lora, a_c)                     # [..., r]
+        _add_lora_out(y, a, b_c, scaling)
+        ctx.save_for_backward(x if bits is not None else x_lora, bits, a, _save_weight(ctx, weight), a_c, b_c)
+        ctx.adapter_dtypes = lora_a.dtype, lora_b.dtype
         ctx.scaling = scaling
         ctx.keep_scale = 1.0 / (1.0 - dropout_p)
         ctx.x_dtype = x.dtype
@@ -103,21 +123,22 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_saved, bits, a, weight, lora_a, lora_b = ctx.saved_tensors
+        x_saved, bits, a, weight, a_c, b_c = ctx.saved_tensors   # a_c, b_c: the adapters in the compute dtype
         s = ctx.scaling
+        a_dtype, b_dtype = ctx.adapter_dtypes
         cdt = a.dtype                                 # the LoRA branch's compute dtype in the forward
         g = dy.reshape(-1, dy.shape[-1])
         a2 = a.reshape(-1, a.shape[-1])
-        d_lora_out = (g * s).to(cdt)                  # gradient at B's output
-        dx = dx_lora = da_w = db_w = None
-        da = d_lora_out @ lora_b.to(cdt)              # [N, r]
+        g_c = g.to(cdt)                               # gradient at B's output is s * g: s is applied to the
+        dx = dx_lora = da_w = db_w = None             # rank-r products, not to a [N, out] copy of g
+        da = torch.mm(g_c, b_c).mul_(s)               # [N, r]
         if ctx.needs_input_grad[4]:
             x_lora = x_saved if bits is None else masked_scale(x_saved, bits, ctx.keep_scale)
-            da_w = (da.t() @ x_lora.reshape(-1, x_lora.shape[-1]).to(cdt)).to(lora_a.dtype)
+            da_w = (da.t() @ x_lora.reshape(-1, x_lora.shape[-1]).to(cdt)).to(a_dtype)
             del x_lora
         lora_in_grad = ctx.needs_input_grad[1] or (bits is not None and ctx.needs_input_grad[0])
         if lora_in_grad:
-            dx_lora = (da @ lora_a.to(cdt)).to(ctx.x_dtype if bits is not None else x_saved.dtype)
+            dx_lora = (da @ a_c).to(ctx.x_dtype if bits is not None else x_saved.dtype)
             if bits is not None:                      # through the dropout: same mask, same scale
                 masked_scale(dx_lora, bits, ctx.keep_scale, out=dx_lora)
         if ctx.needs_input_grad[0]:
@@ -135,7 +156,7 @@ class LoRALinearFunction(torch.autograd.Function):
         if dx_lora is not None:
             dx_lora = dx_lora.reshape(x_saved.shape)
         if ctx.needs_input_grad[5]:
-            db_w = (d_lora_out.t() @ a2).to(lora_b.dtype)
+            db_w = torch.mm(g_c.t(), a2).to(b_dtype).mul_(s)
         return dx, dx_lora, None, None, da_w, db_w, None, None
 
 
@@ -289,6 +310,8 @@ def lora_linear_unchecked(x, x_lora, weight, bias, lora_a, lora_b, scaling: floa
         return LoRALinearUpcastFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling), float(dropout_p))
     if dropout_p == 0 and x_lora is None:
         x_lora = x
+    if not torch.is_grad_enabled():
+        return _forward_no_grad(x, x_lora, weight, bias, lora_a, lora_b, float(scaling), float(dropout_p))
     return LoRALinearFunction.apply(x, x_lora, weight, bias, lora_a, lora_b, float(scaling), float(dropout_p))
 
 

@@ -244,3 +244,26 @@ def test_dequantized_weight_checked_like_a_tensor():
     qw = DequantizedWeight(lambda: w, w.shape, torch.bfloat16, w.device)
     with pytest.raises(ValueError, match="weight has dtype torch.bfloat16"):
         lora_linear(x, None, qw, b, a, bb, 2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_no_grad_forward_is_the_training_forward(device, dtype, p):
+    """Autograd off (a reentrant checkpoint's first pass): the op skips the mask bits and the autograd record but
+    draws the same dropout, so after the same seed it returns exactly what the training forward returns (the
+    recompute of a checkpointed layer sees the values its first pass produced), matching float64."""
+    x, w, b, a, bb = (t.detach().to(device) for t in make(n=(4, 9), d_in=40, dtype=dtype, adapter_dtype=dtype))
+    a.requires_grad_(), bb.requires_grad_()
+    torch.manual_seed(5)
+    y_train = lora_linear(x, None, w, b, a, bb, 0.75, dropout_p=p)
+    assert y_train.requires_grad
+    torch.manual_seed(5)
+    with torch.no_grad(), inputs_unchanged(x, w, a, bb):
+        y_eval = lora_linear(x, None, w, b, a, bb, 0.75, dropout_p=p)
+    assert not y_eval.requires_grad
+    assert torch.equal(y_eval, y_train.detach())
+    torch.manual_seed(5)
+    keep = torch.native_dropout(x, p, True)[1].cpu() if p else torch.ones(x.shape, dtype=torch.bool)
+    xr = f64(x)
+    yr = lora_linear_reference(xr, xr * keep / (1 - p), f64(w), f64(b), f64(a), f64(bb), 0.75)
+    assert_close(y_eval, yr, dtype, name="y")
