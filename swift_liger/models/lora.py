@@ -10,10 +10,12 @@ patch state of the model (``lora_fused`` / ``lora_peft``), read back through sta
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Callable, Optional
 
 import torch
 
+from ..ops.lora_linear_kernel import lora_linear_problem, lora_linear_unchecked
 from .state import CALLS_ATTR, count
 
 
@@ -88,15 +90,64 @@ def plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]
     module_dropout = False
     if p > 0 and (not x.is_contiguous() or dropout.inplace):   # the op draws dropout only on a contiguous x
         p, module_dropout = 0.0, True
-    from ..ops.lora_linear_kernel import lora_linear_problem
     if lora_linear_problem(x, x if module_dropout else None, weight, base.bias, lora_a.weight, lora_b.weight,
                            p) is not None:
         return None
     return weight, base.bias, lora_a.weight, lora_b.weight, float(scaling), dropout, p, module_dropout
 
 
+# layer -> (key, parts): the decision plain_lora_parts made for a plain nn.Linear base, reused while nothing it read
+# has changed. The key holds everything it reads that can change between calls (PEFT's adapter state, the modules
+# and parameters by identity, hooks, dropout's mode, grad flags, x's dtype/width/layout and autocast), so a hit
+# returns what the full check would (tests/models/test_patcher.py checks each change). Weak keys: nothing outlives
+# the layer, and a deep copy starts empty.
+_PARTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _call_key(layer, x: torch.Tensor):
+    """What plain_lora_parts reads from `layer` and `x` for a plain nn.Linear base, as one tuple (None: not that
+    set-up, or PEFT keeps its state where this does not look; the full check then runs every call)."""
+    d = layer.__dict__
+    mods = d.get("_modules")
+    active = d.get("_active_adapter")
+    if mods is None or not isinstance(active, (str, list, tuple)):
+        return None
+    name = active if isinstance(active, str) else (active[0] if len(active) == 1 else None)
+    base = mods.get("base_layer")
+    if name is None or type(base) is not torch.nn.Linear:
+        return None
+    try:
+        a, b, drop = mods["lora_A"]._modules[name], mods["lora_B"]._modules[name], mods["lora_dropout"]._modules[name]
+    except (KeyError, AttributeError, TypeError):
+        return None
+    w, bias = base._parameters.get("weight"), base._parameters.get("bias")
+    wa, wb = a._parameters.get("weight"), b._parameters.get("weight")
+    scaling = d.get("scaling", {}).get(name)
+    if w is None or wa is None or wb is None or type(scaling) not in (int, float):
+        return None
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (layer, base, a, b))
+    auto = torch.is_autocast_enabled(x.device.type)
+    return (name, d.get("_disable_adapters"), tuple(d.get("merged_adapters", ())), d.get("fan_in_fan_out"), base, a,
+            b, drop, drop.training, w, bias, wa, wb, w.dtype, wa.dtype, wb.dtype, w.requires_grad,
+            bias is not None and bias.requires_grad, hooked, scaling, x.dtype, x.device, x.shape[-1],
+            x.is_contiguous(), auto,
+            torch.get_autocast_dtype(x.device.type) if auto else None)
+
+
+def lora_parts(layer: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]:
+    """plain_lora_parts(layer, x), with the decision reused while its inputs (``_call_key``) are unchanged."""
+    key = _call_key(layer, x)
+    if key is None:
+        return plain_lora_parts(layer, x)
+    hit = _PARTS.get(layer)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    parts = plain_lora_parts(layer, x)
+    _PARTS[layer] = (key, parts)
+    return parts
+
+
 def fused_lora(x: torch.Tensor, parts: tuple) -> torch.Tensor:
-    from ..ops.lora_linear_kernel import lora_linear_unchecked
     weight, bias, lora_a, lora_b, scaling, dropout, p, module_dropout = parts
     return lora_linear_unchecked(x, dropout(x) if module_dropout else None, weight, bias, lora_a, lora_b, scaling, p)
 
@@ -106,7 +157,7 @@ def project(owner: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor) -> 
     torch.compile PEFT's forward is traced as it is: the compiler decides what to save."""
     if torch.compiler.is_compiling():
         return layer(x)
-    parts = plain_lora_parts(layer, x)
+    parts = lora_parts(layer, x)
     if parts is None:
         if is_peft_lora_linear(layer):
             count(owner, "lora_peft")
@@ -117,7 +168,7 @@ def project(owner: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor) -> 
 
 def _projection_forward(layer, owner, x, *args, **kwargs):
     """Instance forward of a PEFT LoRA Linear for the length of one patched attention call."""
-    parts = None if (args or kwargs) else plain_lora_parts(layer, x)
+    parts = None if (args or kwargs) else lora_parts(layer, x)
     if parts is None:
         count(owner, "lora_peft")
         return type(layer).forward(layer, x, *args, **kwargs)
