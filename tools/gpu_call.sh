@@ -21,7 +21,8 @@
 # tune:    launch-configuration grid per op, CUDA-graph timing (python3 tools/tune.py; TUNE_OPS, default rms_norm)
 # eager:   interleaved eager decode across caches (python -m swift_liger.bench.eager_decode; EAGER_ARGS)
 # labs:    LABS (default "flce glu host"): tools/flce_lab.py (linear+CE GEMMs, chunk sizes, BLAS backends, profile;
-#          FLCE_ARGS), tools/glu_lab.py (SwiGLU 28672 repeated), tools/host_lab.py (host µs per decode-sized op
+#          FLCE_ARGS), "train": tools/train_lab.py (training step: host vs device, launches, syncs; TRAIN_ARGS),
+#          tools/glu_lab.py (SwiGLU 28672 repeated), tools/host_lab.py (host µs per decode-sized op
 #          call), "step": tools/step_lab.py (eager decode host time per layer; STEP_ARGS); logs and JSON in $OUT/labs
 # longctx: longest trainable context per variant, 8B LoRA (python -m swift_liger.bench.long_context; LONGCTX_ARGS)
 set -uo pipefail
@@ -193,6 +194,9 @@ PY
         host) timeout 90 python3 tools/host_lab.py --out "$OUT/labs" >"$OUT/labs/host_lab.log" 2>&1 ;;
         step) timeout "${STEP_TIMEOUT:-200}" python3 tools/step_lab.py --out "$OUT/labs" ${STEP_ARGS:-} \
                 >"$OUT/labs/step_lab.log" 2>&1 ;;
+        train) timeout "${TRAIN_TIMEOUT:-300}" python3 tools/train_lab.py --out "$OUT/labs" ${TRAIN_ARGS:-} \
+                >"$OUT/labs/train_lab.log" 2>&1
+               grep -E "^==|wall|Error|error" "$OUT/labs/train_lab.log" | cut -c1-250 ;;
       esac
       echo "${lab}_lab rc $?"
       grep -h '"op"\|"impl"\|"variant"\|"section": "op"' "$OUT/labs/${lab}_lab.log" 2>/dev/null | grep -v cprofile | cut -c1-160

@@ -1,0 +1,354 @@
+"""Where a training step's time goes (issue 27): host vs device, launches, host time per layer pass, per variant.
+
+    python3 tools/train_lab.py --shape qwen2.5-1.5b --tokens 1x2048,4x2048 [--layers N] [--rounds 5] [--steps 4]
+    python3 tools/train_lab.py --tiny          # CPU logic check: a 2-layer model, every variant, one round
+
+The loop is the one ms-swift's Trainer runs for `swift sft --tuner_type lora` (its defaults): a bf16 model under bf16
+autocast, PEFT LoRA r16/alpha32/dropout 0.05 on every linear (fp32 adapters, PEFT's default), gradient checkpointing
+(reentrant, as ms-swift sets it on one GPU; --reentrant 0 for the other), AdamW (foreach) on the adapters, labels = input ids. Random init at the shape's widths; --layers
+shortens the stack (per-layer numbers do not change; the head stays). Variants, in one process:
+
+- stock: transformers + PEFT as they are;
+- ours: ``swift_liger.apply`` (every default fusion), then PEFT;
+- ours_no_lora: the same with lora_fusion off;
+- ours_compiled: compile_layers on (first step reported apart);
+- liger: Liger-Kernel's instance patch (what `--use_liger_kernel` runs), measured last beside ``ours`` again,
+  because it also replaces module-level functions of transformers that the stock model would then use.
+
+Rounds interleave the variants (ABC ABC ...) so that the shared host's slow stretches hit all of them: per step
+the wall time (synchronized), the host time to issue forward and backward+optimizer (no synchronization), and the
+peak allocation; medians over rounds of each round's median step, with min-max. One profiled step per variant counts
+kernel launches and sums device kernel time (torch.profiler); a cProfile of one step lists the top Python functions
+by own time. Per decoder layer: launches and host µs of forward, backward and recompute are measured on the first
+layer alone (hooks mark its start and end). Writes train_lab.json (+ .md) under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {   # model_type, layers, hidden, intermediate, heads, kv_heads, vocab, tied embeddings
+    "qwen2.5-0.5b": ("qwen2", 24, 896, 4864, 14, 2, 151936, True),
+    "qwen2.5-1.5b": ("qwen2", 28, 1536, 8960, 12, 2, 151936, True),
+    "qwen2.5-3b": ("qwen2", 36, 2048, 11008, 16, 2, 151936, True),
+    "qwen2.5-7b": ("qwen2", 28, 3584, 18944, 28, 4, 152064, False),
+    "llama3-8b": ("llama", 32, 4096, 14336, 32, 8, 128256, False),
+    "tiny": ("qwen2", 2, 64, 128, 4, 2, 512, True),
+}
+PHASE1 = ("stock", "ours", "ours_no_lora")
+GiB = 1024 ** 3
+
+
+def build(shape: str, layers: int, device, dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    mt, n, h, i, heads, kv, vocab, tied = SHAPES[shape]
+    cfg = AutoConfig.for_model(mt, hidden_size=h, intermediate_size=i, num_hidden_layers=layers or n,
+                               num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                               tie_word_embeddings=tied, max_position_embeddings=32768, rms_norm_eps=1e-6)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg)
+    torch.set_default_dtype(prev)
+    return model
+
+
+REENTRANT = True   # ms-swift's choice on one GPU (trainers/mixin.py _fix_gradient_checkpointing); --reentrant 0
+
+
+def make_variant(base, name: str):
+    from peft import LoraConfig, get_peft_model
+    import swift_liger
+    model = copy.deepcopy(base)
+    if name.startswith("ours"):
+        kw = {}
+        if name == "ours_no_lora":
+            kw["lora_fusion"] = False
+        if name == "ours_compiled":
+            kw["compile_layers"] = True
+        swift_liger.apply(model, **kw)
+    elif name == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        _apply_liger_kernel_to_instance(model=model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": REENTRANT})
+    model.enable_input_require_grads()
+    torch.manual_seed(1)   # the same adapters for every variant
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear")
+    model = get_peft_model(model, lora)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
+    return model, opt
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Runner:
+    def __init__(self, model, opt, batches, dev):
+        self.model, self.opt, self.batches, self.dev = model, opt, batches, dev
+        self.losses = []
+
+    def step(self, i: int):
+        ids = self.batches[i % len(self.batches)]
+        sync(self.dev)
+        t0 = time.perf_counter()
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16):
+            out = self.model(input_ids=ids, labels=ids)
+        t1 = time.perf_counter()
+        out.loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        sync(self.dev)
+        t3 = time.perf_counter()
+        self.losses.append(out.loss.detach())
+        return {"wall_ms": (t3 - t0) * 1e3, "fwd_host_ms": (t1 - t0) * 1e3, "bwd_host_ms": (t2 - t1) * 1e3}
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def profile_step(runner: Runner, i: int) -> dict:
+    """Kernel launches and device kernel time of one step (torch.profiler), and the same for the first decoder layer's
+    forward, backward and recompute (marked by hooks on that layer)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.dev.type == "cuda" else [])
+    layer = _first_layer(runner.model)
+    marks = []
+
+    def pre(mod, args):
+        marks.append(record_function("lab::layer0_fwd" if torch.is_grad_enabled() else "lab::layer0_nograd"))
+        marks[-1].__enter__()
+
+    def post(mod, args, out):
+        if marks:
+            marks.pop().__exit__(None, None, None)
+    h1, h2 = layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)
+    try:
+        with profile(activities=acts) as prof:
+            runner.step(i)
+    finally:
+        h1.remove(), h2.remove()
+    events = prof.events()
+    launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                "cuLaunchKernelEx", "cudaGraphLaunch")]
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    layer_ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("lab::layer0")]
+    in_layer = sum(1 for e in launches if any(a <= e.time_range.start <= b for a, b in layer_ranges))
+    return {"launches_per_step": len(launches), "device_kernel_ms": sum(e.time_range.elapsed_us() for e in kernels)
+            / 1e3, "layer0_forward_launches_incl_recompute": in_layer, "layer0_passes_marked": len(layer_ranges)}
+
+
+def _first_layer(model):
+    m = model
+    for name in ("base_model", "model", "model", "layers"):
+        m = getattr(m, name, m)
+    return m[0]
+
+
+def layer_host_us(runner: Runner, reps: int) -> dict:
+    """Host µs of one decoder layer: forward with grad (training forward), no-grad forward and its recompute, and
+    backward, on the first layer alone with the hidden states a real step gives it. Device work overlaps only where the
+    host is faster; on small shapes this is the host cost."""
+    model, dev = runner.model, runner.dev
+    layer = _first_layer(model)
+    inner = model.base_model.model.model
+    ids = runner.batches[0]
+    with torch.autocast(dev.type, dtype=torch.bfloat16), torch.no_grad():
+        h = inner.embed_tokens(ids)
+        pos = torch.arange(ids.shape[1], device=dev)[None].expand(ids.shape[0], -1)
+        pe = inner.rotary_emb(h, pos)
+    h = h.detach().requires_grad_(True)
+    g = torch.randn_like(h)
+    res = {"fwd": [], "bwd": []}
+    for _ in range(reps):
+        sync(dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            t0 = time.perf_counter()
+            out = layer(h, position_embeddings=pe, position_ids=pos)
+            t1 = time.perf_counter()
+        out = out[0] if isinstance(out, tuple) else out
+        sync(dev)
+        t2 = time.perf_counter()
+        out.backward(g)
+        t3 = time.perf_counter()
+        sync(dev)
+        res["fwd"].append((t1 - t0) * 1e6)
+        res["bwd"].append((t3 - t2) * 1e6)
+        h.grad = None
+        for p in layer.parameters():
+            p.grad = None
+    return {k: med(v) for k, v in res.items()}
+
+
+def sync_calls(runner: Runner, i: int) -> dict:
+    """Synchronizing CUDA calls during one step (torch.cuda.set_sync_debug_mode), counted per source line."""
+    if runner.dev.type != "cuda":
+        return {}
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            runner.step(i)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    where = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            k = f"{os.path.relpath(w.filename) if 'swift_liger' in w.filename else os.path.basename(w.filename)}:{w.lineno}"
+            where[k] = where.get(k, 0) + 1
+    return where
+
+
+def cprofile_top(runner: Runner, i: int, top: int) -> list:
+    pr = cProfile.Profile()
+    pr.enable()
+    runner.step(i)
+    pr.disable()
+    st = pstats.Stats(pr)
+    rows = []
+    for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items():
+        rows.append((tt, nc, f"{os.path.basename(fn)}:{line}({name})"))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    return [{"own_ms": round(tt * 1e3, 3), "calls": nc, "function": f} for tt, nc, f in rows[:top]] + \
+        [{"own_ms": round(total * 1e3, 3), "calls": 0, "function": "TOTAL (under cProfile)"}]
+
+
+def run_shape(shape, tokens, args, dev):
+    b, s = tokens
+    base = build(shape, args.layers, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    vocab = base.config.vocab_size
+    g = torch.Generator(device="cpu").manual_seed(0)
+    batches = [torch.randint(0, vocab, (b, s), generator=g).to(dev) for _ in range(2)]
+    variants = [v for v in args.variants.split(",") if v]
+    rows = {}
+    phase1 = [v for v in variants if v != "liger"]
+    runners = {}
+    for v in phase1:
+        runners[v] = Runner(*make_variant(base, v), batches, dev)
+    res = _measure(runners, args, dev, rows, "phase1")
+    if "liger" in variants:
+        for v in list(runners):
+            if v != "ours":
+                del runners[v]
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            runners = {"liger": Runner(*make_variant(base, "liger"), batches, dev), "ours": runners["ours"]}
+            _measure(runners, args, dev, rows, "phase2")
+        except Exception as exc:   # no liger-kernel installed, or it refuses the model
+            rows["liger"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    del base
+    return res, rows
+
+
+def _measure(runners, args, dev, rows, phase):
+    first = {}
+    for v, r in runners.items():     # first steps (compile, autotune, allocator growth), reported apart
+        t0 = time.perf_counter()
+        r.step(0)
+        sync(dev)
+        first[v] = (time.perf_counter() - t0) * 1e3
+        for i in range(args.warmup):
+            r.step(i + 1)
+    per = {v: {"wall": [], "fwd_host": [], "bwd_host": [], "peak": []} for v in runners}
+    for rnd in range(args.rounds):
+        order = list(runners)
+        order = order[rnd % len(order):] + order[:rnd % len(order)]
+        for v in order:
+            r = runners[v]
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            steps = [r.step(i) for i in range(args.steps)]
+            per[v]["wall"].append(med([x["wall_ms"] for x in steps]))
+            per[v]["fwd_host"].append(med([x["fwd_host_ms"] for x in steps]))
+            per[v]["bwd_host"].append(med([x["bwd_host_ms"] for x in steps]))
+            if dev.type == "cuda":
+                per[v]["peak"].append(torch.cuda.max_memory_allocated() / GiB)
+    for v, r in runners.items():
+        d = per[v]
+        row = {"phase": phase, "first_step_ms": first[v], "wall_ms": med(d["wall"]),
+               "wall_ms_min": min(d["wall"]), "wall_ms_max": max(d["wall"]),
+               "fwd_host_ms": med(d["fwd_host"]), "bwd_opt_host_ms": med(d["bwd_host"]),
+               "peak_alloc_gib": max(d["peak"]) if d["peak"] else None,
+               "loss_first": float(r.losses[0])}
+        if not args.no_profile:
+            row.update(profile_step(r, 0))
+            row["layer0_host_us"] = layer_host_us(r, 5)
+            row["sync_calls"] = sync_calls(r, 0)
+            row["cprofile_top"] = cprofile_top(r, 0, args.top)
+        key = v if phase == "phase1" or v == "liger" else f"{v} (beside liger)"
+        rows[key] = row
+        line = (f"{key:22s} wall {row['wall_ms']:8.2f} ms [{row['wall_ms_min']:.2f}-{row['wall_ms_max']:.2f}]  "
+                f"host fwd {row['fwd_host_ms']:7.2f} bwd+opt {row['bwd_opt_host_ms']:7.2f}  first {first[v]:8.0f} ms")
+        if "launches_per_step" in row:
+            line += (f"  launches {row['launches_per_step']}  device {row['device_kernel_ms']:.2f} ms  layer0 fwd "
+                     f"{row['layer0_host_us']['fwd']:.0f} us bwd {row['layer0_host_us']['bwd']:.0f} us  syncs {sum(row['sync_calls'].values())}")
+        print(line, flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen2.5-1.5b", help=", ".join(SHAPES) + " (comma-separated for several)")
+    p.add_argument("--tokens", default="1x2048", help="BxS per micro-batch, comma-separated")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
+    p.add_argument("--variants", default="stock,ours,ours_no_lora,liger")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="CPU logic check")
+    p.add_argument("--reentrant", type=int, default=1, help="gradient checkpointing's use_reentrant (1: ms-swift's)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    global REENTRANT
+    REENTRANT = bool(args.reentrant)
+    if args.tiny:
+        args.shape, args.tokens, args.rounds, args.steps, args.warmup = "tiny", "2x16", 1, 1, 0
+        args.variants = args.variants.replace(",liger", "").replace("liger,", "")
+    from swift_liger.bench.harness import environment
+    out = {"environment": environment(), "command": "python3 tools/train_lab.py " + " ".join(sys.argv[1:]),
+           "cases": []}
+    os.makedirs(args.out, exist_ok=True)
+    for shape in args.shape.split(","):
+        for tok in args.tokens.split(","):
+            b, s = (int(x) for x in tok.split("x"))
+            print(f"== {shape} {b}x{s} layers={args.layers or SHAPES[shape][1]}", flush=True)
+            try:
+                _, rows = run_shape(shape, (b, s), args, dev)
+            except torch.cuda.OutOfMemoryError as exc:
+                rows = {"error": f"OOM: {exc}"[:200]}
+                print(rows, flush=True)
+            out["cases"].append({"shape": shape, "batch": b, "seq": s, "layers": args.layers or SHAPES[shape][1],
+                                 "rows": rows})
+            with open(os.path.join(args.out, "train_lab.json"), "w") as f:
+                json.dump(out, f, indent=1, default=str)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
