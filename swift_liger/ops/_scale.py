@@ -49,6 +49,9 @@ def launch_config(n: int, device) -> ScaleConfig:
     return _common.apply_override(__name__, None, cfg)
 
 
+_SCALE = _launch.FastLaunch(_scale_kernel)
+
+
 def scale_into(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out = src * scale (fp32 math, rounded once to out's dtype); returns out.
 
