@@ -2,6 +2,7 @@
 
     python3 tools/train_lab.py --shape qwen2.5-1.5b --tokens 1x2048,4x2048 [--layers N] [--rounds 5] [--steps 4]
     python3 tools/train_lab.py --tiny          # CPU logic check: a 2-layer model, every variant, one round
+    python3 tools/train_lab.py report A/train_lab.json B/train_lab.json > out.md
 
 The loop is the one ms-swift's Trainer runs for `swift sft --tuner_type lora` (its defaults): a bf16 model under bf16
 autocast, PEFT LoRA r16/alpha32/dropout 0.05 on every linear (fp32 adapters, PEFT's default), gradient checkpointing
@@ -17,7 +18,8 @@ shortens the stack (per-layer numbers do not change; the head stays). Variants, 
 
 Rounds interleave the variants (ABC ABC ...) so that the shared host's slow stretches hit all of them: per step
 the wall time (synchronized), the host time to issue forward and backward+optimizer (no synchronization), and the
-peak allocation; medians over rounds of each round's median step, with min-max. One profiled step per variant counts
+peak allocation above what is resident before the steps (all variants' models and optimizer states; in the JSON
+of runs before this change, peak_alloc_gib is the whole allocation); medians over rounds of each round's median step, with min-max. One profiled step per variant counts
 kernel launches and sums device kernel time (torch.profiler); a cProfile of one step lists the top Python functions
 by own time. Per decoder layer: launches and host µs of forward, backward and recompute are measured on the first
 layer alone (hooks mark its start and end). Writes train_lab.json (+ .md) under --out.
@@ -279,18 +281,19 @@ def _measure(runners, args, dev, rows, phase):
             r = runners[v]
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+                resident = torch.cuda.memory_allocated()   # every variant's model and optimizer state
             steps = [r.step(i) for i in range(args.steps)]
             per[v]["wall"].append(med([x["wall_ms"] for x in steps]))
             per[v]["fwd_host"].append(med([x["fwd_host_ms"] for x in steps]))
             per[v]["bwd_host"].append(med([x["bwd_host_ms"] for x in steps]))
             if dev.type == "cuda":
-                per[v]["peak"].append(torch.cuda.max_memory_allocated() / GiB)
+                per[v]["peak"].append((torch.cuda.max_memory_allocated() - resident) / GiB)
     for v, r in runners.items():
         d = per[v]
         row = {"phase": phase, "first_step_ms": first[v], "wall_ms": med(d["wall"]),
                "wall_ms_min": min(d["wall"]), "wall_ms_max": max(d["wall"]),
                "fwd_host_ms": med(d["fwd_host"]), "bwd_opt_host_ms": med(d["bwd_host"]),
-               "peak_alloc_gib": max(d["peak"]) if d["peak"] else None,
+               "step_peak_gib": max(d["peak"]) if d["peak"] else None,
                "loss_first": float(r.losses[0])}
         if not args.no_profile:
             row.update(profile_step(r, 0))
@@ -308,7 +311,47 @@ def _measure(runners, args, dev, rows, phase):
     return rows
 
 
+def report(paths, title: str) -> str:
+    """Markdown tables from train_lab.json files (one section per file and case)."""
+    lines = [f"# {title}", ""]
+    for path in paths:
+        d = json.load(open(path))
+        env = d["environment"]
+        lines += [f"`{d['command']}` · {env.get('gpu')} · torch {env.get('torch')} · triton {env.get('triton')} · "
+                  f"transformers {env.get('transformers')} · {env.get('date')}", ""]
+        for case in d["cases"]:
+            rows = case["rows"]
+            tok = case["batch"] * case["seq"]
+            lines += [f"**{case['shape']}**, {case['layers']} layers, batch {case['batch']} x {case['seq']}", "",
+                      "| variant | step ms (min-max of rounds) | tok/s | vs stock | host fwd ms | host bwd+opt ms | "
+                      "device kernels ms | launches/step | syncs/step | step peak GiB |",
+                      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            stock = rows.get("stock", {}).get("wall_ms")
+            for name, r in rows.items():
+                if "wall_ms" not in r:
+                    lines.append(f"| {name} | {r.get('error', '')[:100]} | | | | | | | | |")
+                    continue
+                vs = f"{stock / r['wall_ms']:.2f}" if stock else ""
+                dev = f"{r['device_kernel_ms']:.1f}" if "device_kernel_ms" in r else ""
+                syncs = sum(r.get("sync_calls", {}).values()) if "sync_calls" in r else ""
+                peak = r.get("step_peak_gib", r.get("peak_alloc_gib"))
+                peak = f"{peak:.2f}" if peak is not None else ""
+                lines.append(f"| {name} | {r['wall_ms']:.1f} ({r['wall_ms_min']:.1f}-{r['wall_ms_max']:.1f}) | "
+                             f"{tok / r['wall_ms'] * 1e3:.0f} | {vs} | {r['fwd_host_ms']:.1f} | "
+                             f"{r['bwd_opt_host_ms']:.1f} | {dev} | {r.get('launches_per_step', '')} | {syncs} | {peak} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
 def main():
+    if sys.argv[1:2] == ["report"]:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("cmd")
+        ap.add_argument("json", nargs="+")
+        ap.add_argument("--title", default="Training step: host and device time per variant")
+        a = ap.parse_args()
+        print(report(a.json, a.title))
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="qwen2.5-1.5b", help=", ".join(SHAPES) + " (comma-separated for several)")
     p.add_argument("--tokens", default="1x2048", help="BxS per micro-batch, comma-separated")

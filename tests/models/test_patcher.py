@@ -672,7 +672,9 @@ def test_lora_fusion_dropout_under_reentrant_checkpointing(torch_backend, lora_l
     torch.manual_seed(4)
     out = model(ids, labels=labels, use_cache=False)
     out.loss.backward()
-    assert len(lora_linear_calls) == 7 * 2 * 2          # 7 projections, 2 layers, forward + recompute
+    # 7 projections x 2 layers, forward + recompute, all fused; the reentrant first pass runs without autograd
+    # (ops.lora_linear's no-grad forward), so only the recompute records through LoRALinearFunction
+    assert len(lora_linear_calls) == 7 * 2
     assert lora_calls(model) == (28, 0)
     close(out.loss, expected.loss, "loss")
     assert_grads_match(model, ref)
