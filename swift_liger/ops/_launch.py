@@ -1,10 +1,11 @@
-"""Direct launches of compiled Triton kernels, for the calls a decode step repeats.
+"""Direct launches of compiled Triton kernels, for every launch site of ours that a step repeats.
 
 ``kernel[grid](*args, **meta)`` costs 16-18 us of host time per launch on the H200 host against ~7 us for an aten op
 (docs/benchmarks/host_lab_h200.md): on every call Triton binds the arguments, specializes each one in C++, builds a
-cache key from the specialization and the options, and fills launch metadata for its hooks. Eager decode is
-host-bound (a Llama-3-8B step runs ~7 of our launches per layer), so ``FastLaunch`` keeps, per call site, the compiled
-kernel of every argument signature it has launched and calls that kernel's launcher directly.
+cache key from the specialization and the options, and fills launch metadata for its hooks. Eager decode and training
+steps of small models are host-bound (a Qwen2.5-1.5B LoRA step at 2k tokens issues ~7000 launches in ~250 ms of host
+time against ~90 ms of kernels: docs/benchmarks/train_step_h200.md), so ``FastLaunch`` keeps, per call site, the
+compiled kernel of every argument signature it has launched and calls that kernel's launcher directly.
 
 The signature is what Triton specializes on: per tensor its dtype and whether its address is 16-byte aligned, per
 int whether it is 0, 1 or a multiple of 16 and its integer width, a bool's value, the class of a float or None (any
