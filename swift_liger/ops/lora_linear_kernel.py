@@ -19,6 +19,11 @@ What it saves, compared with PEFT's ``lora.Linear`` (fp32 adapters on a bf16 mod
   (ops/dropout_mask.py): autograd's dropout would keep a bool mask and the LoRA branch the dropped-out input,
   3 bytes per bf16 element; here 1/8 byte, and the backward re-applies the mask to x.
 
+- Launches: the LoRA output joins the base output in the second GEMM's epilogue (``addmm_``), the backward scales
+  the rank-r products rather than a [N, out] copy of the gradient, and the adapter casts the forward made are kept
+  for the backward. With autograd off (the first pass of a reentrant checkpoint, ms-swift's set-up on one GPU) the op
+  is a plain function: same values and same dropout draws, no mask bits, no autograd record.
+
 - QLoRA: the base weight may be a :class:`DequantizedWeight` (4-bit NF4 from bitsandbytes, wrapped by the patcher).
   It is dequantized for the forward matmul and again for the input gradient, as bitsandbytes' own matmul does for
   training-sized inputs, and dropped after each: the 16-bit weight never stays alive between them.
