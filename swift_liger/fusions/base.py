@@ -60,3 +60,8 @@ class PatchContext:
 
     def of(self, class_names) -> list:
         return [m for m in self.modules if type(m).__name__ in class_names and id(m) not in self.consumed]
+
+
+def is_count(text: str) -> bool:
+    """True for ASCII digits only: str.isdigit() also accepts '²' or '①', which int() then refuses."""
+    return text.isascii() and text.isdigit()

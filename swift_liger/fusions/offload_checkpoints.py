@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from .base import Fusion
+from .base import Fusion, is_count
 
 
 def normalize(value):
@@ -31,7 +31,7 @@ def parse_flag(value):
         return False
     if text in ("true", "yes", "on", "all"):
         return True
-    if not text.isdigit():
+    if not is_count(text):
         raise ValueError(f"liger_offload_checkpoints must be true, false or a number of decoder layers (the first "
                          f"N), got {value!r}")
     return int(text)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from .base import Fusion
+from .base import Fusion, is_count
 
 MODEL_WINDOW = "model"
 
@@ -70,7 +70,7 @@ def parse_flag(value):
         return data
     parts = [p.strip() for p in text.split(",")]
     graph = len(parts) == 3 and parts[2].lower() == "graph"   # "4096,4,graph": decode steps as CUDA graph replays
-    if len(parts) not in (2, 3) or (len(parts) == 3 and not graph) or not all(p.isdigit() for p in parts[:2]):
+    if len(parts) not in (2, 3) or (len(parts) == 3 and not graph) or not all(is_count(p) for p in parts[:2]):
         raise ValueError(f'liger_rolling_cache must be "window,sinks" (two integers, optionally ",graph"), "model" '
                          f'(the model\'s own sliding window on its sliding layers, full cache on the others) or a '
                          f'mapping, got {text!r}')

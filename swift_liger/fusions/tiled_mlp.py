@@ -14,7 +14,7 @@ the RNG and autocast state), so the gradients are those of the loss computed.
 """
 from __future__ import annotations
 
-from .base import Fusion
+from .base import Fusion, is_count
 
 DEFAULT_TILE = 8192   # tokens; [8192, 14336] bf16 = 224 MiB per intermediate buffer
 
@@ -38,7 +38,7 @@ def parse_flag(value):
         return 0
     if text in ("true", "yes"):
         return DEFAULT_TILE
-    if not text.isdigit():
+    if not is_count(text):
         raise ValueError(f"liger_tiled_mlp must be tokens per tile (an integer, 0 = off, true = {DEFAULT_TILE}), "
                          f"got {value!r}")
     return int(text)

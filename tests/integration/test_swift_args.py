@@ -252,3 +252,14 @@ def test_megatron_with_use_liger_is_refused_before_anything_starts(tmp_path):
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert proc.returncode != 0 and f"do not apply to `megatron {args[0]}`" in proc.stderr, proc.stderr[-2000:]
         assert "swift sft|pt|rlhf --use_liger" in proc.stderr
+
+
+@pytest.mark.parametrize("flag,value,name", [("--liger_tiled_mlp", "\u00b2", "liger_tiled_mlp"),
+                                             ("--liger_offload_checkpoints", "\u00b3", "liger_offload_checkpoints"),
+                                             ("--liger_rolling_cache", "\u00b2,4", "liger_rolling_cache"),
+                                             ("--liger_rolling_cache", "64,\u00b9", "liger_rolling_cache")])
+def test_integer_flags_refuse_non_ascii_digits_naming_the_flag(swift_mod, base_argv, flag, value, name):
+    """'²'.isdigit() is True but int('²') fails: such a value is refused with the flag's name, not int()'s message."""
+    with pytest.raises(ValueError, match=name) as info:
+        parse(swift_mod, base_argv + ["--use_liger", flag, value])
+    assert "invalid literal" not in str(info.value)
