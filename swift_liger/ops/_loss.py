@@ -52,17 +52,31 @@ def check_options(ignore_index, label_smoothing, softcap, z_loss, reduction, num
 
 def reduce(loss_sum: torch.Tensor, token_loss: torch.Tensor, valid_count, reduction: str, num_items_in_batch):
     """loss_sum 0-d, token_loss [N], valid_count () -> tensor or None (only needed for "mean" without num_items):
-    the reduced loss, divisors on the device (no host sync)."""
+    the reduced loss, divisors on the device (no host sync).
+
+    A divisor of 0 (every label ignored) gives NaN, as torch's mean cross-entropy and transformers' loss divided by
+    num_items_in_batch do, while the gradients stay 0 as theirs do: the NaN is added as a constant, so the backward
+    sees a divisor of 1 and rows whose gradients are 0."""
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
             d = num_items_in_batch.to(device=loss_sum.device, dtype=loss_sum.dtype).reshape(())
-            return loss_sum / torch.where(d > 0, d, torch.ones_like(d))
-        return loss_sum / (num_items_in_batch if num_items_in_batch > 0 else 1)
+        elif num_items_in_batch > 0:
+            return loss_sum / num_items_in_batch
+        else:
+            d = loss_sum.new_zeros(())
+        return _divide(loss_sum, d)
     if reduction == "none":
         return token_loss
     if reduction == "sum":
         return loss_sum
-    return loss_sum / valid_count.clamp(min=1).to(loss_sum.dtype)
+    return _divide(loss_sum, valid_count.to(loss_sum.dtype))
+
+
+def _divide(loss_sum: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """loss_sum / d; NaN (with the gradient of loss_sum / 1) where d is 0."""
+    ok = d > 0
+    nan = torch.where(ok, 0.0, float("nan")).to(loss_sum.dtype)
+    return loss_sum / torch.where(ok, d, torch.ones_like(d)) + nan
 
 
 def check_label_range(labels: torch.Tensor, n_classes: int, ignore_index: int) -> None:

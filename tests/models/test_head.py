@@ -130,3 +130,22 @@ def test_take_returns_the_models_own_tensor():
             out = model(input_ids=ids)
         with pytest.raises(RuntimeError, match="refusing to treat it as logits"):
             handle.take(bad(out.logits))
+
+
+@pytest.mark.parametrize("num_items", [False, True])
+def test_every_label_ignored_gives_what_transformers_gives(num_items):
+    """A batch whose labels are all -100: transformers' loss is NaN (0 / 0, mean or divided by num_items_in_batch)
+    with zero gradients; the patched head returns the same, not 0.0."""
+    from test_patcher import pair
+    ref, model = pair("llama")
+    swift_liger.apply(model)
+    ids, labels = batch()
+    labels.fill_(-100)
+    kw = {"num_items_in_batch": torch.tensor(0)} if num_items else {}
+    want = ref(ids, labels=labels, **kw).loss
+    got = model(ids, labels=labels, **kw).loss
+    assert want.isnan() and got.isnan()
+    got.backward(), want.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert p.grad is not None and not p.grad.isnan().any() and torch.equal(p.grad == 0, q.grad == 0), name
