@@ -258,6 +258,11 @@ def check_environment() -> None:
     fast = os.environ.get("SWIFT_LIGER_FAST_LAUNCH")
     if fast is not None and fast.strip() not in ("0", "1"):
         raise ValueError(f"SWIFT_LIGER_FAST_LAUNCH must be 0 or 1, got {fast!r}")
+    check_metrics_environment()
+
+
+def check_metrics_environment() -> None:
+    """SWIFT_LIGER_PEAK_TFLOPS, read by the per-step metrics, which run with or without --use_liger."""
     peak = os.environ.get("SWIFT_LIGER_PEAK_TFLOPS")
     if peak:
         try:
@@ -305,6 +310,8 @@ def validate(args) -> None:
         if given:
             raise ValueError(f"swift_liger: {', '.join('--' + g for g in given)} given without --use_liger; "
                              "add --use_liger (use_liger: true in YAML) or drop them")
+        if getattr(args, "liger_metrics", True):
+            check_metrics_environment()
         return
     if getattr(args, "use_liger_kernel", False):
         raise ValueError("--use_liger (swift_liger's Triton kernels) and --use_liger_kernel (the liger-kernel "

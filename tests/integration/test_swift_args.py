@@ -263,3 +263,12 @@ def test_integer_flags_refuse_non_ascii_digits_naming_the_flag(swift_mod, base_a
     with pytest.raises(ValueError, match=name) as info:
         parse(swift_mod, base_argv + ["--use_liger", flag, value])
     assert "invalid literal" not in str(info.value)
+
+
+def test_peak_tflops_checked_without_use_liger(swift_mod, base_argv, monkeypatch):
+    """The per-step metrics (MFU) run without --use_liger too, so their environment variable is checked there,
+    while the arguments are parsed; with --liger_metrics false nothing reads it."""
+    monkeypatch.setenv("SWIFT_LIGER_PEAK_TFLOPS", "-1")
+    with pytest.raises(ValueError, match="SWIFT_LIGER_PEAK_TFLOPS must be a number > 0"):
+        parse(swift_mod, base_argv)
+    assert parse(swift_mod, base_argv + ["--liger_metrics", "false"]).use_liger is False
