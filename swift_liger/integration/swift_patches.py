@@ -498,6 +498,15 @@ def _rolling_cache_note(model, report):
         return "warning", (f"the model's generation_config has cache_implementation={impl!r}, use_cache={use_cache}: "
                            "generate keeps that and does NOT use the RollingKVCache (edit generation_config.json)")
     window, sinks = settings.get("window"), settings.get("sinks")
+    if window == "model":
+        own = getattr(getattr(model, "config", None), "sliding_window", None)
+        return "info", ("every generate call of the inference engine runs on a fresh RollingKVCache with the model's "
+                        f"own sliding window ({own} tokens) on its sliding layers and the whole history on the "
+                        "others: the same attention as the model's own cache, with KV storage of the sliding layers "
+                        "fixed at the window")
+    if sinks is None:   # RollingKVCache's default, as its settings check completes it
+        from swift_liger.fusions.rolling_cache import check_settings
+        sinks = check_settings(window, None)["sinks"]
     return "info", (f"every generate call of the inference engine runs on a fresh RollingKVCache(window={window}, "
                     f"sinks={sinks}, mode={settings.get('mode')!r}): KV storage is fixed at {sinks}+{window} tokens "
                     "per layer however long the chat history grows (ms-swift re-sends the whole history each turn; "

@@ -243,3 +243,21 @@ def test_batched_infer_with_rolling_cache_equals_one_prompt_at_a_time(tiny_qwen3
     assert b_answers == s_answers
     assert b_seen.get("rows b4", 0) >= MAX_NEW - 1 and not any(k.endswith("b1") for k in b_seen), b_seen
     assert "rows b1" not in s_seen and s_seen.get("full b1", 0) > 0, s_seen
+
+
+def test_rolling_cache_note_says_what_the_cache_keeps():
+    """The log line for `--liger_rolling_cache model` names the model's own window (no 'None+model tokens', no
+    'None sinks'); a "window,sinks" setting without sinks names the default 4."""
+    import types
+    from swift_liger.cache.rolling import _INSTALL_ATTR
+    from swift_liger.integration.swift_patches import _rolling_cache_note
+    report = types.SimpleNamespace(patched={"rolling_cache": 1})
+
+    def note(settings):
+        model = types.SimpleNamespace(config=types.SimpleNamespace(sliding_window=4096), generation_config=None)
+        setattr(model, _INSTALL_ATTR, {"settings": settings})
+        return _rolling_cache_note(model, report)[1]
+    text = note({"window": "model", "sinks": None, "mode": "absolute"})
+    assert "None" not in text and "4096" in text and "own sliding window" in text, text
+    text = note({"window": 64, "sinks": None, "mode": "streaming"})
+    assert "4+64 tokens" in text and "None" not in text, text
