@@ -82,11 +82,6 @@ def _check_mask(mask: torch.Tensor) -> None:
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """bool mask -> uint8 bits, ceil(numel / 8) bytes (see the module docstring for the bit order)."""
     _check_mask(mask)
-    return pack_unchecked(mask)
-
-
-def pack_unchecked(mask: torch.Tensor) -> torch.Tensor:
-    """pack_mask for a mask this package made (a contiguous bool tensor): no argument checks."""
     n = mask.numel()
     n_bytes = (n + 7) // 8
     if not _common.use_triton(mask):
@@ -117,13 +112,6 @@ def masked_scale(t: torch.Tensor, bits: torch.Tensor, scale: float, *, out: torc
         out = torch.empty_like(t)
     elif out.shape != t.shape or out.dtype not in _common.FLOAT_DTYPES or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float tensor of shape {tuple(t.shape)}")
-    return masked_scale_unchecked(t, bits, scale, out)
-
-
-def masked_scale_unchecked(t: torch.Tensor, bits: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
-    """masked_scale into ``out`` for tensors this package made (t and out contiguous, of one shape; bits from
-    pack_mask of t's mask): no argument checks."""
-    n = t.numel()
     if not _common.use_triton(t):
         shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
         keep = ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[:n].view(t.shape).bool()

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .dropout_mask import masked_scale, masked_scale_unchecked, pack_mask, pack_unchecked
+from .dropout_mask import masked_scale, pack_mask
 
 
 class DequantizedWeight:
@@ -82,11 +82,6 @@ def _compute_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, param.dtype)
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in dtype (t itself when it already is: no dispatch for a no-op cast)."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 def _add_lora_out(y: torch.Tensor, a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> None:
     """y += scaling * a @ lora_b^T in place, as one GEMM whose epilogue adds (y: a fresh contiguous [..., out]; a:
     [..., r] in y's dtype): PEFT's separate matmul, scale and add round after each; this rounds once."""
@@ -118,7 +113,7 @@ class LoRALinearFunction(torch.autograd.Function):
         bits = None
         if dropout_p > 0:
             x_lora, mask = torch.native_dropout(x, dropout_p, True)
-            bits = pack_unchecked(mask)
+            bits = pack_mask(mask)
             del mask
         cdt = x.dtype                                 # the LoRA branch's compute dtype (lora_linear_problem)
         a_c, b_c = lora_a.to(cdt), lora_b.to(cdt)     # the casts autocast would make, kept for the backward
@@ -139,24 +134,23 @@ class LoRALinearFunction(torch.autograd.Function):
         cdt = a.dtype                                 # the LoRA branch's compute dtype in the forward
         g = dy.reshape(-1, dy.shape[-1])
         a2 = a.reshape(-1, a.shape[-1])
-        g_c = _as(g, cdt)                             # gradient at B's output is s * g: s is applied to the
+        g_c = g.to(cdt)                               # gradient at B's output is s * g: s is applied to the
         dx = dx_lora = da_w = db_w = None             # rank-r products, not to a [N, out] copy of g
         da = torch.mm(g_c, b_c).mul_(s)               # [N, r]
         if ctx.needs_input_grad[4]:
-            x_lora = x_saved if bits is None else masked_scale_unchecked(
-                x_saved, bits, ctx.keep_scale, torch.empty_like(x_saved))
-            da_w = _as(torch.mm(da.t(), _as(x_lora.reshape(-1, x_lora.shape[-1]), cdt)), a_dtype)
+            x_lora = x_saved if bits is None else masked_scale(x_saved, bits, ctx.keep_scale)
+            da_w = (da.t() @ x_lora.reshape(-1, x_lora.shape[-1]).to(cdt)).to(a_dtype)
             del x_lora
         lora_in_grad = ctx.needs_input_grad[1] or (bits is not None and ctx.needs_input_grad[0])
         if lora_in_grad:
-            dx_lora = _as(torch.mm(da, a_c), ctx.x_dtype if bits is not None else x_saved.dtype)
+            dx_lora = (da @ a_c).to(ctx.x_dtype if bits is not None else x_saved.dtype)
             if bits is not None:                      # through the dropout: same mask, same scale
-                masked_scale_unchecked(dx_lora, bits, ctx.keep_scale, dx_lora)
+                masked_scale(dx_lora, bits, ctx.keep_scale, out=dx_lora)
         if ctx.needs_input_grad[0]:
             bdt = ctx.base_dtype
             weight = _saved_weight(ctx, weight)
             if bits is not None and dx_lora.dtype == bdt:
-                dx = dx_lora.addmm_(_as(g, bdt), _as(weight, bdt))   # in place: one [N, in] buffer, not two
+                dx = dx_lora.addmm_(g.to(bdt), weight.to(bdt))   # in place: one [N, in] buffer, not two
                 dx_lora = None
             else:
                 dx = (g.to(bdt) @ weight.to(bdt)).to(ctx.x_dtype)
@@ -167,7 +161,7 @@ class LoRALinearFunction(torch.autograd.Function):
         if dx_lora is not None:
             dx_lora = dx_lora.reshape(x_saved.shape)
         if ctx.needs_input_grad[5]:
-            db_w = _as(torch.mm(g_c.t(), a2), b_dtype).mul_(s)
+            db_w = torch.mm(g_c.t(), a2).to(b_dtype).mul_(s)
         return dx, dx_lora, None, None, da_w, db_w, None, None
 
 
