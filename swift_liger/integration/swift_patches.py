@@ -397,7 +397,7 @@ def patch_sft_pipeline(module) -> None:
     @functools.wraps(orig_train)
     def train(self, trainer):
         args = self.args
-        if getattr(args, "use_liger", False) or getattr(args, "liger_metrics", False):
+        if getattr(args, "liger_metrics", False):   # with or without --use_liger; false means off for both
             from .metrics import attach
             attach(trainer)
         if getattr(args, "use_liger", False):

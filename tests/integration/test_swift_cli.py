@@ -38,7 +38,8 @@ def runs(tiny_qwen3, tmp_path_factory):
         "liger": ("sft", sft + ["--max_steps", str(STEPS), "--use_liger", "--report_to", "tensorboard",
                                 "--save_strategy", "steps", "--save_steps", str(STEPS), "--save_only_model", "true"]),
         "base": ("sft", sft + ["--max_steps", str(STEPS), "--report_to", "none", "--save_strategy", "no"]),
-        "yaml": ("sft", [str(yaml_cfg), *sft, "--max_steps", "2", "--report_to", "none", "--save_strategy", "no"]),
+        "yaml": ("sft", [str(yaml_cfg), *sft, "--max_steps", "2", "--report_to", "none", "--save_strategy", "no",
+                         "--liger_metrics", "false"]),
         "kernel_clash": ("sft", sft + ["--max_steps", "1", "--use_liger", "--use_liger_kernel", "true"]),
         "bad_preset": ("sft", sft + ["--max_steps", "1", "--use_liger", "--liger_config", str(bad_preset)]),
     }
@@ -85,6 +86,13 @@ def test_patch_record_log_and_metrics(runs):
     # fused_linear returns no logits in training, so ms-swift skips token_acc; the stock run has it
     assert all("token_acc" in r for r in runs["base"].steps())
     assert not any("token_acc" in r for r in runs["liger"].steps())
+
+
+def test_liger_metrics_false_is_obeyed_under_use_liger(runs):
+    """--liger_metrics false turns the per-step metrics off with --use_liger too (the yaml run: use_liger in YAML)."""
+    rows = runs["yaml"].check().steps()
+    assert rows and all("loss" in r for r in rows)
+    assert not any(k in r for r in rows for k in (*METRIC_KEYS, "peak_alloc(GiB)", "MFU")), rows
 
 
 def test_metrics_reach_tensorboard(runs):
