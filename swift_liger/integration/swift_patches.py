@@ -143,8 +143,8 @@ def patch_cli_utils(module) -> None:
 
 MEGATRON_REFUSAL = ("swift_liger: --use_liger / --liger_* do not apply to `megatron {cmd}`: Megatron-Core builds "
                     "its own model, not the Hugging Face modules swift_liger patches. Supported: `swift sft|pt|rlhf "
-                    "--use_liger`, on one GPU or many (DDP, --deepspeed zero2/zero3, --fsdp), and `swift infer|deploy "
-                    "--infer_backend transformers --use_liger`.")
+                    "--use_liger` (tested on one GPU and with DDP or --fsdp fsdp2 on CPU ranks; DeepSpeed has not been "
+                    "run), and `swift infer|deploy --infer_backend transformers --use_liger`.")
 
 
 def _liger_requested(tokens) -> bool:

@@ -252,6 +252,7 @@ def test_megatron_with_use_liger_is_refused_before_anything_starts(tmp_path):
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert proc.returncode != 0 and f"do not apply to `megatron {args[0]}`" in proc.stderr, proc.stderr[-2000:]
         assert "swift sft|pt|rlhf --use_liger" in proc.stderr
+        assert "zero2" not in proc.stderr and "DeepSpeed has not been run" in proc.stderr   # claims what was run
 
 
 @pytest.mark.parametrize("flag,value,name", [("--liger_tiled_mlp", "\u00b2", "liger_tiled_mlp"),
