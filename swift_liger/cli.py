@@ -14,8 +14,9 @@ import sys
 
 
 def _plot(args) -> int:
-    from .plot import plot_runs, read_steps, run_labels
+    from .plot import output_format, plot_runs, read_steps, run_labels
     try:
+        output_format(args.output)
         labels = args.labels or run_labels(args.runs)
         if len(labels) != len(args.runs):
             print(f"swift-liger plot: --labels got {len(labels)} names for {len(args.runs)} runs", file=sys.stderr)
@@ -23,7 +24,7 @@ def _plot(args) -> int:
         for label, path in zip(labels, args.runs):
             print(f"{label}: {len(read_steps(path))} logged steps ({path})")
         print(plot_runs(args.runs, args.output, title=args.title, labels=labels))
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         print(f"swift-liger plot: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -68,9 +69,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="swift-liger", description="swift_liger utilities")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("plot", help="plot logging.jsonl of one or more ms-swift runs to a PNG")
+    p = sub.add_parser("plot", help="plot logging.jsonl of one or more ms-swift runs (PNG, PDF, SVG, ...)")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output_dir, v*-* run dir or logging.jsonl")
-    p.add_argument("-o", "--output", default="swift_liger_plot.png", help="PNG path, written exactly as given")
+    p.add_argument("-o", "--output", default="swift_liger_plot.png",
+                   help="output path, written exactly as given; its extension picks the format (.png, .pdf, .svg, "
+                        "...; PNG without one)")
     p.add_argument("--title", default=None)
     p.add_argument("--labels", nargs="+", default=None, metavar="NAME", help="one legend name per run")
     p.set_defaults(func=_plot)

@@ -131,9 +131,28 @@ def _summary_text(s: Dict, is_first: bool) -> str:
     return "  ".join(parts)
 
 
+def output_format(out: str) -> str:
+    """The file format for `out` from its extension (png without one); ValueError for one matplotlib cannot
+    write, naming those it can."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    ext = os.path.splitext(out)[1].lower().lstrip(".")
+    if not ext:
+        return "png"
+    supported = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    if ext not in supported:
+        raise ValueError(f"output {out!r}: matplotlib cannot write .{ext} files; use one of "
+                         f"{', '.join('.' + e for e in sorted(supported))} (or no extension for PNG)")
+    return ext
+
+
 def plot_runs(paths: List[str], out: str, title: Optional[str] = None,
               labels: Optional[Sequence[str]] = None) -> str:
-    """Write the figure to exactly `out` (PNG, whatever its name ends with); returns `out`."""
+    """Write the figure to exactly `out`, in the format its extension names (PNG without one); returns `out`.
+    ValueError for an extension matplotlib cannot write or a run without a single training step."""
+    fmt = output_format(out)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,6 +162,10 @@ def plot_runs(paths: List[str], out: str, title: Optional[str] = None,
         raise ValueError(f"labels: {len(labels)} given for {len(paths)} runs")
     names = list(labels) if labels is not None else run_labels(paths)
     runs = [(name, read_steps(p)) for name, p in zip(names, paths)]
+    for (name, rows), path in zip(runs, paths):
+        if not rows:
+            raise ValueError(f"{find_log(path)}: no training steps (lines with loss and global_step/max_steps); "
+                             "is it an ms-swift logging.jsonl?")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     panels = (("loss", "loss"), ("tokens/s", "tokens/s (non-padding)"), (None, "memory (GiB)"))
     for ax, (key, ylabel) in zip(axes, panels):
@@ -180,6 +203,6 @@ def plot_runs(paths: List[str], out: str, title: Optional[str] = None,
     fig.tight_layout(rect=(0, 0.05 + 0.035 * len(lines), 1, 1))
     directory = os.path.dirname(os.path.abspath(out))
     os.makedirs(directory, exist_ok=True)
-    fig.savefig(out, dpi=110, format="png")   # format given: `-o name` writes `name`, not `name.png`
+    fig.savefig(out, dpi=110, format=fmt)   # format given: `-o name` writes `name`, not `name.png`
     plt.close(fig)
     return out

@@ -161,3 +161,23 @@ def test_plot_labels_output_name_and_summary(tmp_path, capsys):
     assert all(float(t).is_integer() for t in loss_ax.get_xticks())   # integer steps
     assert mem_ax.get_ylim()[0] == 0.0                                 # memory from 0 GiB
     assert len({line.get_marker() for line in loss_ax.lines}) == 2     # equal curves, distinct markers
+
+
+def test_plot_format_follows_the_extension_and_empty_logs_are_refused(tmp_path, capsys):
+    """`-o x.pdf` writes a PDF (`-o x.svg` SVG; no extension PNG); an extension matplotlib cannot write and a
+    logging.jsonl without a single training step are errors (exit 2, a message naming them), not silent output."""
+    from swift_liger.cli import main
+    rows = [{"loss": 1.0, "global_step/max_steps": f"{i}/2", "tokens/s": 10.0} for i in (1, 2)]
+    write_log(tmp_path / "run" / "v0-1", rows)
+    run = str(tmp_path / "run")
+    assert main(["plot", run, "-o", str(tmp_path / "x.pdf")]) == 0
+    assert (tmp_path / "x.pdf").read_bytes()[:5] == b"%PDF-"
+    assert main(["plot", run, "-o", str(tmp_path / "x.svg")]) == 0
+    assert b"<svg" in (tmp_path / "x.svg").read_bytes()[:500]
+    capsys.readouterr()
+    assert main(["plot", run, "-o", str(tmp_path / "x.docx")]) == 2
+    err = capsys.readouterr().err
+    assert "docx" in err and "pdf" in err and not (tmp_path / "x.docx").exists()
+    write_log(tmp_path / "notalog" / "v0-1", [{"model_parameter_info": "x"}, {"train_runtime": 1.0}])
+    assert main(["plot", str(tmp_path / "notalog"), "-o", str(tmp_path / "e.png")]) == 2
+    assert "no training steps" in capsys.readouterr().err and not (tmp_path / "e.png").exists()
