@@ -1,7 +1,7 @@
 """`swift-liger` console script.
 
     swift-liger plot RUN_DIR [RUN_DIR2 ...] -o out.png   loss, tokens/s and memory per step (runs overlaid)
-    swift-liger tiny OUTDIR [--arch qwen3|llama]          offline tiny random model + toy datasets
+    swift-liger tiny OUTDIR [--arch qwen3|llama|...]      offline tiny random model + toy datasets
     swift-liger info                                      is the ms-swift hook active, versions, backend
     swift-liger flags                                     every --use_liger / --liger_* flag and environment variable
     swift-liger ab [--each] -- <swift sft args>           the same run without and with --use_liger (and each
@@ -28,6 +28,11 @@ def _plot(args) -> int:
         print(f"swift-liger plot: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _tiny_archs() -> tuple:
+    from .testing.tiny import SWIFT_FLAGS   # torch-free module top: cheap for argparse
+    return tuple(sorted(SWIFT_FLAGS))
 
 
 def _tiny(args) -> int:
@@ -80,7 +85,7 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("tiny", help="build the offline tiny model + datasets used by the demo and tests")
     p.add_argument("outdir")
-    p.add_argument("--arch", default="qwen3", choices=("qwen3", "llama"))
+    p.add_argument("--arch", default="qwen3", choices=_tiny_archs())
     p.set_defaults(func=_tiny)
 
     p = sub.add_parser("info", help="show whether the ms-swift hook is active")

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import sys
 from dataclasses import dataclass
 
 # Flags ms-swift needs for a local model dir whose name is no known model id.
@@ -160,6 +161,8 @@ def build(outdir: str, arch: str = "qwen3", **overrides) -> dict:
     if arch not in SWIFT_FLAGS:
         raise ValueError(f"arch must be one of {', '.join(SWIFT_FLAGS)}, got {arch!r}")
     spec = TinySpec(arch=arch, **overrides)
+    if os.path.exists(outdir) and not os.path.isdir(outdir):
+        raise NotADirectoryError(f"OUTDIR {outdir!r} exists and is not a directory")
     os.makedirs(outdir, exist_ok=True)
     model_dir = os.path.join(outdir, "model")
     info = {
@@ -173,8 +176,10 @@ def build(outdir: str, arch: str = "qwen3", **overrides) -> dict:
     stamp = os.path.join(outdir, "tiny.json")
     if os.path.exists(stamp):
         with open(stamp) as f:
-            if json.load(f).get("spec") == info["spec"]:
-                return info
+            done = json.load(f)
+        if done.get("spec") == info["spec"] and "params" in done:
+            info["params"] = done["params"]
+            return info
     tokenizer = build_tokenizer(spec)
     model = build_model(tokenizer, spec)
     model.save_pretrained(model_dir)
@@ -193,8 +198,12 @@ def main(argv=None):
     ap.add_argument("outdir")
     ap.add_argument("--arch", default="qwen3", choices=sorted(SWIFT_FLAGS))
     args = ap.parse_args(argv)
-    info = build(args.outdir, args.arch)
-    print(f"{args.arch}: {info.get('params', '?')} params -> {info['model']}")
+    try:
+        info = build(args.outdir, args.arch)
+    except OSError as exc:
+        print(f"swift-liger tiny: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.arch}: {info['params']} params -> {info['model']}")
     print("swift sft " + " ".join(info["swift_flags"]) + f" --dataset {info['sft']}")
     return 0
 

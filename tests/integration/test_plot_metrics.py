@@ -181,3 +181,24 @@ def test_plot_format_follows_the_extension_and_empty_logs_are_refused(tmp_path, 
     write_log(tmp_path / "notalog" / "v0-1", [{"model_parameter_info": "x"}, {"train_runtime": 1.0}])
     assert main(["plot", str(tmp_path / "notalog"), "-o", str(tmp_path / "e.png")]) == 2
     assert "no training steps" in capsys.readouterr().err and not (tmp_path / "e.png").exists()
+
+
+def test_tiny_cli_offers_every_arch_reports_params_on_rerun_and_names_a_bad_outdir(tmp_path, capsys):
+    """`swift-liger tiny`: --arch takes every arch the builder has; a rerun (the model already there) prints the
+    parameter count, not '?'; an OUTDIR that is a file is an error naming it (exit 2), not a traceback."""
+    from swift_liger.cli import main
+    from swift_liger.testing import tiny
+    with pytest.raises(SystemExit):
+        main(["tiny", "--help"])
+    help_text = capsys.readouterr().out
+    assert all(arch in help_text for arch in tiny.SWIFT_FLAGS), help_text
+    out = tmp_path / "t"
+    assert main(["tiny", str(out), "--arch", "llama"]) == 0
+    first = capsys.readouterr().out
+    assert main(["tiny", str(out), "--arch", "llama"]) == 0
+    again = capsys.readouterr().out
+    assert "?" not in again and first.split(" params")[0] == again.split(" params")[0], (first, again)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["tiny", str(blocker)]) == 2
+    assert str(blocker) in capsys.readouterr().err
