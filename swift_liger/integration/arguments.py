@@ -229,8 +229,17 @@ def check_argv(class_type, argv) -> None:
     """Refuse --liger_* / --use_liger* flags (CLI or YAML keys, which ms-swift turns into flags) that are not exact
     names: argparse would take an abbreviation (--liger_rms for --liger_rms_norm) silently, and ms-swift reports a
     misspelt one only after it has created the run directory. Runs before the arguments are parsed."""
-    known = {f.name for f in dataclasses.fields(class_type)} if dataclasses.is_dataclass(class_type) else set()
-    if "use_liger" not in known:
+    if not dataclasses.is_dataclass(class_type):
+        return
+    known = {f.name for f in dataclasses.fields(class_type)}
+    if "use_liger" not in known:   # an ms-swift command we do not patch (export, eval, sample, ...)
+        for token in argv or ():
+            name = token[2:].split("=", 1)[0].replace("-", "_") if isinstance(token, str) and \
+                token.startswith("--") else ""
+            if name in FIELD_NAMES or name.startswith("liger_"):
+                raise ValueError(f"swift_liger: --{name} does not apply to this command ({class_type.__name__}): "
+                                 "swift_liger patches `swift sft|pt|rlhf` training and `swift infer|deploy|app` "
+                                 "generation with the transformers engine; drop the flag here")
         return
     for token in argv or ():
         if not isinstance(token, str) or not token.startswith("--"):

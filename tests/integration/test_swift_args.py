@@ -273,3 +273,21 @@ def test_peak_tflops_checked_without_use_liger(swift_mod, base_argv, monkeypatch
     with pytest.raises(ValueError, match="SWIFT_LIGER_PEAK_TFLOPS must be a number > 0"):
         parse(swift_mod, base_argv)
     assert parse(swift_mod, base_argv + ["--liger_metrics", "false"]).use_liger is False
+
+
+def test_commands_we_do_not_patch_refuse_our_flags_by_name(tmp_path):
+    """`swift export --use_liger` (any ms-swift command whose arguments have no liger fields): our flags are named
+    and refused while parsing, instead of ms-swift's bare 'remaining_argv: [...]'; its own flags pass."""
+    import subprocess
+    from swift.arguments import ExportArguments
+    with pytest.raises(ValueError, match=r"--use_liger does not apply to this command \(ExportArguments\)"):
+        liger_args.check_argv(ExportArguments, ["--model", "m", "--use_liger"])
+    with pytest.raises(ValueError, match="--liger_rope does not apply"):
+        liger_args.check_argv(ExportArguments, ["--liger-rope=false"])
+    liger_args.check_argv(ExportArguments, ["--model", "m", "--use_liger_kernel", "false"])   # ms-swift's own
+    proc = subprocess.run([sys.executable, "-m", "swift.cli.main", "export", "--model", "/nonexistent", "--use_liger"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    assert proc.returncode != 0
+    assert "--use_liger does not apply to this command" in proc.stderr, proc.stderr[-2000:]
+    assert "ValueError: remaining_argv" not in proc.stderr, proc.stderr[-2000:]
