@@ -241,10 +241,20 @@ def check_argv(class_type, argv) -> None:
                                  "swift_liger patches `swift sft|pt|rlhf` training and `swift infer|deploy|app` "
                                  "generation with the transformers engine; drop the flag here")
         return
-    for token in argv or ():
+    argv = list(argv or ())
+    for i, token in enumerate(argv):
         if not isinstance(token, str) or not token.startswith("--"):
             continue
         name = token[2:].split("=", 1)[0].replace("-", "_")
+        if name in FIELD_NAMES and "=" not in token:   # ours take one value (a YAML list becomes several)
+            values = []
+            for nxt in argv[i + 1:]:
+                if not isinstance(nxt, str) or nxt.startswith("--"):
+                    break
+                values.append(nxt)
+            if len(values) > 1:
+                raise ValueError(f"swift_liger: --{name} takes one value, got {len(values)} ({' '.join(values)}); "
+                                 f"a YAML list for {name}? give one value")
         if name in known:
             continue
         if name.startswith(("liger", "use_liger")) or difflib.get_close_matches(name, FIELD_NAMES, n=1, cutoff=0.85):

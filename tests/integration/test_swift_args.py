@@ -291,3 +291,17 @@ def test_commands_we_do_not_patch_refuse_our_flags_by_name(tmp_path):
     assert proc.returncode != 0
     assert "--use_liger does not apply to this command" in proc.stderr, proc.stderr[-2000:]
     assert "ValueError: remaining_argv" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_yaml_list_for_a_liger_key_is_refused_naming_it(swift_mod, tmp_path):
+    """ms-swift turns a YAML list into several values after the flag; ours take one, so the key is named while the
+    arguments are checked (before any run directory), not left to ms-swift's remaining-arguments error."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: m\nuse_liger: true\nliger_tiled_mlp: [64, 32]\n")
+    argv = [str(cfg)]
+    swift_mod["yaml_argv"](argv)
+    assert argv[-3:] == ["--liger_tiled_mlp", "64", "32"]
+    with pytest.raises(ValueError, match=r"--liger_tiled_mlp takes one value, got 2 \(64 32\)"):
+        liger_args.check_argv(swift_mod["sft"], argv)
+    liger_args.check_argv(swift_mod["sft"], ["--use_liger", "--liger_tiled_mlp", "64", "--model", "m"])
+    liger_args.check_argv(swift_mod["sft"], ["--use_liger", "true", "--liger_rope=false", "--lora_target", "a", "b"])
