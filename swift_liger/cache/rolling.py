@@ -97,6 +97,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 import types
 import warnings
 from typing import Optional
@@ -104,7 +105,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..fusions.rolling_cache import MODEL_WINDOW, check_settings
+from ..fusions.rolling_cache import MODEL_WINDOW, RollingCacheRefused, check_settings
 from ..models.families import rolling_cache_model_types
 from ..ops.decode_attention_kernel import decode_attention_unchecked, decode_attention_write_unchecked
 from ..ops.kv_ring_write_kernel import kv_ring_write_unchecked, kv_sink_rotate, kv_sink_rotate_unchecked
@@ -146,7 +147,7 @@ def _find_decoder(model: torch.nn.Module) -> torch.nn.Module:
 def _check_family(model: torch.nn.Module, own_window: bool = False) -> None:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in HYBRID_MODEL_TYPES and not own_window:
-        raise ValueError(f"RollingKVCache supports {model_type} with window='model' only (--liger_rolling_cache "
+        raise RollingCacheRefused(f"RollingKVCache supports {model_type} with window='model' only (--liger_rolling_cache "
                          f"model): a ring of its own sliding window on the sliding layers and a full cache on the "
                          f"full-attention ones, outputs equal to transformers' cache. An explicit window,sinks "
                          f"ring would also cut the full-attention layers' context, which is not offered for "
@@ -514,6 +515,8 @@ class RollingKVCache(Cache):
             kinds = ("ring",) * config.num_hidden_layers
             _warn_mixed(config, window, settings["sinks"])
         sinks = settings["sinks"]
+        if not self.own_window:
+            _check_fits(decoder, config, window, sinks, kinds.count("ring"))
         self.window, self.sinks, self.mode = window, sinks, mode
         self.capacity = sinks + window
         self.layer_kinds = kinds                # "ring" (RollingLayer) or "full" (FullLayer) per layer
@@ -1119,6 +1122,40 @@ def _remove_forward_wrapper(decoder: torch.nn.Module) -> None:
     else:
         object.__delattr__(decoder, "forward")
     object.__delattr__(decoder, _GRAPH_ATTR)
+
+
+def _device_bytes(device: torch.device) -> Optional[int]:
+    """Total memory of `device` (a CUDA GPU's, or the host's for CPU), None where unknown."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        pass
+    return None
+
+
+def _check_fits(decoder, config, window: int, sinks: int, ring_layers: int) -> None:
+    """ValueError when one sequence's ring (keys and values of every ring layer, sinks + window tokens) exceeds the
+    model device's total memory: such a window would fail (or stall) at the first prompt's allocation."""
+    param = next(decoder.parameters(), None)
+    if param is None or ring_layers == 0:
+        return
+    total = _device_bytes(param.device)
+    if total is None:
+        return
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = ring_layers * 2 * kv_heads * head_dim * param.element_size()
+    need = per_token * (sinks + window)
+    if need > total:
+        largest = max(0, total // per_token - sinks)
+        raise RollingCacheRefused(f"liger_rolling_cache: window {window} + {sinks} sinks needs {need / 2**30:,.1f} GiB of keys "
+                         f"and values per sequence on this model ({ring_layers} layers x {kv_heads} KV heads x "
+                         f"{head_dim} x 2 x {param.element_size()} bytes per token), more than the {param.device} "
+                         f"device's {total / 2**30:,.1f} GiB; the largest window that fits at all is {largest}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

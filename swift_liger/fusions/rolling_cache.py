@@ -80,6 +80,11 @@ def parse_flag(value):
     return out
 
 
+class RollingCacheRefused(ValueError):
+    """A rolling-cache setting that cannot work on this model (an explicit window on a model with full-attention
+    layers, a ring larger than the device): an error, where an unsupported model is a reported skip."""
+
+
 def patch(ctx) -> None:
     try:
         from ..cache import install_rolling_cache, uninstall_rolling_cache
@@ -93,6 +98,8 @@ def patch(ctx) -> None:
         return
     try:
         install_rolling_cache(root, **ctx.config.rolling_cache)
+    except RollingCacheRefused:
+        raise
     except (ValueError, TypeError) as exc:  # unsupported attention: reported, not fatal unless strict
         ctx.report.skip("rolling_cache", str(exc), problem=True)
         return

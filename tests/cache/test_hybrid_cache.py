@@ -363,9 +363,11 @@ def test_install_and_apply(device):
     assert not isinstance(cache, RollingKVCache)
     report = swift_liger.apply(hybrid_model(device, "gemma2"), rolling_cache={"window": "model"})
     assert report.patched["rolling_cache"] == 1
-    with pytest.warns(UserWarning, match="rolling_cache skipped.*gemma2 with window='model' only"):
-        report = swift_liger.apply(hybrid_model(device, "gemma2"), rolling_cache={"window": 64, "sinks": 4})
-    assert report.patched["rolling_cache"] == 0
+    # an explicit window,sinks on gemma2 is refused (README), not warned and skipped; nothing stays patched
+    refused = hybrid_model(device, "gemma2")
+    with pytest.raises(ValueError, match="gemma2 with window='model' only"):
+        swift_liger.apply(refused, rolling_cache={"window": 64, "sinks": 4})
+    assert "generate" not in refused.__dict__ and not any("forward" in m.__dict__ for m in refused.modules())
 
 
 @pytest.mark.parametrize("family", sorted(HYBRID) + ["llama"])

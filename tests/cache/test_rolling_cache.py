@@ -599,3 +599,14 @@ def test_misuse_errors(device):
         model(input_ids=ids[:1], past_key_values=cache)
     with pytest.raises(NotImplementedError):
         cache.crop(-1)
+
+
+def test_window_that_cannot_fit_the_device_is_refused_at_install(device):
+    """A window whose KV ring could never be allocated on the model's device (issue 32: 99999999999 tried 25 TB at
+    the first prompt and hung) is an error at install, naming the window, the bytes and the largest that fits."""
+    model = tiny_model(device)
+    with pytest.raises(ValueError, match=r"window 99999999999 \+ 4 sinks needs .* per sequence.*largest window"):
+        install_rolling_cache(model, window=99999999999, sinks=4)
+    assert "generate" not in model.__dict__                                 # nothing installed
+    install_rolling_cache(model, window=64, sinks=4)
+    uninstall_rolling_cache(model)
