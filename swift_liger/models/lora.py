@@ -179,16 +179,18 @@ def _projection_forward(layer, owner, x, *args, **kwargs):
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def with_lora_projections(fn: Callable) -> Callable:
-    """Wrap an attention forward so that, during the call, its PEFT LoRA q/k/v/o projections run through
-    ops.lora_linear. HF's attention body calls them as modules, so each gets a temporary instance forward, removed
-    right after (nothing persists: deepcopy, revert and PEFT see the plain modules). Eager only: under
-    torch.compile the body runs unchanged."""
+def with_lora_projections(fn: Callable, names=ATTENTION_PROJECTIONS) -> Callable:
+    """Wrap a module's forward (an attention's, by default its q/k/v/o; or an MLP's, given its projection names) so
+    that, during the call, its PEFT LoRA projections run through ops.lora_linear. HF's bodies call them as modules,
+    so each gets a temporary instance forward, removed right after (nothing persists: deepcopy, revert and PEFT see
+    the plain modules). Eager only: under torch.compile the body runs unchanged."""
+    names = tuple(names)
+
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return fn(self, *args, **kwargs)
         installed = []
-        for name in ATTENTION_PROJECTIONS:
+        for name in names:
             child = self._modules.get(name)
             if is_peft_lora_linear(child) and "forward" not in child.__dict__:
                 child.__dict__["forward"] = types.MethodType(

@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 FAMILY_NAMES = ["llama", "mistral", "qwen2", "qwen3"]
 VOCAB, SEQ, BATCH = 128, 8, 2
-ALL_OFF = dict(rms_norm=False, rope=False, swiglu=False, cross_entropy="off", qk_norm_rope=False)
+ALL_OFF = dict(rms_norm=False, rope=False, swiglu=False, cross_entropy="off", qk_norm_rope=False, lora_fusion=False)
 
 
 def build(model_type: str, layers: int = 2, seed: int = 0, **extra) -> torch.nn.Module:
@@ -253,6 +253,8 @@ def test_toggles_switch_exactly_their_fusion(family):
         "swiglu": (dict(swiglu=True), {"mlp": layers}),
         "fused": (dict(cross_entropy="fused"), {"loss": 1}),
         "fused_linear": (dict(cross_entropy="fused_linear"), {"loss": 1, "lm_head": 1, "causal_lm": 1}),
+        # alone it wraps the attention and MLP forwards (PEFT's LoRA arrives after patching); not a counted swap
+        "lora_fusion": (dict(lora_fusion=True), {"attention": layers, "mlp": layers}),
     }
     if family == "qwen3":
         cases["qk_norm_rope"] = (dict(rope=True, qk_norm_rope=True), {"attention": layers, "qk_identity": 2 * layers})
@@ -273,6 +275,7 @@ def test_toggles_switch_exactly_their_fusion(family):
             "fused_linear": {"cross_entropy": 1},
             "qk_norm_rope": {"rope": layers, "qk_norm_rope": layers},
             "qk+rms": {"rope": layers, "qk_norm_rope": layers, "rms_norm": 2 * layers + 1},
+            "lora_fusion": {},
         }[case]
         assert counts == exp_counts, (case, counts)
         assert not report.problems, report.problems
@@ -332,7 +335,7 @@ def test_idempotent_and_reconfigure():
     assert second.already_applied and second.patched == first.patched
     for name, m in model.named_modules():  # nothing re-wrapped
         assert all(m.__dict__[k] is v for k, v in snapshot[name].items() if k in ("forward", "_loss_function"))
-    third = swift_liger.apply(model, swiglu=False, qk_norm_rope=False)
+    third = swift_liger.apply(model, swiglu=False, qk_norm_rope=False, lora_fusion=False)   # lora_fusion would wrap
     assert not third.already_applied and third.patched["swiglu"] == 0 and third.patched["qk_norm_rope"] == 0
     kinds = patched_kinds(model, "qwen3")
     assert kinds["mlp"] == 0 and kinds["qk_identity"] == 0 and kinds["rms_norm"] == 9
@@ -652,6 +655,27 @@ def test_lora_fusion_same_loss_and_grads(torch_backend, family, dropout, lora_li
     torch.manual_seed(11)
     close(clone(ids, labels=labels).loss, out.loss, "deep copy loss")
     assert len(lora_linear_calls) == 5 * 2
+
+
+@pytest.mark.parametrize("off", [dict(rope=False), dict(swiglu=False), dict(ALL_OFF)], ids=["rope", "swiglu", "all"])
+def test_lora_fusion_covers_modules_other_fusions_leave(torch_backend, lora_linear_calls, off):
+    """lora_fusion does not depend on rope / swiglu: with either (or every other fusion) off, every attention and MLP
+    LoRA projection still runs through ops.lora_linear, counted as such (none left to PEFT's forward uncounted), with
+    PEFT's loss and gradients; revert leaves no instance forward."""
+    peft = pytest.importorskip("peft")
+    ref, model = pair("llama")
+    swift_liger.apply(model, **{**off, "lora_fusion": True})
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules="all-linear")
+    ref, model = lora_pair(peft, ref, model, 3, **lora)
+    ids, labels = batch()
+    call_counts(model, reset=True)
+    out, expected = model(ids, labels=labels), ref(ids, labels=labels)
+    assert len(lora_linear_calls) == 7 * 2 and lora_calls(model) == (14, 0)
+    close(out.loss, expected.loss, "loss")
+    out.loss.backward(), expected.loss.backward()
+    assert_grads_match(model, ref)
+    swift_liger.revert(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def test_lora_fusion_dropout_under_reentrant_checkpointing(torch_backend, lora_linear_calls):
