@@ -292,6 +292,33 @@ def check_metrics_environment() -> None:
             raise ValueError(f"SWIFT_LIGER_PEAK_TFLOPS must be a number > 0 (TFLOP/s of one device), got {peak!r}")
 
 
+def check_takes_effect(args, cfg) -> None:
+    """Settings that would be accepted and then do nothing (or only be noticed after a step): refused, naming them."""
+    checkpointing = getattr(args, "gradient_checkpointing", None)   # training arguments only
+    if checkpointing is False:
+        for key in ("offload_checkpoints", "save_attention"):
+            if getattr(cfg, key):
+                raise ValueError(f"swift_liger: liger_{key}={getattr(cfg, key)!r} works on the gradient checkpoints "
+                                 "and needs --gradient_checkpointing true (ms-swift's default); it is off here")
+    if cfg.qk_norm_rope and not cfg.rope and getattr(args, "liger_qk_norm_rope", None) is not None:
+        raise ValueError("swift_liger: liger_qk_norm_rope true runs inside the RoPE kernel and needs liger_rope true "
+                         "(it is false here)")
+    if (cfg.rolling_cache or {}).get("cuda_graph"):
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError("swift_liger: liger_rolling_cache ',graph' replays CUDA graphs and needs a CUDA GPU; "
+                             "none is available here (drop ',graph')")
+
+
+def check_layers(state, config_json: dict) -> None:
+    """Settings that count decoder layers, against the checkpoint's num_hidden_layers."""
+    layers = config_json.get("num_hidden_layers")
+    n = state["config"].offload_checkpoints
+    if isinstance(layers, int) and not isinstance(n, bool) and isinstance(n, int) and n > layers:
+        raise ValueError(f"swift_liger: liger_offload_checkpoints={n} (the first N decoder layers) but the model has "
+                         f"{layers}; give a number <= {layers} or true for every layer")
+
+
 def check_model(args) -> None:
     """The model type from the checkpoint's config.json (ms-swift has resolved the model dir; no weights are loaded
     yet) against the families swift_liger patches: an error under --liger_strict, else a warning saying what is
@@ -305,9 +332,13 @@ def check_model(args) -> None:
         return
     try:
         with open(path, encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
+            config_json = json.load(f)
     except (OSError, ValueError):
         return
+    if not isinstance(config_json, dict):
+        return
+    check_layers(state, config_json)
+    model_type = config_json.get("model_type")
     if model_type is None:
         return
     from ..models.families import FAMILIES
@@ -336,7 +367,9 @@ def validate(args) -> None:
         raise ValueError("--use_liger (swift_liger's Triton kernels) and --use_liger_kernel (the liger-kernel "
                          "package) patch the same layers; pass only one of them")
     check_environment()
-    _RESOLVED[id(args)] = {"config": resolve_config(args), "notes": []}
+    config = resolve_config(args)
+    check_takes_effect(args, config)
+    _RESOLVED[id(args)] = {"config": config, "notes": []}
     try:  # forget it with the args object (ids are reused); args dataclasses are unhashable, so no WeakKeyDict
         weakref.finalize(args, _RESOLVED.pop, id(args), None)
     except TypeError:

@@ -305,3 +305,27 @@ def test_yaml_list_for_a_liger_key_is_refused_naming_it(swift_mod, tmp_path):
         liger_args.check_argv(swift_mod["sft"], argv)
     liger_args.check_argv(swift_mod["sft"], ["--use_liger", "--liger_tiled_mlp", "64", "--model", "m"])
     liger_args.check_argv(swift_mod["sft"], ["--use_liger", "true", "--liger_rope=false", "--lora_target", "a", "b"])
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--liger_offload_checkpoints", "true", "--gradient_checkpointing", "false"], "needs --gradient_checkpointing"),
+    (["--liger_save_attention", "true", "--gradient_checkpointing", "false"], "needs --gradient_checkpointing"),
+    (["--liger_rope", "false", "--liger_qk_norm_rope", "true"], "needs liger_rope true"),
+    (["--liger_offload_checkpoints", "999"], "but the model has 2"),
+])
+def test_settings_that_cannot_take_effect_are_refused(swift_mod, base_argv, extra, match):
+    """Accepted before and then doing nothing (or told only after step 1): refused while the arguments are parsed,
+    before any run directory exists."""
+    with pytest.raises(ValueError, match=match):
+        parse(swift_mod, base_argv + ["--use_liger", *extra])
+    assert not os.path.exists(base_argv[base_argv.index("--output_dir") + 1])
+    parse(swift_mod, base_argv + ["--use_liger", "--liger_rope", "false"])   # qk_norm_rope from the preset: fine
+    parse(swift_mod, base_argv + ["--use_liger", "--liger_offload_checkpoints", "2"])
+
+
+def test_rolling_cache_graph_needs_cuda(swift_mod, base_argv):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: ',graph' is valid")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        parse(swift_mod, base_argv + ["--use_liger", "--liger_rolling_cache", "64,4,graph"])
