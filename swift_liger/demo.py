@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     if os.path.exists(patch_file):
         with open(patch_file) as f:
             record = json.load(f)
-        patched = record["models"]["policy"]["report"].get("patched")
+        patched = {k: v for k, v in (record["models"]["policy"]["report"].get("patched") or {}).items() if v}
         print(f"patched ({patch_file}): {patched}")
         print("note: cross_entropy=fused_linear returns no logits in training, so the liger run logs no token_acc")
     with open(runs["liger"] + ".log", errors="replace") as f:   # what ran, counted (integration/runtime.py)
@@ -151,7 +151,8 @@ def main(argv=None) -> int:
                      if "swift_liger: " in ln and "in the first step" in ln):
             print(line)
     try:
-        png = plot_runs([runs["stock"], runs["liger"]], os.path.join(workdir, "demo.png"))
+        # on CPU the patched run executes reference code or the interpreter: its tokens/s ratio is not a speed-up
+        png = plot_runs([runs["stock"], runs["liger"]], os.path.join(workdir, "demo.png"), speed_ratio=cuda)
         print(f"plot: {png}   (swift-liger plot {runs['stock']} {runs['liger']} -o out.png)")
     except ImportError:
         print("matplotlib not installed: no plot")

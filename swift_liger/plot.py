@@ -118,11 +118,11 @@ def summary(label: str, rows: List[Dict], first: Optional[Dict] = None) -> Dict:
     return out
 
 
-def _summary_text(s: Dict, is_first: bool) -> str:
+def _summary_text(s: Dict, is_first: bool, speed_ratio: bool = True) -> str:
     parts = [s["label"] + ":"]
     if s["tokens_per_s"] is not None:
-        parts.append(f"{s['tokens_per_s']:.0f} tok/s" + ("" if is_first or s.get("tokens_per_s_ratio") is None
-                                                        else f" ({s['tokens_per_s_ratio']:.2f}x)"))
+        ratio = speed_ratio and not is_first and s.get("tokens_per_s_ratio") is not None
+        parts.append(f"{s['tokens_per_s']:.0f} tok/s" + (f" ({s['tokens_per_s_ratio']:.2f}x)" if ratio else ""))
     if s["peak_memory_gib"] is not None:
         parts.append(f"peak {s['peak_memory_gib']:.2f} GiB {s['memory_key']}" + (
             "" if is_first or s.get("peak_memory_gib_ratio") is None else f" ({s['peak_memory_gib_ratio']:.2f}x)"))
@@ -149,9 +149,10 @@ def output_format(out: str) -> str:
 
 
 def plot_runs(paths: List[str], out: str, title: Optional[str] = None,
-              labels: Optional[Sequence[str]] = None) -> str:
+              labels: Optional[Sequence[str]] = None, speed_ratio: bool = True) -> str:
     """Write the figure to exactly `out`, in the format its extension names (PNG without one); returns `out`.
-    ValueError for an extension matplotlib cannot write or a run without a single training step."""
+    ValueError for an extension matplotlib cannot write or a run without a single training step. speed_ratio=False
+    leaves the tokens/s ratios out of the summary (runs whose speeds do not compare, e.g. CPU reference code)."""
     fmt = output_format(out)
     import matplotlib
     matplotlib.use("Agg")
@@ -195,7 +196,7 @@ def plot_runs(paths: List[str], out: str, title: Optional[str] = None,
     stats = []
     for i, (label, rows) in enumerate(runs):
         stats.append(summary(label, rows, stats[0] if stats else None))
-    lines = [_summary_text(s, i == 0) for i, s in enumerate(stats)]
+    lines = [_summary_text(s, i == 0, speed_ratio) for i, s in enumerate(stats)]
     fig.suptitle(title or " vs ".join(name for name, _ in runs))
     fig.text(0.01, 0.01, "\n".join(lines) + (f"\n(x: against {stats[0]['label']}; tokens/s: median after step 1)"
                                             if len(stats) > 1 else ""),

@@ -202,3 +202,13 @@ def test_tiny_cli_offers_every_arch_reports_params_on_rerun_and_names_a_bad_outd
     blocker.write_text("x")
     assert main(["tiny", str(blocker)]) == 2
     assert str(blocker) in capsys.readouterr().err
+
+
+def test_summary_without_speed_ratio():
+    """The demo on CPU: tokens/s are shown, their ratio (reference code against stock, not a speed-up) is not."""
+    s0 = {"label": "stock", "tokens_per_s": 100.0, "peak_memory_gib": None, "final_loss": 1.0}
+    s1 = {"label": "liger", "tokens_per_s": 601.0, "tokens_per_s_ratio": 6.01, "peak_memory_gib": None,
+          "final_loss": 1.0}
+    assert "6.01x" in plot._summary_text(s1, False) and "601 tok/s" in plot._summary_text(s1, False)
+    text = plot._summary_text(s1, False, speed_ratio=False)
+    assert "601 tok/s" in text and "x)" not in text
