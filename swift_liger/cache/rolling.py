@@ -204,19 +204,19 @@ def _model_layer_kinds(config) -> tuple:
     types_, windows = _layer_types(config)
     model_type = getattr(config, "model_type", "this")
     if len(types_) != config.num_hidden_layers:
-        raise ValueError(f"RollingKVCache(window='model'): {model_type} has {config.num_hidden_layers} layers but "
+        raise RollingCacheRefused(f"RollingKVCache(window='model'): {model_type} has {config.num_hidden_layers} layers but "
                          f"{len(types_)} cache layer types (shared-KV layers are not supported)")
     other = sorted({t for t in types_ if t not in ("sliding_attention", "full_attention")})
     if other:
-        raise ValueError(f"RollingKVCache(window='model') handles sliding_attention and full_attention layers; "
+        raise RollingCacheRefused(f"RollingKVCache(window='model') handles sliding_attention and full_attention layers; "
                          f"{model_type} has {', '.join(other)}")
     sliding = {w for t, w in zip(types_, windows) if t == "sliding_attention"}
     if not sliding:
-        raise ValueError(f"RollingKVCache(window='model') needs sliding-window layers; this {model_type} config has "
+        raise RollingCacheRefused(f"RollingKVCache(window='model') needs sliding-window layers; this {model_type} config has "
                          f"none (sliding_window={getattr(config, 'sliding_window', None)!r}, every layer full "
                          f"attention). Give an explicit window,sinks instead.")
     if len(sliding) > 1 or not isinstance(next(iter(sliding)), int) or next(iter(sliding)) < 1:
-        raise ValueError(f"RollingKVCache(window='model') needs one int sliding window >= 1 for all sliding layers, "
+        raise RollingCacheRefused(f"RollingKVCache(window='model') needs one int sliding window >= 1 for all sliding layers, "
                          f"{model_type} has {sorted(sliding, key=repr)}")
     kinds = tuple("ring" if t == "sliding_attention" else "full" for t in types_)
     return kinds, next(iter(sliding))

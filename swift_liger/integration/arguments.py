@@ -319,6 +319,26 @@ def check_layers(state, config_json: dict) -> None:
                          f"{layers}; give a number <= {layers} or true for every layer")
 
 
+def check_model_window(state, model_dir: str) -> None:
+    """liger_rolling_cache "model" on a checkpoint without (one) sliding window: refused now, from its config, rather
+    than warned and skipped once the model is loaded."""
+    rolling = state["config"].rolling_cache or {}
+    if rolling.get("window") != "model":
+        return
+    from transformers import AutoConfig
+
+    from ..cache.rolling import _model_layer_kinds
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return
+    config = getattr(config, "text_config", None) or config
+    try:
+        _model_layer_kinds(config)
+    except ValueError as exc:
+        raise ValueError(f"swift_liger: liger_rolling_cache model: {exc}") from None
+
+
 def check_model(args) -> None:
     """The model type from the checkpoint's config.json (ms-swift has resolved the model dir; no weights are loaded
     yet) against the families swift_liger patches: an error under --liger_strict, else a warning saying what is
@@ -338,6 +358,7 @@ def check_model(args) -> None:
     if not isinstance(config_json, dict):
         return
     check_layers(state, config_json)
+    check_model_window(state, model_dir)
     model_type = config_json.get("model_type")
     if model_type is None:
         return

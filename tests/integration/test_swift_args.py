@@ -329,3 +329,11 @@ def test_rolling_cache_graph_needs_cuda(swift_mod, base_argv):
         pytest.skip("CUDA present: ',graph' is valid")
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         parse(swift_mod, base_argv + ["--use_liger", "--liger_rolling_cache", "64,4,graph"])
+
+
+def test_model_window_on_a_model_without_sliding_layers_is_refused_while_parsing(swift_mod, base_argv):
+    """`--liger_rolling_cache model` on qwen3 without sliding layers: an error before the model loads (it was a
+    warning after loading, an error only under --liger_strict)."""
+    with pytest.raises(ValueError, match="liger_rolling_cache model: .*needs sliding-window layers"):
+        parse(swift_mod, base_argv + ["--use_liger", "--liger_rolling_cache", "model"])
+    assert not os.path.exists(base_argv[base_argv.index("--output_dir") + 1])
