@@ -292,8 +292,24 @@ def check_metrics_environment() -> None:
             raise ValueError(f"SWIFT_LIGER_PEAK_TFLOPS must be a number > 0 (TFLOP/s of one device), got {peak!r}")
 
 
-def check_takes_effect(args, cfg) -> None:
-    """Settings that would be accepted and then do nothing (or only be noticed after a step): refused, naming them."""
+TRAINING_ONLY = ("offload_checkpoints", "save_attention")   # they act on training's gradient checkpoints
+
+
+def check_takes_effect(args, cfg):
+    """Settings that would be accepted and then do nothing (or only be noticed after a step): refused, naming them.
+    Returns (config, notes): a preset's training-only fusions are switched off (and said) for commands that do not
+    train (swift infer / deploy / app)."""
+    notes = []
+    training = dataclasses.is_dataclass(args) and "gradient_checkpointing" in {f.name for f in dataclasses.fields(args)}
+    if not training:
+        for key in TRAINING_ONLY:
+            if not getattr(cfg, key):
+                continue
+            if getattr(args, f"liger_{key}", None) is not None:
+                raise ValueError(f"swift_liger: liger_{key} acts on training's gradient checkpoints; "
+                                 f"{type(args).__name__} does not train (drop the flag)")
+            cfg = dataclasses.replace(cfg, **{key: False})
+            notes.append(f"{key} off: training only ({type(args).__name__} does not train)")
     checkpointing = getattr(args, "gradient_checkpointing", None)   # training arguments only
     if checkpointing is False:
         for key in ("offload_checkpoints", "save_attention"):
@@ -308,6 +324,7 @@ def check_takes_effect(args, cfg) -> None:
         if not torch.cuda.is_available():
             raise ValueError("swift_liger: liger_rolling_cache ',graph' replays CUDA graphs and needs a CUDA GPU; "
                              "none is available here (drop ',graph')")
+    return cfg, notes
 
 
 def check_layers(state, config_json: dict) -> None:
@@ -388,9 +405,8 @@ def validate(args) -> None:
         raise ValueError("--use_liger (swift_liger's Triton kernels) and --use_liger_kernel (the liger-kernel "
                          "package) patch the same layers; pass only one of them")
     check_environment()
-    config = resolve_config(args)
-    check_takes_effect(args, config)
-    _RESOLVED[id(args)] = {"config": config, "notes": []}
+    config, notes = check_takes_effect(args, resolve_config(args))
+    _RESOLVED[id(args)] = {"config": config, "notes": notes}
     try:  # forget it with the args object (ids are reused); args dataclasses are unhashable, so no WeakKeyDict
         weakref.finalize(args, _RESOLVED.pop, id(args), None)
     except TypeError:

@@ -337,3 +337,18 @@ def test_model_window_on_a_model_without_sliding_layers_is_refused_while_parsing
     with pytest.raises(ValueError, match="liger_rolling_cache model: .*needs sliding-window layers"):
         parse(swift_mod, base_argv + ["--use_liger", "--liger_rolling_cache", "model"])
     assert not os.path.exists(base_argv[base_argv.index("--output_dir") + 1])
+
+
+def test_training_only_fusions_are_not_patched_into_inference(tiny_qwen3, tmp_path):
+    """swift infer / deploy do not train: an explicit --liger_offload_checkpoints / --liger_save_attention is refused;
+    from a preset (long_context) they are switched off, and the notes say so."""
+    from swift.arguments import InferArguments
+    from swift.utils import parse_args
+    argv = [*tiny_qwen3["swift_flags"], "--use_liger", "--infer_backend", "transformers"]
+    for flag in ("--liger_offload_checkpoints", "--liger_save_attention"):
+        with pytest.raises(ValueError, match="does not train"):
+            parse_args(InferArguments, argv + [flag, "true"])
+    args, _ = parse_args(InferArguments, argv + ["--liger_config", "long_context"])
+    cfg, notes = liger_args.resolved(args)
+    assert cfg.offload_checkpoints is False and cfg.tiled_mlp == 8192
+    assert any("offload_checkpoints off: training only" in n for n in notes), notes
