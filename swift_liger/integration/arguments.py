@@ -300,8 +300,10 @@ def check_takes_effect(args, cfg):
     Returns (config, notes): a preset's training-only fusions are switched off (and said) for commands that do not
     train (swift infer / deploy / app)."""
     notes = []
-    training = dataclasses.is_dataclass(args) and "gradient_checkpointing" in {f.name for f in dataclasses.fields(args)}
-    if not training:
+    # an ms-swift arguments class without the training fields (InferArguments, DeployArguments, ...)
+    inference = dataclasses.is_dataclass(args) and "gradient_checkpointing" not in {
+        f.name for f in dataclasses.fields(args)}
+    if inference:
         for key in TRAINING_ONLY:
             if not getattr(cfg, key):
                 continue
