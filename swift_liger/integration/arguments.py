@@ -293,6 +293,7 @@ def check_metrics_environment() -> None:
 
 
 TRAINING_ONLY = ("offload_checkpoints", "save_attention")   # they act on training's gradient checkpoints
+SMALL_TILE = 1024   # liger_tiled_mlp below this is warned: many small MLP calls per layer
 
 
 def check_takes_effect(args, cfg):
@@ -312,6 +313,13 @@ def check_takes_effect(args, cfg):
                                  f"{type(args).__name__} does not train (drop the flag)")
             cfg = dataclasses.replace(cfg, **{key: False})
             notes.append(f"{key} off: training only ({type(args).__name__} does not train)")
+    tile = cfg.tiled_mlp
+    if tile and tile < SMALL_TILE:
+        message = (f"liger_tiled_mlp={tile}: the MLP runs {tile} tokens at a time, one forward (and one recompute) "
+                   f"per tile, so a step slows by the number of tiles while the memory saved is small; tiles of "
+                   f"{SMALL_TILE}+ tokens keep the launches few (the long_context preset uses 8192)")
+        warnings.warn("swift_liger: " + message, stacklevel=2)
+        notes.append(message)
     checkpointing = getattr(args, "gradient_checkpointing", None)   # training arguments only
     if checkpointing is False:
         for key in ("offload_checkpoints", "save_attention"):

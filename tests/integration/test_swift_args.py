@@ -352,3 +352,10 @@ def test_training_only_fusions_are_not_patched_into_inference(tiny_qwen3, tmp_pa
     cfg, notes = liger_args.resolved(args)
     assert cfg.offload_checkpoints is False and cfg.tiled_mlp == 8192
     assert any("offload_checkpoints off: training only" in n for n in notes), notes
+
+
+def test_tiny_mlp_tiles_are_warned(swift_mod, base_argv):
+    """--liger_tiled_mlp 3 is valid but runs the MLP 3 tokens at a time: said while parsing, and in the notes."""
+    with pytest.warns(UserWarning, match="liger_tiled_mlp=3: the MLP runs 3 tokens at a time"):
+        args = parse(swift_mod, base_argv + ["--use_liger", "--liger_tiled_mlp", "3"])
+    assert any("liger_tiled_mlp=3" in n for n in liger_args.resolved(args)[1])
