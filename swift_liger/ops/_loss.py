@@ -54,9 +54,10 @@ def reduce(loss_sum: torch.Tensor, token_loss: torch.Tensor, valid_count, reduct
     """loss_sum 0-d, token_loss [N], valid_count () -> tensor or None (only needed for "mean" without num_items):
     the reduced loss, divisors on the device (no host sync).
 
-    A divisor of 0 (every label ignored) gives NaN, as torch's mean cross-entropy and transformers' loss divided by
-    num_items_in_batch do, while the gradients stay 0 as theirs do: the NaN is added as a constant, so the backward
-    sees a divisor of 1 and rows whose gradients are 0."""
+    A divisor of 0 (every label ignored, or num_items_in_batch 0) gives NaN, as torch's mean cross-entropy and
+    transformers' loss divided by num_items_in_batch do for no tokens (transformers gives inf where num_items is 0
+    but tokens remain), while the gradients stay finite: the NaN is added as a constant, so the backward sees a
+    divisor of 1 (rows with ignored labels get 0)."""
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
             d = num_items_in_batch.to(device=loss_sum.device, dtype=loss_sum.dtype).reshape(())

@@ -27,6 +27,10 @@ def test_same_loss_from_logits_and_from_hidden(device, opts, label_dtype):
     a = cross_entropy(hidden @ weight.t(), labels, ignore_index=ignore, **opts)
     b = fused_linear_cross_entropy(hidden, weight, labels, ignore_index=ignore, chunk_size=8, **opts)
     assert a.shape == b.shape
+    n_items = opts.get("num_items_in_batch")
+    if isinstance(n_items, torch.Tensor) and n_items == 0:   # a mean over no tokens: NaN from both (ops/_loss.py)
+        assert a.isnan() and b.isnan()
+        return
     assert_close(b, a.double(), torch.float32, slack=4.0, name="loss")
 
 
