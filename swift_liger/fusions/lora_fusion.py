@@ -14,7 +14,7 @@ def patch(ctx) -> None:
     mlp_names = tuple(n for n in (layout.gate, layout.up, layout.down) if n is not None)
     for kinds, names in ((ctx.family.attention, None), (ctx.family.mlp, mlp_names)):
         for module in ctx.of(kinds):
-            if forward_attr(module) in module.__dict__:   # ours (rope / swiglu / tiled_mlp) or another tool's
+            if forward_attr(module) in module.__dict__:   # rope's / swiglu's (they route LoRA) or another tool's
                 continue
             if foreign_forward(module):
                 continue

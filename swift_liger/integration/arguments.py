@@ -322,7 +322,7 @@ def check_takes_effect(args, cfg):
         notes.append(message)
     checkpointing = getattr(args, "gradient_checkpointing", None)   # training arguments only
     if checkpointing is False:
-        for key in ("offload_checkpoints", "save_attention"):
+        for key in TRAINING_ONLY:
             if getattr(cfg, key):
                 raise ValueError(f"swift_liger: liger_{key}={getattr(cfg, key)!r} works on the gradient checkpoints "
                                  "and needs --gradient_checkpointing true (ms-swift's default); it is off here")
