@@ -22,6 +22,7 @@ import sys
 from typing import List, Sequence, Tuple
 
 from .fusions import REGISTRY
+from .plot import plot_runs, read_steps, summary
 
 # fusion -> the flag value that switches it off: every fusion on by default (from the registry)
 FUSIONS = {f.key: str(f.off).lower() for f in REGISTRY if f.default != f.off}
@@ -129,7 +130,6 @@ def run_all(command: str, swift_args: Sequence[str], out: str, runs, python: str
 
 
 def report(results: List[dict], out: str) -> str:
-    from .plot import plot_runs, read_steps, summary
     rows, stats, done = [], [], []
     base_steps = None
     for r in results:

@@ -12,9 +12,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+# all torch-free at module level: `swift-liger --help` and `flags` stay cheap
+from . import __version__
+from .ab import main as ab_main
+from .integration import hook
+from .integration.arguments import flags_markdown
+from .plot import output_format, plot_runs, read_steps, run_labels
+from .testing import tiny
+
 
 def _plot(args) -> int:
-    from .plot import output_format, plot_runs, read_steps, run_labels
     try:
         output_format(args.output)
         labels = args.labels or run_labels(args.runs)
@@ -31,21 +38,16 @@ def _plot(args) -> int:
 
 
 def _tiny_archs() -> tuple:
-    from .testing.tiny import SWIFT_FLAGS   # torch-free module top: cheap for argparse
-    return tuple(sorted(SWIFT_FLAGS))
+    return tuple(sorted(tiny.SWIFT_FLAGS))
 
 
 def _tiny(args) -> int:
-    from .testing import tiny
     return tiny.main([args.outdir, "--arch", args.arch])
 
 
 def _info(args) -> int:
     import importlib.metadata as md
     import os
-
-    from . import __version__
-    from .integration import hook
     print(f"swift_liger {__version__}")
     try:
         print(f"ms-swift {md.version('ms-swift')}")
@@ -61,7 +63,6 @@ def _info(args) -> int:
 
 
 def _flags(args) -> int:
-    from .integration.arguments import flags_markdown
     print(flags_markdown())
     return 0
 
@@ -69,7 +70,6 @@ def _flags(args) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["ab"]:   # everything after `--` belongs to swift: no argparse of ours over it
-        from .ab import main as ab_main
         return ab_main(argv[1:])
     ap = argparse.ArgumentParser(prog="swift-liger", description="swift_liger utilities")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -10,18 +10,6 @@ from typing import Any, Mapping, Optional
 
 from .fusions import REGISTRY
 
-BACKENDS = ("auto", "triton", "torch")   # SWIFT_LIGER_BACKEND
-
-
-def backend_from_env() -> str:
-    """SWIFT_LIGER_BACKEND, checked: auto (CUDA tensors run Triton, CPU tensors the PyTorch reference), triton or
-    torch (the reference everywhere)."""
-    value = os.environ.get("SWIFT_LIGER_BACKEND", "auto").strip().lower()
-    if value not in BACKENDS:
-        raise ValueError(f"SWIFT_LIGER_BACKEND must be one of {', '.join(BACKENDS)}; got {value!r}")
-    return value
-
-
 ROLLING_CACHE_MODES = ("absolute", "streaming")
 ROLLING_CACHE_KEYS = ("window", "sinks", "mode", "cuda_graph")
 

@@ -15,6 +15,9 @@ import subprocess
 import sys
 import time
 
+from .plot import find_log, memory_key, plot_runs, read_steps
+from .testing import tiny
+
 LOSS_TOL = 1e-4  # fp32; the per-step losses of a correct patch agree to ~1e-6 on this model
 
 
@@ -67,7 +70,6 @@ def _fmt(value, spec):
 
 def compare_table(stock, liger) -> tuple:
     """Rows of text and the max |loss difference| over the common steps."""
-    from .plot import memory_key
     mem_s, mem_l = memory_key(stock), memory_key(liger)
     by_step = {r["step"]: r for r in liger}
     lines = [f"{'step':>4} | {'loss stock':>11} {'loss liger':>11} {'|diff|':>8} | {'tok/s stock':>11} "
@@ -95,9 +97,6 @@ def main(argv=None) -> int:
                     help="on CPU, run the real Triton kernels in Triton's interpreter instead of the PyTorch "
                          "reference implementations (minutes: batch 1 x 64 tokens, several seconds per step)")
     args = ap.parse_args(argv)
-
-    from .plot import plot_runs, read_steps
-    from .testing import tiny
 
     workdir = os.path.abspath(args.workdir)
     cuda = _cuda_available()
@@ -138,7 +137,6 @@ def main(argv=None) -> int:
     print(f"\nlosses {'AGREE' if agree else 'DIFFER'}: max |diff| = {worst:.2e} over {len(stock)} steps "
           f"(tolerance {LOSS_TOL:g})")
 
-    from .plot import find_log
     patch_file = os.path.join(os.path.dirname(find_log(runs["liger"])), "liger_patch.json")
     if os.path.exists(patch_file):
         with open(patch_file) as f:

@@ -275,7 +275,7 @@ def run_point(variant: str, seq: int, *, shape: Shape, layers: int, steps: int, 
             del loss
             _progress(t0, f"step {step} done (loss {losses[-1]:.5f}, {times[-1]:.2f} s)", cuda)
         try:
-            from swift_liger.models import call_counts
+            from swift_liger import call_counts
             counts = call_counts(model)
             row["call_counts"] = json.loads(json.dumps(counts, default=str)) if counts else None
         except Exception as exc:   # a diagnostic, never a reason to lose the point

@@ -1,15 +1,16 @@
 """The fusion registry: one module per fusion (its spec and its patch). LigerConfig's fields, the --liger_* flags
 and YAML keys, the patch report's counters, the README flags table and `swift-liger ab --each` come from here; the
-patcher (models/patcher.py) runs the patches in `order`. A new fusion is one module and one entry below.
+patcher (swift_liger/patcher.py) runs the patches in `order`; `call_counts` and the report read each fusion's
+`counters` and `label` hooks. A new fusion is one module (or package, like loss_head) and one entry below.
 """
 from __future__ import annotations
 
-from . import (compile_layers, cross_entropy, fused_projections, lora_fusion, offload_checkpoints, qk_norm_rope,
-               rms_norm, rolling_cache, rope, save_attention, swiglu, tiled_mlp)
+from . import (compile_layers, fused_projections, lora_fusion, loss_head, offload_checkpoints, qk_norm_rope, rms_norm,
+               rolling_cache, rope, save_attention, swiglu, tiled_mlp)
 from .base import Fusion, PatchContext
 
 REGISTRY = tuple(m.FUSION for m in (rms_norm, rope, qk_norm_rope, swiglu, lora_fusion, tiled_mlp, offload_checkpoints,
-                                    save_attention, cross_entropy, rolling_cache, fused_projections,
+                                    save_attention, loss_head, rolling_cache, fused_projections,
                                     compile_layers))
 BY_KEY = {f.key: f for f in REGISTRY}
 COUNTED = tuple(f.key for f in REGISTRY if f.counted)          # PatchReport.patched keys, in this order

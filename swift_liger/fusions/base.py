@@ -3,15 +3,13 @@ YAML keys, the patch report's counters, the README flags table and `swift-liger 
 
 A fusion module holds its spec (this dataclass, torch-free so config and flags load without torch) and its patch
 function, which imports what it needs when it runs. Adding a fusion: one module here, one line in the registry,
-its tests.
+its tests. A fusion that counts what happens at run time keeps its counters in `state.parts[key]` and declares a
+`counters` hook; `call_counts` and the report's summary read every fusion the same way.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Optional, Tuple
-
-STATE_ATTR = "_swift_liger_state"   # the PatchState on a patched root module (models/state.py)
-
 
 @dataclasses.dataclass(frozen=True)
 class Fusion:
@@ -30,6 +28,9 @@ class Fusion:
     explain: Optional[Callable] = None     # explain(ctx): report skips that apply whether or not it is on
     normalize: Optional[Callable] = None   # config value -> canonical value; raises ValueError / TypeError
     parse_flag: Optional[Callable] = None  # flag or YAML string -> config value
+    counters: Optional[Callable] = None    # counters(part, reset) -> {name: value} for call_counts; part is
+                                           # state.parts.get(key) (None when the patch did not run)
+    label: Optional[Callable] = None       # label(count, report) -> the report summary's entry (default key x count)
 
     @property
     def flag(self) -> str:
@@ -60,6 +61,14 @@ class PatchContext:
 
     def of(self, class_names) -> list:
         return [m for m in self.modules if type(m).__name__ in class_names and id(m) not in self.consumed]
+
+
+def read_counters(part, names, reset: bool) -> dict:
+    """{name: part[name]} for a counters dict (zeros when `part` is None); zeroes them when `reset`."""
+    out = {name: (part or {}).get(name, 0) for name in names}
+    if reset and part is not None:
+        part.update(dict.fromkeys(part, 0))
+    return out
 
 
 def is_count(text: str) -> bool:

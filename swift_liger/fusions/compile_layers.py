@@ -27,7 +27,7 @@ def patch(ctx) -> None:
         ctx.report.patched["compile_layers"] += 1
 
 
-FUSION = Fusion(key="compile_layers", default=False,
+FUSION = Fusion(key="compile_layers", label=lambda count, report: f"torch.compile on {count} decoder layers", default=False,
                 help="torch.compile each decoder layer (our ops stay single custom-op nodes inside); first steps pay "
                      "the compile time.",
                 applies_to="decoder layers", order=90, patch=patch, say_off=False)

@@ -96,7 +96,8 @@ def _why_not(members) -> Optional[str]:
 
 def _fuse(ctx, members) -> None:
     import torch
-    from ..models.state import foreign_forward, set_forward
+    # lazy: the spec loads without torch; the patch imports the toolkit when it runs
+    from ..patching.state import foreign_forward, set_forward
     why = _why_not(members) or next((foreign_forward(m) for m in members if foreign_forward(m)), None)
     if why:
         ctx.report.skip("fused_projections", why, problem=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from .base import Fusion, is_count
+from .base import Fusion, is_count, read_counters
 
 
 def normalize(value):
@@ -42,16 +42,23 @@ def chosen(layers, value) -> list:
 
 
 def patch(ctx) -> None:
-    from ..models import checkpoint_funcs
-    from ..models.offload import Offloader, checkpoint_offloaded
+    from ..patching import checkpoint_funcs   # lazy: the spec loads without torch
+    from ..patching.offload import Offloader, checkpoint_offloaded
     layers = checkpoint_funcs.checkpointed_layers(ctx, "offload_checkpoints")
     if not layers:
         return
     layers = chosen(layers, ctx.config.offload_checkpoints)
     offloader = Offloader()
     checkpoint_funcs.install(ctx, layers, functools.partial(checkpoint_offloaded, offloader))
-    ctx.state.offloader = offloader
+    ctx.state.parts["offload_checkpoints"] = offloader
     ctx.report.patched["offload_checkpoints"] = len(layers)
+
+
+def _counters(offloader, reset) -> dict:
+    # layer inputs sent to the host, and how they came back; absent when the patch did not run
+    if offloader is None:
+        return {}
+    return {"offloaded_checkpoints": read_counters(offloader.calls, tuple(offloader.calls), reset)}
 
 
 FUSION = Fusion(key="offload_checkpoints", default=False, kind="int", off=False,
@@ -59,4 +66,4 @@ FUSION = Fusion(key="offload_checkpoints", default=False, kind="int", off=False,
                      "prefetched back on a side stream; true = every layer, N = the first N layers; needs gradient "
                      "checkpointing on.",
                 applies_to="decoder layers (GradientCheckpointingLayer)", order=85, patch=patch, say_off=False,
-                normalize=normalize, parse_flag=parse_flag)
+                normalize=normalize, parse_flag=parse_flag, counters=_counters)

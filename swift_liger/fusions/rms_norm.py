@@ -14,7 +14,8 @@ def _make_forward(rms_norm, norm):
 
 
 def patch(ctx) -> None:
-    from ..models.state import foreign_forward, load_op, set_forward
+    # lazy: the spec loads without torch; the patch imports the toolkit when it runs
+    from ..patching.state import foreign_forward, load_op, set_forward
     norms = ctx.of(ctx.family.rms_norm)
     if not norms:
         return

@@ -11,6 +11,7 @@ import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .base import Fusion
+from .lora_fusion import lora_calls
 
 _EXTRA_PARAMS = {"unsqueeze_dim", "position_ids"}
 
@@ -63,8 +64,9 @@ def identity_forward(self, hidden_states):
 
 
 def _build_qk_forward(attention, base: Callable, spec: dict) -> Callable:
-    from ..models.lora import with_lora_projections
-    from ..models.rebind import rebuild_with_globals
+    # lazy: the spec loads without torch; the patch imports the toolkit when it runs
+    from ..patching.lora import with_lora_projections
+    from ..patching.rebind import rebuild_with_globals
     rope = _make_qk_rope(attention, spec["op"], spec["extra"], spec["norm"])
     new, reason = rebuild_with_globals(base, {spec["name"]: rope}, spec["required"])
     if new is None:  # checked at apply time; only reachable if the class changed under us
@@ -78,7 +80,8 @@ def _rebuild_qk(attention, attr: str, base: Callable, spec: dict) -> None:
 
 
 def _qk_norm_problem(attention, family) -> Optional[str]:
-    from ..models.state import class_in, foreign_forward
+    # lazy: the spec loads without torch; the patch imports the toolkit when it runs
+    from ..patching.state import class_in, foreign_forward
     q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
     eps = family.norm.eps
     for label, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
@@ -95,9 +98,10 @@ def _qk_norm_problem(attention, family) -> Optional[str]:
 
 
 def patch(ctx) -> None:
-    from ..models.lora import share_counters, with_lora_projections
-    from ..models.rebind import innermost, rebuild_with_globals
-    from ..models.state import forward_attr, foreign_forward, load_op, set_forward
+    # lazy: the spec loads without torch; the patch imports the toolkit when it runs
+    from ..patching.lora import share_counters, with_lora_projections
+    from ..patching.rebind import innermost, rebuild_with_globals
+    from ..patching.state import forward_attr, foreign_forward, load_op, set_forward
     config, family, st, report = ctx.config, ctx.family, ctx.state, ctx.report
     attentions = ctx.of(family.attention)
     if not attentions:
@@ -120,7 +124,7 @@ def patch(ctx) -> None:
             report.skip("rope", f"{type(attention).__name__}: {why}", problem=True)
             continue
         if config.lora_fusion:
-            share_counters(st, attention)
+            share_counters(st, attention, lora_calls(st))
 
         if want_qk:
             qk_why = qk_reason or _qk_norm_problem(attention, family)

@@ -1,5 +1,5 @@
 """Keep attention outputs through gradient checkpointing: the recompute of a checkpointed decoder layer reuses the
-forward's SDPA result (out + logsumexp) instead of running attention again (models/checkpoint_funcs.py).
+forward's SDPA result (out + logsumexp) instead of running attention again (patching/checkpoint_funcs.py).
 
 Attention is the one part of a layer whose recompute costs O(T^2). Through `swift sft`, full fine-tuning at
 Qwen2.5-1.5B shapes and 16k tokens on an H200: 33,501 tok/s against 30,093 without it (1.11x). The price is one
@@ -12,11 +12,13 @@ flex, a padded batch that takes SDPA's math path) is recomputed as before. Needs
 """
 from __future__ import annotations
 
-from .base import Fusion
+from .base import Fusion, read_counters
+
+CALLS = ("kept",)   # SDPA outputs kept in the forward for the recompute
 
 
 def patch(ctx) -> None:
-    from ..models import checkpoint_funcs
+    from ..patching import checkpoint_funcs   # lazy: the spec loads without torch
     layers = checkpoint_funcs.checkpointed_layers(ctx, "save_attention")
     if not layers:
         return
@@ -30,10 +32,15 @@ def patch(ctx) -> None:
         ctx.report.skip("save_attention", "every decoder layer's checkpoint is offloaded (offload_checkpoints), "
                         "whose recompute runs attention again", problem=False)
         return
-    calls = {"kept": 0}
+    calls = dict.fromkeys(CALLS, 0)
     checkpoint_funcs.install(ctx, rest, checkpoint_funcs.keep_attention_checkpoint(calls))
-    ctx.state.saved_attention = calls
+    ctx.state.parts["save_attention"] = calls
     ctx.report.patched["save_attention"] = len(rest)
+
+
+def _counters(part, reset) -> dict:
+    # attention outputs kept in the forward and reused in the recompute; absent when the patch did not run
+    return {} if part is None else {"saved_attention": read_counters(part, CALLS, reset)}
 
 
 FUSION = Fusion(key="save_attention", default=False,
@@ -41,4 +48,4 @@ FUSION = Fusion(key="save_attention", default=False,
                      "recompute skips attention: one [tokens, heads x head_dim] tensor per layer more; layers "
                      "with offloaded checkpoints keep their own recompute.",
                 applies_to="decoder layers (GradientCheckpointingLayer) with SDPA attention", order=86, patch=patch,
-                say_off=False)
+                say_off=False, counters=_counters)

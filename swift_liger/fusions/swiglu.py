@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Tuple
 
+from ..patching.families import ACTIVATIONS
 from .base import Fusion
+from .lora_fusion import lora_calls
 
 
 def _make_forward(gated_act: Callable, layout, lora_fusion: bool) -> Callable:
     gate_name, up_name, down_name = layout.gate, layout.up, layout.down
     if lora_fusion:
-        from ..models.lora import project
+        # lazy: the spec loads without torch; the patch imports the toolkit when it runs
+        from ..patching.lora import project
 
         if gate_name is None:
             def forward(self, x):
@@ -50,7 +53,6 @@ def _make_apply_gate(gated_act: Callable) -> Callable:
 
 def _kernel_for(module, act_name: str) -> Tuple[Optional[str], Optional[str], bool]:
     """(kernel, reason, problem) for the activation module `module.<act_name>`: no kernel is no problem."""
-    from ..models.families import ACTIVATIONS
     act = getattr(module, act_name)
     kernel = ACTIVATIONS.get(type(act).__name__)
     if kernel is None:
@@ -61,7 +63,8 @@ def _kernel_for(module, act_name: str) -> Tuple[Optional[str], Optional[str], bo
 def _patch_experts(ctx, cache) -> None:
     import types
 
-    from ..models.state import load_op
+    # lazy: the spec loads without torch; the patch imports the toolkit when it runs
+    from ..patching.state import load_op
     for experts in ctx.of(ctx.family.experts):
         why, problem = None, True
         if not (hasattr(experts, "gate_up_proj") and hasattr(experts, "act_fn")
@@ -94,8 +97,9 @@ def _patch_experts(ctx, cache) -> None:
 
 
 def patch(ctx) -> None:
-    from ..models.lora import share_counters
-    from ..models.state import foreign_forward, load_op, set_forward
+    # lazy: the spec loads without torch; the patch imports the toolkit when it runs
+    from ..patching.lora import share_counters
+    from ..patching.state import foreign_forward, load_op, set_forward
     lora_fusion = ctx.config.lora_fusion
     layout = ctx.family.mlp_layout
     names = tuple(n for n in (layout.gate, layout.up, layout.down, layout.act) if n is not None)
@@ -119,7 +123,7 @@ def patch(ctx) -> None:
             continue
         set_forward(ctx.state, mlp, forward)
         if lora_fusion:
-            share_counters(ctx.state, mlp)
+            share_counters(ctx.state, mlp, lora_calls(ctx.state))
         ctx.report.patched["swiglu"] += 1
         ctx.report.activation = kernel
     if ctx.family.experts:
@@ -127,6 +131,7 @@ def patch(ctx) -> None:
 
 
 FUSION = Fusion(key="swiglu", default=True, help="Fused SwiGLU/GeGLU MLP activation.",
+                label=lambda count, report: f"{report.activation or 'swiglu'}x{count}",
                 applies_to="gated MLPs (gate_proj/up_proj or a packed gate_up_proj, down_proj) and packed MoE experts "
                            "with SiLU or tanh-GELU",
                 order=30, patch=patch)

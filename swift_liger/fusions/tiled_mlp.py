@@ -72,7 +72,8 @@ def _make_forward(inner, tile: int):
 
 
 def patch(ctx) -> None:
-    from ..models.state import forward_attr, foreign_forward, set_forward
+    # lazy: the spec loads without torch; the patch imports the toolkit when it runs
+    from ..patching.state import forward_attr, foreign_forward, set_forward
     tile = ctx.config.tiled_mlp
     for mlp in ctx.of(ctx.family.mlp):
         attr = forward_attr(mlp)

@@ -17,8 +17,10 @@ import warnings
 import weakref
 from typing import Optional
 
-from ..config import LigerConfig, backend_from_env, closest
+from ..config import LigerConfig, closest
+from ..env import backend_from_env
 from ..fusions import BY_KEY, REGISTRY
+from ..patching.families import FAMILIES
 
 _BOOL_FLAG = {"nargs": "?", "const": True}  # `--liger_rope` alone means true; default None means "from the preset"
 
@@ -354,7 +356,7 @@ def check_model_window(state, model_dir: str) -> None:
         return
     from transformers import AutoConfig
 
-    from ..cache.rolling import _model_layer_kinds
+    from ..cache.rolling import _model_layer_kinds   # lazy: torch and transformers, only for window="model"
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError):
@@ -389,7 +391,6 @@ def check_model(args) -> None:
     model_type = config_json.get("model_type")
     if model_type is None:
         return
-    from ..models.families import FAMILIES
     if model_type in FAMILIES:
         return
     message = (f"swift_liger: model type {model_type!r} is not supported (swift_liger patches "

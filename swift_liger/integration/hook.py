@@ -35,7 +35,7 @@ def disabled() -> bool:
 def _run_patch(name, module):
     if getattr(module, _MARK, False):  # install() after the import already patched it: once per module body
         return
-    from . import swift_patches
+    from . import swift_patches   # lazy: only once ms-swift imports a TARGETS module; this file runs at every start
     getattr(swift_patches, TARGETS[name])(module)
     setattr(module, _MARK, True)
 

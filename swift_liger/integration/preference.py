@@ -28,7 +28,7 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 
-from ..models.head import HeadHandle, head_for, why_not
+from ..fusions.loss_head.handle import HeadHandle, head_for, why_not
 
 # ms-swift rlhf_type (simpo runs as cpo) -> ms-swift trainer class name
 TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer", "cpo": "CPOTrainer"}

@@ -1,7 +1,7 @@
 """What the fusions did, counted while training: logged after the first optimizer step, recorded in liger_patch.json.
 
 The patch report says what was installed; this says what ran. Sources:
-* each patched model's counters (models.state.call_counts): our fused linear CE and CE calls (the model's own
+* each patched model's counters (swift_liger.call_counts): our fused linear CE and CE calls (the model's own
   loss), fused log-prob passes, forwards that returned [rows, V] logits, and lora_fusion's LoRA projection calls
   through ops.lora_linear or PEFT's own forward;
 * a preference trainer's log-prob passes by path (preference.py): from hidden states or from real logits, with
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from ..models.state import call_counts
+from ..patcher import call_counts
+from .preference import fallback_reasons
+from .record import update_record
 
 
 def _models(trainer):
@@ -31,7 +33,6 @@ def snapshot(trainer) -> dict:
             out[role] = counts
     calls = getattr(trainer, "liger_calls", None)
     if calls is not None:
-        from .preference import fallback_reasons
         out["trainer"] = {"class": type(trainer).__name__, "log_prob_passes": dict(calls),
                           "logits_fallback_reasons": fallback_reasons(trainer)}
     policy = out.get("policy")
@@ -110,7 +111,6 @@ class RuntimeRecord(TrainerCallback):
             return
         from swift.utils import get_logger
 
-        from .swift_patches import update_record
         self.first = snapshot(self.trainer)
         logger = get_logger()
         for line in describe(self.first):
@@ -120,6 +120,5 @@ class RuntimeRecord(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if not self._master():
             return
-        from .swift_patches import update_record
         update_record(self.args, "runtime", {"first_step": self.first, "total": snapshot(self.trainer),
                                              "optimizer_steps": state.global_step})

@@ -34,12 +34,14 @@ import warnings
 import weakref
 from typing import Optional
 
+from .arguments import (FIELD_NAMES, check_argv, check_model, finalize, inject_fields, preference_fused, resolved,
+                        validate)
+from .record import records, write_record
+
 SUPPORTED_SWIFT = "4.6."
 SIDE_ROLES = ("ref", "reward", "teacher")
-PATCH_FILE = "liger_patch.json"
 
 _patched = weakref.WeakSet()  # models already patched here (PPO value model, repeated prepare calls)
-_records = {}  # output_dir -> liger_patch.json content
 _side_role = [None, False]  # [role of the model _prepare_single_model is building, patched yet]
 
 
@@ -90,7 +92,6 @@ def _is_master():
 
 def patch_sft_args(module) -> None:
     _check_version()
-    from .arguments import inject_fields
     inject_fields(_require(module, "SftArguments", "swift.arguments.sft_args"))
 
 
@@ -99,7 +100,6 @@ def patch_pipeline_base(module) -> None:
 
     @functools.wraps(orig)
     def parse_args(class_type, argv=None):
-        from .arguments import FIELD_NAMES, check_argv
         ray_args = os.environ.get("RAY_SWIFT_ARGS")   # ms-swift's parse_args reads its argv from there first
         tokens = json.loads(ray_args) if ray_args else sys.argv[1:] if argv is None else argv
         if {"-h", "--help"} & set(tokens) and "use_liger" in getattr(class_type, "__dataclass_fields__", {}):
@@ -137,7 +137,6 @@ def patch_cli_utils(module) -> None:
         return
     import swift.arguments
 
-    from .arguments import FIELD_NAMES
     print_help(getattr(swift.arguments, HELP_SCRIPTS[name]), FIELD_NAMES)
 
 
@@ -190,7 +189,6 @@ def patch_megatron_cli(module) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _config_for(args, role):
-    from .arguments import finalize, preference_fused, resolved, validate
     res = resolved(args)
     if res is None:  # args built without __post_init__ (e.g. copied); resolve now, same rules
         validate(args)
@@ -216,9 +214,9 @@ def patch_model(args, model, role: str):
     """Apply swift_liger to one loaded model; record and log what changed. Returns the PatchReport (or None)."""
     if model is None or model in _patched:
         return None
-    import swift_liger
+    from ..patcher import apply   # lazy: torch and the kernels load when a model is patched, not with the arguments
     cfg, notes = _config_for(args, role)
-    report = swift_liger.apply(model, cfg)
+    report = apply(model, cfg)
     _patched.add(model)
     ranks = _gather_ranks(report)
     master = _is_master()
@@ -292,10 +290,10 @@ def _save_record(args, role, cfg, notes, report, ranks):
     output_dir = getattr(args, "output_dir", None)
     if not output_dir:
         return
-    record = _records.get(output_dir)
+    record = records.get(output_dir)
     if record is None:
-        from swift_liger import __version__
-        record = _records[output_dir] = {
+        from .. import __version__   # lazy: read only when the first record is written
+        record = records[output_dir] = {
             "swift_liger": __version__,
             "ms_swift": _swift_version(),
             "backend": {k: os.environ.get(k) for k in ("SWIFT_LIGER_BACKEND", "TRITON_INTERPRET")},
@@ -305,15 +303,7 @@ def _save_record(args, role, cfg, notes, report, ranks):
     record["models"][role] = {"config": cfg.to_dict(), "notes": notes, "report": _report_dict(report), "ranks": ranks}
     if role == "policy":
         record["config"], record["notes"] = cfg.to_dict(), notes
-    _write_record(output_dir, record)
-
-
-def _write_record(output_dir, record) -> None:
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, PATCH_FILE)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=2, default=str)
-    os.replace(path + ".tmp", path)
+    write_record(output_dir, record)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -383,9 +373,8 @@ def patch_sft_pipeline(module) -> None:
     def get_trainer_cls(cls, args, *a, **kw):
         trainer_cls = orig_get(cls, args, *a, **kw)
         if getattr(args, "use_liger", False):
-            from .arguments import preference_fused
             if preference_fused(args, _config_for(args, "policy")[0]):
-                from .preference import SEAMS, trainer_class
+                from .preference import SEAMS, trainer_class   # lazy: the seams import torch; rlhf only
                 if trainer_cls.__name__ not in SEAMS:
                     raise RuntimeError(f"swift_liger: rlhf_type={args.rlhf_type} runs {trainer_cls.__name__}, which "
                                        f"has no log-prob seam here (known: {', '.join(SEAMS)})")
@@ -398,10 +387,10 @@ def patch_sft_pipeline(module) -> None:
     def train(self, trainer):
         args = self.args
         if getattr(args, "liger_metrics", False):   # with or without --use_liger; false means off for both
-            from .metrics import attach
+            from .metrics import attach   # lazy: loads only when --liger_metrics is on
             attach(trainer)
         if getattr(args, "use_liger", False):
-            from .runtime import RuntimeRecord
+            from .runtime import RuntimeRecord   # lazy: imports the patcher (torch), needed once training starts
             trainer.add_callback(RuntimeRecord(trainer, args))
         result = orig_train(self, trainer)
         if getattr(args, "use_liger", False):
@@ -466,7 +455,6 @@ def patch_infer_args(module) -> None:
     --liger_* fields as SftArguments, validated the same way before any model loads; the model-type check, which
     sft runs before creating its run directory, runs at the end of __post_init__ (the model dir is resolved then)."""
     _check_version()
-    from .arguments import check_model, inject_fields
     cls = _require(module, "InferArguments", "swift.arguments.infer_args")
     inject_fields(cls)
     post_init = cls.__post_init__   # inject_fields' wrapper: validate, ms-swift's __post_init__, finalize
@@ -573,13 +561,3 @@ def _join_stream_generate_threads(timeout: float = 60.0) -> None:
         target = getattr(thread, "_target", None)
         if thread is not current and getattr(target, "__name__", "") == "_model_generate":
             thread.join(timeout)
-
-
-def update_record(args, key, value) -> None:
-    """Add `key: value` to this run's liger_patch.json (rank 0; the patch-time content stays as it is)."""
-    output_dir = getattr(args, "output_dir", None)
-    record = _records.get(output_dir)
-    if record is None:
-        return
-    record[key] = value
-    _write_record(output_dir, record)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Uni
 
 import torch
 
-from ..config import backend_from_env
+from ..env import backend_from_env
 
 logger = logging.getLogger("swift_liger")
 

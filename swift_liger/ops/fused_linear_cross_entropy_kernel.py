@@ -660,7 +660,7 @@ def _check_args(hidden, weight, labels, bias, ignore_index, label_smoothing, sof
     _common.check_tensor("hidden", hidden, min_ndim=2)
     if isinstance(weight, torch.Tensor) and weight.numel() == 0:
         raise ValueError(f"weight is empty (shape {tuple(weight.shape)}): a partitioned ZeRO-3 / sharded parameter? "
-                         "gather it with swift_liger.models.sharding.gathered_lm_head_weight")
+                         "gather it with swift_liger.fusions.loss_head.sharding.gathered_lm_head_weight")
     _common.check_tensor("weight", weight, ndim=2)
     _common.check_tensor("labels", labels, dtypes=LABEL_DTYPES)
     if bias is not None:

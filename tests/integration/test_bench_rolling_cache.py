@@ -101,7 +101,7 @@ def test_kernels_for_patches_one_kind_and_reverts():
 
     import torch
 
-    from swift_liger.models.patcher import find_states
+    from swift_liger.patching.state import find_states
     args = argparse.Namespace(tiny=True, layers=2, liger=False)
     model = rolling_cache.build_model(rolling_cache.model_config(args), torch.device("cpu"), torch.float32)
     with rolling_cache.kernels_for("rolling_absolute+graph+liger", model, args) as k:

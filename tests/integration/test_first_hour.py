@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from swift_liger.models.families import FAMILIES
+from swift_liger.patching.families import FAMILIES
 
 from swift_runner import CPU_FLAGS, run_swift, swift_env
 

@@ -14,7 +14,7 @@ import swift_liger
 from swift_liger.integration import preference, runtime
 from swift_liger.integration.arguments import cross_entropy_fallback_reasons, preference_fused
 from swift_liger.config import LigerConfig
-from swift_liger.models import call_counts
+from swift_liger import call_counts
 
 pytest.importorskip("swift")
 from swift.rlhf_trainers.rlhf_mixin import RLHFTrainerMixin  # noqa: E402

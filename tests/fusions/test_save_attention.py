@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import assert_grads_match, close_scaled as close, tiny_causal_lm
 
 import swift_liger
-from swift_liger.models import call_counts, checkpoint_funcs
+from swift_liger import call_counts
+from swift_liger.patching import checkpoint_funcs
 
 transformers = pytest.importorskip("transformers")
 

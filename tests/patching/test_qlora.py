@@ -8,7 +8,7 @@ import torch
 from helpers import close_scaled as close
 
 import swift_liger
-from swift_liger.models import call_counts
+from swift_liger import call_counts
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -17,10 +17,10 @@ import torch
 from helpers import assert_grads_match, close_scaled as close
 
 import swift_liger
-from swift_liger.models import FAMILIES, LigerConfig, PatchReport, get_report, keep_logits
+from swift_liger import FAMILIES, LigerConfig, PatchReport, get_report, keep_logits
 from swift_liger.fusions.rope import identity_forward
-from swift_liger.models import call_counts
-from swift_liger.models.rebind import rebuild_with_globals
+from swift_liger import call_counts
+from swift_liger.patching.rebind import rebuild_with_globals
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from swift_liger.models import lora as L
+from swift_liger.patching import lora as L
 
 peft = pytest.importorskip("peft")
 

@@ -1,8 +1,8 @@
 """Patch one built Hugging Face model instance with swift_liger kernels; revert it.
 
-`apply` finds the family table of the model type (families.py), then runs each enabled fusion's patch from the
+`apply` finds the family table of the model type (patching/families.py), then runs each enabled fusion's patch from the
 registry (swift_liger/fusions/) in order on the causal-LM root. Every change goes through the PatchState
-(state.py), stored on the root, so `revert` restores the exact eager model; classes, modeling-module globals,
+(patching/state.py), stored on the root, so `revert` restores the exact eager model; classes, modeling-module globals,
 parameters and buffers are never touched and `state_dict` is identical.
 
 Deep copies of a patched model are patched copies (PatchState.__deepcopy__ re-runs what must be rebuilt for the
@@ -15,15 +15,15 @@ import copy
 import dataclasses
 import logging
 import warnings
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
-from ..config import LigerConfig
-from ..fusions import PATCHES, REGISTRY, PatchContext, enabled
-from .families import FAMILIES, family_for
-from .record import PatchReport
-from .state import STATE_ATTR, PatchState, class_in, find_states
+from .config import LigerConfig
+from .fusions import PATCHES, REGISTRY, PatchContext, enabled
+from .patching.families import FAMILIES, family_for
+from .patching.state import STATE_ATTR, PatchState, class_in, find_states
+from .report import PatchReport
 
 logger = logging.getLogger("swift_liger")
 
@@ -123,3 +123,18 @@ def revert(model: torch.nn.Module) -> None:
         st.restore()
         module.__dict__.pop(STATE_ATTR, None)
         logger.info("swift_liger: reverted %s", type(module).__name__)
+
+
+def call_counts(model: torch.nn.Module, reset: bool = False) -> Optional[Dict[str, Any]]:
+    """The run-time counters of the patched model inside `model` (None when it is not patched): each fusion's
+    `counters` hook in registry order (the loss head's cross_entropy_mode and calls, LoRA calls, offloaded
+    checkpoints, kept attention outputs). `reset` zeroes them after reading."""
+    states = find_states(model)
+    if not states:
+        return None
+    st = states[0][1]
+    out: Dict[str, Any] = {}
+    for fusion in REGISTRY:
+        if fusion.counters is not None:
+            out.update(fusion.counters(st.parts.get(fusion.key), reset))
+    return out

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import swift_liger
-from swift_liger.models import head as H
-from swift_liger.models import call_counts
-from swift_liger.models.state import STATE_ATTR
+from swift_liger.fusions.loss_head import handle as H
+from swift_liger import call_counts
+from swift_liger.patching.state import STATE_ATTR
 
 from test_patcher import ALL_OFF, VOCAB, batch, build, close
 
@@ -121,7 +121,7 @@ def test_take_returns_the_models_own_tensor():
     for transform in (lambda t: t.to(torch.float64), lambda t: t[:, 3:], lambda t: t.double()[:, 2:]):
         with handle.emitting_hidden():
             out = model(input_ids=ids)
-        emitted = model.__dict__[STATE_ATTR].emitted
+        emitted = model.__dict__[STATE_ATTR].parts["cross_entropy"].emitted
         got = handle.take(transform(out.logits))
         assert got.dtype == emitted.dtype and got.grad_fn is not None
         assert got.shape == transform(out.logits).shape and torch.equal(got, emitted[:, emitted.shape[1] - got.shape[1]:])

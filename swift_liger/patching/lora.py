@@ -5,7 +5,7 @@ biases or hooks) and PEFT's lora.Linear4bit over a bitsandbytes 4-bit base (QLoR
 as an ops.lora_linear_kernel.DequantizedWeight, dequantized the way bitsandbytes' own training matmul does).
 Whether ops.lora_linear can take the call (dtypes, dropout, contiguity) is decided in one place,
 ``ops.lora_linear_kernel.lora_linear_problem``. Anything else runs PEFT's own forward. Every call is counted in the
-patch state of the model (``lora_fused`` / ``lora_peft``), read back through state.call_counts.
+patch state of the model (``lora_fused`` / ``lora_peft``), read back through swift_liger.call_counts.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..ops.lora_linear_kernel import lora_linear_problem, lora_linear_unchecked
+from ..ops.lora_linear_kernel import DequantizedWeight, lora_linear_problem, lora_linear_unchecked
 from .state import CALLS_ATTR, count
 
 
@@ -44,7 +44,6 @@ def _base_weight(base: torch.nn.Module, x: torch.Tensor):
         return None
     import bitsandbytes.functional as bnbf
     from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
-    from ..ops.lora_linear_kernel import DequantizedWeight
     fix_4bit_weight_quant_state_from_module(base)   # what its forward does first: FSDP may drop the state
     packed = base.weight
     state = getattr(packed, "quant_state", None)
@@ -204,6 +203,7 @@ def with_lora_projections(fn: Callable, names=ATTENTION_PROJECTIONS) -> Callable
     return forward
 
 
-def share_counters(st, module: torch.nn.Module) -> None:
-    """Let `module`'s patched forward count its LoRA calls into the patch state (a deep copy keeps the pairing)."""
-    st.set(module, CALLS_ATTR, st.calls)
+def share_counters(st, module: torch.nn.Module, calls: dict) -> None:
+    """Let `module`'s patched forward count its LoRA calls ("lora_fused" / "lora_peft") into `calls`, a dict the
+    patch state holds (a deep copy keeps the pairing)."""
+    st.set(module, CALLS_ATTR, calls)

@@ -19,8 +19,8 @@ import torch
 from helpers import assert_grads_match, close_scaled as close
 
 import swift_liger
-from swift_liger.models import FAMILIES, call_counts
-from swift_liger.models.head import head_for
+from swift_liger import FAMILIES, call_counts
+from swift_liger.fusions.loss_head.handle import head_for
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 from helpers import assert_grads_match, close_scaled as close, tiny_causal_lm
 
 import swift_liger
-from swift_liger.models.state import STATE_ATTR
+from swift_liger.patching.state import STATE_ATTR
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,7 +37,7 @@ def batch(seed=0):
 
 def offload_calls(model):
     roots = [m for m in model.modules() if STATE_ATTR in m.__dict__]
-    return dict(roots[0].__dict__[STATE_ATTR].offloader.calls)
+    return dict(roots[0].__dict__[STATE_ATTR].parts["offload_checkpoints"].calls)
 
 
 def enable(m, reentrant, inputs=True):
@@ -167,7 +167,7 @@ def test_partial_offload_first_n_layers(torch_backend, first):
     report = swift_liger.apply(model, offload_checkpoints=first)
     n = min(first, LAYERS)
     assert report.patched["offload_checkpoints"] == n
-    from swift_liger.models.offload import checkpoint_offloaded
+    from swift_liger.patching.offload import checkpoint_offloaded
     assert [getattr(layer._gradient_checkpointing_func, "func", None) is checkpoint_offloaded
             for layer in model.model.layers] == [i < n for i in range(LAYERS)]
     ids, labels = batch()

@@ -9,7 +9,7 @@ import torch
 
 import helpers
 from helpers import assert_close, f64, randn
-from swift_liger.models import sharding
+from swift_liger.fusions.loss_head import sharding
 from swift_liger.ops.fused_linear_cross_entropy_kernel import (fused_linear_cross_entropy,
                                                                 fused_linear_cross_entropy_reference)
 

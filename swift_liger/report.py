@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..fusions import COUNTED
+from .fusions import BY_KEY, COUNTED
+from .patching.families import FAMILIES
 
 
 @dataclass
@@ -54,22 +55,14 @@ class PatchReport:
 
     def summary(self) -> str:
         if not self.supported:
-            from .families import FAMILIES
             return (f"swift_liger: {self.model_class} (model_type={self.model_type!r}) is not supported (swift_liger "
                     f"patches {', '.join(sorted(FAMILIES))}); model left unpatched")
         parts = []
         for name, count in self.patched.items():
             if not count:
                 continue
-            if name == "cross_entropy":
-                parts.append(f"cross_entropy={self.cross_entropy_mode}")
-            elif name == "rolling_cache":
-                parts.append("rolling_cache")
-            elif name == "compile_layers":
-                parts.append(f"torch.compile on {count} decoder layers")
-            else:
-                label = self.activation if name == "swiglu" and self.activation else name
-                parts.append(f"{label}x{count}")
+            label = BY_KEY[name].label
+            parts.append(label(count, self) if label is not None else f"{name}x{count}")
         text = f"swift_liger: patched {self.model_class} ({self.model_type}): " + (", ".join(parts) or "nothing")
         if self.skipped:
             text += "; skipped: " + "; ".join(f"{s['fusion']} ({s['reason']})" for s in self.skipped)

@@ -20,23 +20,26 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from ..fusions.cross_entropy import head_is_ours
-from .state import PatchState, find_states
+from ...patching.state import find_states
+from .forward import head_is_ours
+from .sharding import lm_head_logprobs
+from .state import KEY, HeadState
 
 
-def _find(model: torch.nn.Module) -> Tuple[Optional[torch.nn.Module], Optional[PatchState], str]:
+def _find(model: torch.nn.Module) -> Tuple[Optional[torch.nn.Module], Optional[HeadState], str]:
     for root, st in find_states(model):
-        if st.lm_head is None:
+        head = st.parts.get(KEY)
+        if head is None or head.lm_head is None:
             return None, None, ("the model is not patched with cross_entropy=fused_linear "
                                 f"(cross_entropy={st.config.cross_entropy})")
-        if not head_is_ours(root, st):
-            return None, None, (f"{st.lm_head_name} was replaced after patching (LoRA or modules_to_save on "
-                                f"{st.lm_head_name}?), so the model computes its own logits")
+        if not head_is_ours(root, head):
+            return None, None, (f"{head.lm_head_name} was replaced after patching (LoRA or modules_to_save on "
+                                f"{head.lm_head_name}?), so the model computes its own logits")
         cap = getattr(getattr(root, "config", None), "final_logit_softcapping", None)
-        if cap and st.softcap_attr != "final_logit_softcapping":
+        if cap and head.softcap_attr != "final_logit_softcapping":
             return None, None, ("the model softcaps its logits inside forward (final_logit_softcapping), which "
                                 "would apply to the hidden states")
-        return root, st, ""
+        return root, head, ""
     return None, None, "the model is not patched by swift_liger"
 
 
@@ -47,29 +50,44 @@ def why_not(model: torch.nn.Module) -> str:
 
 def head_for(model: torch.nn.Module) -> Optional["HeadHandle"]:
     """A handle on the patched lm_head inside `model` (PEFT / DDP / DeepSpeed wrappers are looked through)."""
-    root, st, _ = _find(model)
-    return HeadHandle(root, st) if root is not None else None
+    root, head, _ = _find(model)
+    return HeadHandle(root, head) if root is not None else None
+
+
+@contextlib.contextmanager
+def keep_logits(model: torch.nn.Module, enabled: bool = True):
+    """Inside this block a fused_linear-patched model returns real logits even in training with labels
+    (for trainers that read ``outputs.logits``, e.g. to log token accuracy). The loss still uses our kernels."""
+    heads = [st.parts[KEY] for _, st in find_states(model) if KEY in st.parts]
+    before = [head.keep_logits for head in heads]
+    for head in heads:
+        head.keep_logits = enabled
+    try:
+        yield
+    finally:
+        for head, value in zip(heads, before):
+            head.keep_logits = value
 
 
 class HeadHandle:
-    def __init__(self, root: torch.nn.Module, st: PatchState):
-        self.root, self.st = root, st
+    def __init__(self, root: torch.nn.Module, head: HeadState):
+        self.root, self.state = root, head
 
     @property
     def head(self) -> torch.nn.Module:
-        return self.st.lm_head
+        return self.state.lm_head
 
     @property
     def vocab_size(self) -> int:
-        return int(self.st.lm_head.out_features)   # not weight.shape[0]: a ZeRO-3 partition has shape [0]
+        return int(self.state.lm_head.out_features)   # not weight.shape[0]: a ZeRO-3 partition has shape [0]
 
     def usable(self) -> bool:
         """Still applies now (the lm_head may be wrapped after the handle was made)."""
-        return head_is_ours(self.root, self.st)
+        return head_is_ours(self.root, self.state)
 
     @contextlib.contextmanager
     def emitting_hidden(self) -> Iterator["HeadHandle"]:
-        st = self.st
+        st = self.state
         before = st.hidden_mode
         st.hidden_mode, st.emitted = True, None
         try:
@@ -83,7 +101,7 @@ class HeadHandle:
         Returns the model's own tensor (its dtype, its autograd graph): ``logits`` may be a copy of it, e.g. the
         fp32 copy accelerate's mixed-precision wrapper makes of every output, or a suffix of it along the sequence
         (the ``[:, -T:]`` trainers take when the model returns more positions than labels)."""
-        emitted, self.st.emitted = self.st.emitted, None
+        emitted, self.state.emitted = self.state.emitted, None
         if emitted is None:
             return None
         if logits is emitted:
@@ -98,8 +116,7 @@ class HeadHandle:
     def logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, **options):
         """ops.logprobs.fused_linear_logprobs(hidden, lm_head.weight, labels, lm_head.bias, **options), with the
         head gathered when ZeRO-3 / FSDP2 shard it."""
-        from .sharding import lm_head_logprobs
-        st = self.st
+        st = self.state
         cap = getattr(self.root.config, st.softcap_attr, None) if st.softcap_attr else None
         if cap:   # the forward skipped its softcap along with the lm_head (Gemma-2/3)
             if options.get("softcap") not in (None, cap):

@@ -9,21 +9,14 @@ gives each its own storage again).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..fusions.base import STATE_ATTR  # noqa: F401 (re-exported: the name the patch state lives under)
-CALLS_ATTR = "_swift_liger_calls"   # on a patched MLP / attention: the state's call counters (lora_fusion)
-
-# Counted, not configured, per patched model: our fused linear CE and CE (the model's loss_function), fused
-# log-probs for a trainer (models.head), forwards that returned [.., V] logits, and LoRA projection calls that
-# went through ops.lora_linear ("lora_fused") or PEFT's own forward ("lora_peft") inside the patched modules.
-CALLS = ("fused_linear_cross_entropy", "cross_entropy", "fused_linear_logprobs", "lm_head_logits", "lora_fused",
-         "lora_peft")
+STATE_ATTR = "_swift_liger_state"   # the PatchState on a patched root module
+CALLS_ATTR = "_swift_liger_calls"   # on a patched MLP / attention: the LoRA call counters it shares (patching/lora.py)
 
 
 class PatchState:
@@ -35,20 +28,8 @@ class PatchState:
         self.saved: List[Tuple[Any, str, bool, Any]] = []   # (object, attribute, existed before, previous value)
         self.rebuilds: List[Tuple[Callable, tuple]] = []     # re-run for the copies on deepcopy
         self.undo: List[Tuple[Callable, tuple]] = []         # run first on restore (e.g. uninstall the cache)
-        self.lm_head: Optional[torch.nn.Module] = None
-        self.lm_head_name: Optional[str] = None
-        self.labels_index: Optional[int] = None
-        self.keep_logits = False
-        self.ops: Dict[str, Callable] = {}
-        self.head_loss: Optional[Callable] = None
-        self.calls: Dict[str, int] = dict.fromkeys(CALLS, 0)
-        self.hidden_mode = False   # models.head.emitting_hidden(): the forward returns hidden states as logits
-        self.emitted: Optional[torch.Tensor] = None   # the last hidden states returned that way
-        self.softcap_attr: Optional[str] = None   # the root config's logit softcap attribute (Gemma-2/3), if any
-        self.softcap: Optional[float] = None      # its value while a head-skipped forward runs (the loss reads it)
-        self.offloader = None   # offload_checkpoints: models.offload.Offloader (its counters)
-        self.saved_attention: Optional[Dict[str, int]] = None   # save_attention: {"kept": SDPA outputs kept}
-        self.checkpoint_funcs = None   # models.checkpoint_funcs: [(decoder layer, its checkpoint function)]
+        self.parts: Dict[str, Any] = {}   # fusion key -> its run-time state (its spec's counters hook reads it)
+        self.checkpoint_funcs = None   # patching.checkpoint_funcs: [(decoder layer, its checkpoint function)]
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         d = obj.__dict__
@@ -82,7 +63,7 @@ class PatchState:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            new.__dict__[key] = copy.deepcopy(value, memo)   # functions (ops, head_loss) are copied by reference
+            new.__dict__[key] = copy.deepcopy(value, memo)   # functions are copied by reference
         for fn, args in new.rebuilds:
             fn(*args)
         return new
@@ -102,45 +83,6 @@ def is_patched(model: torch.nn.Module) -> bool:
     return bool(find_states(model))
 
 
-def call_counts(model: torch.nn.Module, reset: bool = False) -> Optional[Dict[str, Any]]:
-    """The call counters of the patched model inside `model` (None when it is not patched), with its
-    cross_entropy mode. lm_head_logits is None unless cross_entropy=fused_linear (the only mode whose forward
-    wrapper sees every call)."""
-    states = find_states(model)
-    if not states:
-        return None
-    st = states[0][1]
-    out: Dict[str, Any] = {"cross_entropy_mode": st.report.cross_entropy_mode, **st.calls}
-    if st.lm_head is None:
-        out["lm_head_logits"] = None
-    if st.offloader is not None:   # offload_checkpoints: layer inputs sent to the host, and how they came back
-        out["offloaded_checkpoints"] = dict(st.offloader.calls)
-    if st.saved_attention is not None:   # save_attention: attention outputs kept in the forward, reused in recompute
-        out["saved_attention"] = dict(st.saved_attention)
-    if reset:
-        st.calls.update(dict.fromkeys(st.calls, 0))
-        if st.offloader is not None:
-            st.offloader.calls.update(dict.fromkeys(st.offloader.calls, 0))
-        if st.saved_attention is not None:
-            st.saved_attention.update(dict.fromkeys(st.saved_attention, 0))
-    return out
-
-
-@contextlib.contextmanager
-def keep_logits(model: torch.nn.Module, enabled: bool = True):
-    """Inside this block a fused_linear-patched model returns real logits even in training with labels
-    (for trainers that read ``outputs.logits``, e.g. to log token accuracy). The loss still uses our kernels."""
-    states = [st for _, st in find_states(model)]
-    before = [st.keep_logits for st in states]
-    for st in states:
-        st.keep_logits = enabled
-    try:
-        yield
-    finally:
-        for st, value in zip(states, before):
-            st.keep_logits = value
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers for the fusions' patches
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,7 +95,7 @@ def load_op(name: str) -> Tuple[Optional[Callable], Optional[str]]:
     """The public op swift_liger.ops.<name>; (None, reason) when it cannot be imported, so a missing or broken
     kernel skips its fusion, not the whole apply."""
     try:
-        from .. import ops
+        from .. import ops   # lazy: a kernel that fails to import skips its fusion, not the whole apply
         return getattr(ops, name), None
     except Exception as exc:   # noqa: BLE001
         return None, f"kernel swift_liger.ops.{name} unavailable ({type(exc).__name__}: {exc})"

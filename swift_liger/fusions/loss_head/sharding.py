@@ -37,6 +37,9 @@ from typing import Any, Callable, Iterator, Optional, Tuple, Union
 
 import torch
 
+from ...ops.fused_linear_cross_entropy_kernel import fused_linear_cross_entropy
+from ...ops.logprobs import fused_linear_logprobs
+
 __all__ = [
     "call_through_module",
     "gathered_lm_head",
@@ -219,7 +222,6 @@ def _head_op(module: torch.nn.Module, op: Callable, hidden: torch.Tensor, labels
 def lm_head_cross_entropy(module: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **options):
     """``fused_linear_cross_entropy(hidden, module.weight, labels, module.bias, **options)`` for a possibly sharded
     head (see :func:`_head_op`)."""
-    from ..ops.fused_linear_cross_entropy_kernel import fused_linear_cross_entropy
     return _head_op(module, fused_linear_cross_entropy, hidden, labels, **options)
 
 
@@ -227,5 +229,4 @@ def lm_head_logprobs(module: torch.nn.Module, hidden: torch.Tensor, labels: torc
     """``fused_linear_logprobs(hidden, module.weight, labels, module.bias, **options)`` for a possibly sharded head
     (see :func:`_head_op`). With ``return_logit_sum`` the result is a LogprobsOutput, a tuple of tensors, which the
     engines' output hooks walk like any tuple."""
-    from ..ops.logprobs import fused_linear_logprobs
     return _head_op(module, fused_linear_logprobs, hidden, labels, **options)
