@@ -208,6 +208,27 @@ def test_imports_inside_functions_say_why():
     assert bad == [], f"imports inside a function without a '{LAZY_MARK} <reason>' comment:\n" + "\n".join(bad)
 
 
+def private_names() -> List[str]:
+    """`from module import _name` across modules: a private name another module reaches into (private modules such
+    as ops/_common.py, imported whole, are shared pieces and fine)."""
+    mods, bad = modules(), []
+    for source, path in sorted(mods.items()):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("swift_liger")):
+                for alias in node.names:
+                    target = _targets(mods, source, ast.ImportFrom(module=node.module, names=[alias], level=node.level))
+                    if alias.name.startswith("_") and not alias.name.startswith("__") and target[0] not in (
+                            f"{target[0].rpartition('.')[0]}.{alias.name}",):
+                        bad.append(f"{source}:{node.lineno} imports {alias.name} from {target[0]}")
+    return bad
+
+
+def test_no_private_names_across_modules():
+    assert private_names() == []
+
+
 @pytest.mark.parametrize("module", ["swift_liger", "swift_liger.config", "swift_liger.patching.families",
                                     "swift_liger.integration.arguments", "swift_liger.cli"])
 def test_torch_free_modules(module):

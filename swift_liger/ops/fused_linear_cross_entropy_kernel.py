@@ -655,7 +655,7 @@ def fused_linear_cross_entropy_reference(hidden, weight, labels, bias=None, *, i
 # Public function
 # ---------------------------------------------------------------------------------------------------------------
 
-def _check_args(hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, z_loss, reduction,
+def check_args(hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, z_loss, reduction,
                 num_items_in_batch, chunk_size, dw_strategy, validate_labels):
     _common.check_tensor("hidden", hidden, min_ndim=2)
     if isinstance(weight, torch.Tensor) and weight.numel() == 0:
@@ -716,7 +716,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     The graph can be backpropagated once (gradients are formed in forward and scaled in place in backward).
     """
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
-    _check_args(hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, z_loss, reduction,
+    check_args(hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, z_loss, reduction,
                 num_items_in_batch, chunk_size, dw_strategy, validate_labels)
     _common.check_same_dtype(hidden=hidden, weight=weight, bias=bias)
     opts = dict(ignore_index=ignore_index, label_smoothing=float(label_smoothing), softcap=softcap,
@@ -741,7 +741,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Shared by the public functions here and in swift_liger.ops.logprobs
+# The row engine: the named internal API the public functions here and the other linear+loss ops (ops.logprobs)
+# build on: check_args (above), autocast_inputs, flat_rows, run_rows. A new loss over the head uses these four.
 # ---------------------------------------------------------------------------------------------------------------
 
 def autocast_inputs(hidden, weight, bias):

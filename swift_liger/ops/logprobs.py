@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _common
-from .fused_linear_cross_entropy_kernel import _check_args, autocast_inputs, flat_rows, run_rows
+from .fused_linear_cross_entropy_kernel import autocast_inputs, check_args, flat_rows, run_rows
 
 
 class LogprobsOutput(NamedTuple):
@@ -34,7 +34,7 @@ class LogprobsOutput(NamedTuple):
 
 
 def _check(hidden, weight, labels, bias, ignore_index, softcap, temperature, chunk_size, validate_labels):
-    _check_args(hidden, weight, labels, bias, ignore_index, 0.0, softcap, 0.0, "none", None, chunk_size, "auto",
+    check_args(hidden, weight, labels, bias, ignore_index, 0.0, softcap, 0.0, "none", None, chunk_size, "auto",
                 validate_labels)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
