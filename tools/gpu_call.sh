@@ -35,7 +35,7 @@ for section in "$@"; do
   tests)
     stamp tests
     # -vv (addopts has -q): every result line names its test, so a run cut by the time limit still says which ones failed
-    SWIFT_LIGER_TEST_GPU=1 timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest ${TEST_PATHS:-tests/ops tests/models tests/cache} -n 16 -rf \
+    SWIFT_LIGER_TEST_GPU=1 timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest ${TEST_PATHS:-tests/ops tests/patching tests/fusions tests/test_patcher.py tests/cache} -n 16 -rf \
       -vv -p no:cacheprovider -W ignore::pytest.PytestWarning >"$OUT/gpu_tests.log" 2>&1; echo "pytest rc $?"
     pkill -f "python3 -m pytest" 2>/dev/null; pkill -f "execnet" 2>/dev/null; sleep 1   # workers a timeout orphaned
     echo "tests: $(grep -c " PASSED " "$OUT/gpu_tests.log") passed, $(grep -c " SKIPPED " "$OUT/gpu_tests.log") skipped"
@@ -137,7 +137,7 @@ PY
     grep -E "^\| |Error|error" "$OUT/families.log" | cut -c1-200 | tail -30 ;;
   qlora)
     stamp qlora
-    SWIFT_LIGER_TEST_GPU=1 timeout "${QLORA_TESTS_TIMEOUT:-150}" python3 -m pytest tests/models/test_qlora.py \
+    SWIFT_LIGER_TEST_GPU=1 timeout "${QLORA_TESTS_TIMEOUT:-150}" python3 -m pytest tests/patching/test_qlora.py \
       tests/ops/test_lora_linear_kernel.py -rf -p no:cacheprovider >"$OUT/gpu_qlora_tests.log" 2>&1
     echo "pytest rc $?"; grep -E "passed|failed|^FAILED" "$OUT/gpu_qlora_tests.log" | tail -8
     python3 -m swift_liger.cli tiny /tmp/tinyq --arch llama >/dev/null 2>&1

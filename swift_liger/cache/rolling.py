@@ -110,7 +110,7 @@ from ..patching.families import rolling_cache_model_types
 from ..ops.decode_attention_kernel import decode_attention_unchecked, decode_attention_write_unchecked
 from ..ops.kv_ring_write_kernel import kv_ring_write_unchecked, kv_sink_rotate, kv_sink_rotate_unchecked
 
-SUPPORTED_MODEL_TYPES = rolling_cache_model_types()   # from the family tables (models/families.py)
+SUPPORTED_MODEL_TYPES = rolling_cache_model_types()   # from the family tables (patching/families.py)
 # Sliding + full layers: supported with window="model" only (their own window on the sliding layers, exact).
 HYBRID_MODEL_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ATTENTION = ("sdpa", "eager")

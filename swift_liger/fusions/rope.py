@@ -3,7 +3,7 @@ pairs where the family says so), or, where the family has q_norm/k_norm and qk_n
 (the norms folded into the rotation, weighted as the family's norm says; the two RMSNorm modules then return their
 input). The attention forward is HF's own code object run with a globals dict in
 which that one name points at our kernel (models/rebind.py). With lora_fusion, the attention's PEFT LoRA q/k/v/o
-projections run through ops.lora_linear for the length of each call (models/lora.py)."""
+projections run through ops.lora_linear for the length of each call (patching/lora.py)."""
 from __future__ import annotations
 
 import inspect

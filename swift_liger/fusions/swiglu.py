@@ -4,7 +4,7 @@ gradients into them: two [tokens, intermediate] buffers fewer at the peak (2 x 2
 Packed projections (Phi-3, GLM-4: one gate_up_proj whose output is [gate | up]) are read in place as two row-strided
 halves. MoE experts with packed weights (Qwen3-MoE) get the same kernel through their `_apply_gate` hook, which
 transformers' grouped_mm and batched_mm experts call; the router and the expert matmuls stay transformers'. With
-lora_fusion the PEFT LoRA projections of a dense MLP run through ops.lora_linear (models/lora.py)."""
+lora_fusion the PEFT LoRA projections of a dense MLP run through ops.lora_linear (patching/lora.py)."""
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Tuple

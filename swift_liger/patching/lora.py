@@ -98,7 +98,7 @@ def plain_lora_parts(layer: torch.nn.Module, x: torch.Tensor) -> Optional[tuple]
 # layer -> (key, parts): the decision plain_lora_parts made for a plain nn.Linear base, reused while nothing it read
 # has changed. The key holds everything it reads that can change between calls (PEFT's adapter state, the modules
 # and parameters by identity, hooks, dropout's mode, grad flags, x's dtype/width/layout and autocast), so a hit
-# returns what the full check would (tests/models/test_lora_parts.py checks each change). Weak keys: nothing outlives
+# returns what the full check would (tests/patching/test_lora_parts.py checks each change). Weak keys: nothing outlives
 # the layer, and a deep copy starts empty.
 _PARTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

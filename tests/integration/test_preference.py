@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import types
 
 import pytest
@@ -19,8 +17,7 @@ from swift_liger import call_counts
 pytest.importorskip("swift")
 from swift.rlhf_trainers.rlhf_mixin import RLHFTrainerMixin  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models"))
-from test_patcher import ALL_OFF, VOCAB, build  # noqa: E402  (tests/models: the tiny random models)
+from test_patcher import ALL_OFF, VOCAB, build  # noqa: E402  (tests/test_patcher.py: the tiny random models)
 
 
 class _Base:

@@ -22,7 +22,7 @@ SMALL = ["--per_device_train_batch_size", "1", "--max_length", "64", "--learning
          "none", "--save_strategy", "no", "--max_steps", str(STEPS)]
 ARCHS = {"gemma2": [], "qwen3_moe": ["--lora_dropout", "0"]}
 # the long_context preset (tiled MLP, offloaded checkpoints) on qwen3, tiles of 16 tokens; dropout 0: tiles draw
-# their own masks (tests/models/test_tiled_mlp.py)
+# their own masks (tests/fusions/test_tiled_mlp.py)
 LONG = ["--gradient_checkpointing", "true", "--lora_dropout", "0"]
 LONG_LIGER = ["--liger_config", "long_context", "--liger_tiled_mlp", "16"]
 

@@ -1,4 +1,4 @@
-"""models/lora.lora_parts reuses plain_lora_parts' decision per layer: after every change of what that decision reads,
+"""patching/lora.lora_parts reuses plain_lora_parts' decision per layer: after every change of what that decision reads,
 the reused answer is the one the full check gives (never a stale fused call after PEFT disables, merges or swaps an
 adapter, or a hook, mode, dtype or grad flag changes)."""
 from __future__ import annotations
