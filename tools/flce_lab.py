@@ -14,15 +14,17 @@ import os
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from swift_liger.bench import harness
+from swift_liger.bench.shapes import SHAPES
 from swift_liger.ops import fused_linear_cross_entropy_kernel as flce
 
 p = argparse.ArgumentParser()
 p.add_argument("--n", type=int, default=8192)
-p.add_argument("--h", type=int, default=4096)
-p.add_argument("--v", type=int, default=128256)
+p.add_argument("--h", type=int, default=SHAPES["llama3-8b"].hidden)
+p.add_argument("--v", type=int, default=SHAPES["llama3-8b"].vocab)
 p.add_argument("--out", default=os.environ.get("OUT", "."))
 p.add_argument("--deadline", type=float, default=500.0, help="seconds; later sections are skipped after it")
 p.add_argument("--sections", default="gemm,op,profile")
@@ -44,8 +46,8 @@ def left():
 def emit(row):
     rows.append(row)
     print(json.dumps(row), flush=True)
-    json.dump({"environment": harness.environment(), "n": N, "h": H, "v": V, "rows": rows},
-              open(os.path.join(args.out, "flce_lab.json"), "w"), indent=1)
+    harness.write_json(os.path.join(args.out, "flce_lab.json"),
+                       {"environment": harness.environment(), "n": N, "h": H, "v": V, "rows": rows})
 
 
 def blas(name):
@@ -120,7 +122,7 @@ for lib in (LIBS if "op" in SECTIONS else ()):
             base = torch.cuda.memory_allocated()
             fn()
             torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+            peak = (torch.cuda.max_memory_allocated() - base) / harness.GiB
             ms = do_bench(fn, warmup=100, rep=600, return_mode="median")
             gemms = 3 if train_w and strategy != "recompute" else (4 if train_w else 2)
             emit({"section": "op", "blas": lib, "C": c, "variant": label, "ms": ms, "peak_extra_gib": peak,
@@ -136,7 +138,6 @@ for train_w, strategy, label in (variants[:2] if "profile" in SECTIONS else ()):
     fn = op_case(train_w, strategy, default_c)
     fn()
     torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             fn()

@@ -31,5 +31,4 @@ for rep in range(args.reps):
         rows.append(row)
         print(json.dumps(row), flush=True)
     del hold
-json.dump({"environment": harness.environment(), "rows": rows}, open(os.path.join(args.out, "glu_lab.json"), "w"),
-          indent=1)
+harness.write_json(os.path.join(args.out, "glu_lab.json"), {"environment": harness.environment(), "rows": rows})

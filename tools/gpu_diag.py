@@ -1,6 +1,4 @@
 """GPU check of rope / qk_norm_rope at benchmark shapes: each output and gradient vs a float64 reference."""
-import sys
-
 import torch
 
 from swift_liger.ops import qk_norm_rope_kernel as qk

@@ -9,15 +9,18 @@ launched directly (no wrapper), plus torch.add and an empty Triton kernel (kerne
 then our ops again with swift_liger.ops._launch off (every launch through kernel[grid]). Writes host_lab.json.
 """
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import time
 
 import torch
 import triton
-import triton.language as tl
 
 from swift_liger.bench import harness
+from swift_liger.bench.shapes import SHAPES
 from swift_liger.ops import _launch, decode_attention_kernel, kv_ring_write_kernel, rms_norm_kernel, rope, swiglu_kernel
 
 p = argparse.ArgumentParser()
@@ -25,6 +28,8 @@ p.add_argument("--iters", type=int, default=3000)
 p.add_argument("--out", default=os.environ.get("OUT", "."))
 args = p.parse_args()
 dev, BF16 = "cuda", torch.bfloat16
+L = SHAPES["llama3-8b"]
+H, HQ, HKV, D, INTER = L.hidden, L.heads, L.kv_heads, L.head_dim, L.intermediate
 
 
 @triton.jit
@@ -44,18 +49,18 @@ def host_us(fn):
     return host / args.iters * 1e6, (time.perf_counter() - t) / args.iters * 1e6
 
 
-x = torch.randn(1, 1, 4096, device=dev, dtype=BF16)
-w = torch.ones(4096, device=dev, dtype=BF16)
-q = torch.randn(1, 1, 32, 128, device=dev, dtype=BF16).transpose(1, 2)
-k = torch.randn(1, 1, 8, 128, device=dev, dtype=BF16).transpose(1, 2)
-cos = torch.randn(1, 1, 128, device=dev, dtype=BF16)
-sin = torch.randn(1, 1, 128, device=dev, dtype=BF16)
-kc = torch.randn(1, 8, 4100, 128, device=dev, dtype=BF16)
-vc = torch.randn(1, 8, 4100, 128, device=dev, dtype=BF16)
-qd = torch.randn(1, 32, 1, 128, device=dev, dtype=BF16)
-kn = torch.randn(1, 8, 1, 128, device=dev, dtype=BF16)
-g = torch.randn(1, 1, 14336, device=dev, dtype=BF16)
-u = torch.randn(1, 1, 14336, device=dev, dtype=BF16)
+x = torch.randn(1, 1, H, device=dev, dtype=BF16)
+w = torch.ones(H, device=dev, dtype=BF16)
+q = torch.randn(1, 1, HQ, D, device=dev, dtype=BF16).transpose(1, 2)
+k = torch.randn(1, 1, HKV, D, device=dev, dtype=BF16).transpose(1, 2)
+cos = torch.randn(1, 1, D, device=dev, dtype=BF16)
+sin = torch.randn(1, 1, D, device=dev, dtype=BF16)
+kc = torch.randn(1, HKV, 4100, D, device=dev, dtype=BF16)   # a ring of 4096 + 4 sinks
+vc = torch.randn(1, HKV, 4100, D, device=dev, dtype=BF16)
+qd = torch.randn(1, HQ, 1, D, device=dev, dtype=BF16)
+kn = torch.randn(1, HKV, 1, D, device=dev, dtype=BF16)
+g = torch.randn(1, 1, INTER, device=dev, dtype=BF16)
+u = torch.randn(1, 1, INTER, device=dev, dtype=BF16)
 
 
 def hf_rms():
@@ -65,7 +70,7 @@ def hf_rms():
 
 
 def rotate_half(t):
-    return torch.cat((-t[..., 64:], t[..., :64]), dim=-1)
+    return torch.cat((-t[..., D // 2:], t[..., :D // 2]), dim=-1)
 
 
 def hf_rope():
@@ -103,9 +108,6 @@ with torch.no_grad():
                          "wall_us_per_call": round(wall, 2)})
             print(json.dumps(rows[-1]), flush=True)
     # where our wrapper's time goes: cProfile of 500 calls each
-    import cProfile
-    import pstats
-    import io
     for name in ("RMSNorm ours", "RoPE ours", "SwiGLU ours"):
         pr = cProfile.Profile()
         pr.enable()
@@ -117,5 +119,5 @@ with torch.no_grad():
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(12)
         rows.append({"op": name, "cprofile_top": s.getvalue()[-3500:]})
         print(name, s.getvalue()[-3500:], flush=True)
-json.dump({"environment": harness.environment(), "iters": args.iters, "rows": rows},
-          open(os.path.join(args.out, "host_lab.json"), "w"), indent=1)
+harness.write_json(os.path.join(args.out, "host_lab.json"),
+                   {"environment": harness.environment(), "iters": args.iters, "rows": rows})

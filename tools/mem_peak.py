@@ -21,6 +21,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from swift_liger.bench import e2e, long_context  # noqa: E402
+
 MiB = 2 ** 20
 
 
@@ -73,7 +76,6 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--depth", type=int, default=3)
     args = ap.parse_args()
-    from swift_liger.bench import e2e, long_context
     seq = long_context.parse_seq(args.seq)
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     if args.bench == "e2e":

@@ -2,11 +2,13 @@
 torch.compile vs Liger, plus backward-grid variants of ours: python3 tools/rms_lab.py (GPU, liger-kernel) ->
 $OUT/rms_lab.json. Results and reading: docs/benchmarks/rms_lab_h200.md."""
 import collections
-import json
 import os
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
+
+from swift_liger.bench import harness
 from swift_liger.ops import rms_norm_kernel as m, _common
 from liger_kernel.transformers.functional import liger_rms_norm
 
@@ -24,22 +26,11 @@ IMPLS = {"ours": lambda x, w: m.rms_norm(x, w, 1e-6), "compile": comp,
          "liger": lambda x, w: liger_rms_norm(x, w, 1e-6, casting_mode="llama", in_place=False)}
 
 def graph(fn, x, w, g):
-    def step():
+    def clear():
         x.grad = None; w.grad = None
-        fn(x, w).backward(g)
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    x.grad = None; w.grad = None
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        fn(x, w).backward(g)
-    return gr
+    return harness.capture_graph(lambda: fn(x, w).backward(g), before=clear)
 
 def kernels(gr, reps=20):
-    from torch.profiler import profile, ProfilerActivity
     for _ in range(5): gr.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as p:
@@ -76,4 +67,4 @@ for n, h in [(1024, 1024), (1024, 1536), (1024, 2048), (4096, 1024), (16384, 102
                 print("failed", progs, nw, str(e)[:200])
             finally:
                 _common.set_launch_override(m, "bwd")
-json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "rms_lab.json"), "w"), indent=1)
+harness.write_json(os.path.join(os.environ.get("OUT", "."), "rms_lab.json"), res)

@@ -27,14 +27,19 @@ os.environ.setdefault("SWIFT_LIGER_BACKEND", "torch")   # CPU: the PyTorch refer
 
 import torch  # noqa: E402
 
-# Appended, so PYTHONPATH can point at another swift_liger checkout (A/B runs).
+# Appended, so PYTHONPATH can point at another swift_liger checkout (A/B runs). For the same reason this script uses
+# nothing of swift_liger.bench (an older checkout may not have it): its model and caches are built here.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig  # noqa: E402
+
+from swift_liger.cache import RollingKVCache  # noqa: E402
 
 KINDS = ("rolling_absolute", "rolling_streaming", "dynamic", "hf_dynamic_sliding")
 
 
 def build_model(layers):
-    from transformers import AutoModelForCausalLM, LlamaConfig
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, num_hidden_layers=layers, rope_theta=500000.0,
                       max_position_embeddings=1 << 20, tie_word_embeddings=False, bos_token_id=1,
@@ -44,9 +49,6 @@ def build_model(layers):
 
 
 def make_cache(kind, model, window, sinks):
-    from transformers import DynamicCache
-
-    from swift_liger.cache import RollingKVCache
     if kind.startswith("rolling_"):
         return RollingKVCache(model, window=window, sinks=sinks, mode=kind[len("rolling_"):])
     if kind == "dynamic":
@@ -144,7 +146,6 @@ def main():
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
         else:
-            from torch.profiler import ProfilerActivity, profile
             prof = profile(activities=[ProfilerActivity.CPU])
             run(model, kind, args, args.steps, prof)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))

@@ -2,7 +2,6 @@
 (median / 20): python3 tools/rope_lab.py (GPU, liger-kernel installed) -> $OUT/rope_lab.json, printed summary.
 Results and reading: docs/benchmarks/rope_lab_h200.md. The variant kernel below is the rotation kernel with
 switches (SEQ, SAME, F32CS, RELOAD) for the experiment only; swift_liger.ops.rope is what ships."""
-import json
 import os
 
 import torch
@@ -10,6 +9,8 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from swift_liger.bench import harness
+from swift_liger.bench.kernels import SWEEP_HEAD_DIMS, SWEEP_HEADS, SWEEP_ROPE_TOKENS
 from swift_liger.ops import rope
 from swift_liger.ops.rope import load_heads, store_heads, rotate, token_coords
 from liger_kernel.ops import rope as lrope
@@ -82,20 +83,13 @@ def rope_var_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
         store_heads(k_out, sko_h, 0, o1, o2, k3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS, INTERLEAVED)
 
 BF16 = torch.bfloat16
-LAYOUTS = [(h, kv, d) for d in (64, 128, 256) for h, kv in ((8, 8), (16, 8), (28, 4), (32, 8), (40, 8), (64, 8))]
-T = 16384
+LAYOUTS = [(h, kv, d) for d in SWEEP_HEAD_DIMS for h, kv in SWEEP_HEADS]   # the sweep's RoPE grid
+T = SWEEP_ROPE_TOKENS
 out = []
 
 def graph_ms(fn, n=20):
     fn(); torch.cuda.synchronize()
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
+    g = harness.capture_graph(lambda: [fn() for _ in range(n)], warmup=1)
     return do_bench(g.replay, warmup=25, rep=150, return_mode="median") / n
 
 for HQ, HK, D in LAYOUTS:
@@ -144,5 +138,5 @@ for HQ, HK, D in LAYOUTS:
     for n, v in sorted(((n, v) for n, v in row.items() if n != "layout" and v), key=lambda x: x[1])[:8]:
         print(f"     {v*1e3:7.1f} us  {n}")
     out.append(row)
-    del q, k, qo, ko
-json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "rope_lab.json"), "w"), indent=1)
+    q = k = qo = ko = None   # (not del: the lambdas above still name them)
+harness.write_json(os.path.join(os.environ.get("OUT", "."), "rope_lab.json"), out)

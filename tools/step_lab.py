@@ -120,5 +120,5 @@ for name in VARIANTS:
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
     profiles[name] = s.getvalue()[-4500:]
     print(name, profiles[name], flush=True)
-json.dump({"environment": harness.environment(), "settings": vars(args), "rows": rows, "profiles": profiles},
-          open(os.path.join(args.out, "step_lab.json"), "w"), indent=1)
+harness.write_json(os.path.join(args.out, "step_lab.json"),
+                   {"environment": harness.environment(), "settings": vars(args), "rows": rows, "profiles": profiles})

@@ -27,55 +27,37 @@ layer alone (hooks mark its start and end). Writes train_lab.json (+ .md) under 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import cProfile
-import io
 import json
 import os
 import pstats
 import statistics
 import sys
 import time
+import warnings
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SHAPES = {   # model_type, layers, hidden, intermediate, heads, kv_heads, vocab, tied embeddings
-    "qwen2.5-0.5b": ("qwen2", 24, 896, 4864, 14, 2, 151936, True),
-    "qwen2.5-1.5b": ("qwen2", 28, 1536, 8960, 12, 2, 151936, True),
-    "qwen2.5-3b": ("qwen2", 36, 2048, 11008, 16, 2, 151936, True),
-    "qwen2.5-7b": ("qwen2", 28, 3584, 18944, 28, 4, 152064, False),
-    "llama3-8b": ("llama", 32, 4096, 14336, 32, 8, 128256, False),
-    "tiny": ("qwen2", 2, 64, 128, 4, 2, 512, True),
-}
+import swift_liger  # noqa: E402
+from swift_liger.bench.harness import GiB, command, environment, sync, write_json  # noqa: E402
+from swift_liger.bench.shapes import SHAPES, build_model, hf_config, train_ready  # noqa: E402
+
 PHASE1 = ("stock", "ours", "ours_no_lora")
-GiB = 1024 ** 3
 
 
 def build(shape: str, layers: int, device, dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    mt, n, h, i, heads, kv, vocab, tied = SHAPES[shape]
-    cfg = AutoConfig.for_model(mt, hidden_size=h, intermediate_size=i, num_hidden_layers=layers or n,
-                               num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                               tie_word_embeddings=tied, max_position_embeddings=32768, rms_norm_eps=1e-6)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg)
-    torch.set_default_dtype(prev)
-    return model
+    return build_model(hf_config(SHAPES[shape], layers=layers or None, max_positions=32768), device=device,
+                       dtype=dtype)
 
 
 REENTRANT = True   # ms-swift's choice on one GPU (trainers/mixin.py _fix_gradient_checkpointing); --reentrant 0
 
 
 def make_variant(base, name: str):
-    from peft import LoraConfig, get_peft_model
-    import swift_liger
     model = copy.deepcopy(base)
     if name.startswith("ours"):
         kw = {}
@@ -85,21 +67,11 @@ def make_variant(base, name: str):
             kw["compile_layers"] = True
         swift_liger.apply(model, **kw)
     elif name == "liger":
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance  # lazy: optional peer, liger only
         _apply_liger_kernel_to_instance(model=model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": REENTRANT})
-    model.enable_input_require_grads()
-    torch.manual_seed(1)   # the same adapters for every variant
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear")
-    model = get_peft_model(model, lora)
-    model.train()
+    model = train_ready(model, dropout=0.05, reentrant=REENTRANT, seed=1)   # the same adapters for every variant
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
     return model, opt
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 class Runner:
@@ -131,7 +103,6 @@ def med(xs):
 def profile_step(runner: Runner, i: int) -> dict:
     """Kernel launches and device kernel time of one step (torch.profiler), and the same for the first decoder layer's
     forward, backward and recompute (marked by hooks on that layer)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.dev.type == "cuda" else [])
     layer = _first_layer(runner.model)
     marks = []
@@ -205,7 +176,6 @@ def sync_calls(runner: Runner, i: int) -> dict:
     """Synchronizing CUDA calls during one step (torch.cuda.set_sync_debug_mode), counted per source line."""
     if runner.dev.type != "cuda":
         return {}
-    import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode(1)
@@ -372,23 +342,20 @@ def main():
     if args.tiny:
         args.shape, args.tokens, args.rounds, args.steps, args.warmup = "tiny", "2x16", 1, 1, 0
         args.variants = args.variants.replace(",liger", "").replace("liger,", "")
-    from swift_liger.bench.harness import environment
-    out = {"environment": environment(), "command": "python3 tools/train_lab.py " + " ".join(sys.argv[1:]),
-           "cases": []}
-    os.makedirs(args.out, exist_ok=True)
+    prog = "python3 tools/train_lab.py"
+    out = {"environment": environment(prog), "command": command(prog), "cases": []}
     for shape in args.shape.split(","):
         for tok in args.tokens.split(","):
             b, s = (int(x) for x in tok.split("x"))
-            print(f"== {shape} {b}x{s} layers={args.layers or SHAPES[shape][1]}", flush=True)
+            print(f"== {shape} {b}x{s} layers={args.layers or SHAPES[shape].layers}", flush=True)
             try:
                 _, rows = run_shape(shape, (b, s), args, dev)
             except torch.cuda.OutOfMemoryError as exc:
                 rows = {"error": f"OOM: {exc}"[:200]}
                 print(rows, flush=True)
-            out["cases"].append({"shape": shape, "batch": b, "seq": s, "layers": args.layers or SHAPES[shape][1],
+            out["cases"].append({"shape": shape, "batch": b, "seq": s, "layers": args.layers or SHAPES[shape].layers,
                                  "rows": rows})
-            with open(os.path.join(args.out, "train_lab.json"), "w") as f:
-                json.dump(out, f, indent=1, default=str)
+            write_json(os.path.join(args.out, "train_lab.json"), out)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 

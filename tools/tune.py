@@ -14,7 +14,7 @@ import sys
 import torch
 
 from swift_liger.bench import harness, kernels
-from swift_liger.ops import _common
+from swift_liger.ops import _common, cross_entropy_kernel, qk_norm_rope_kernel, rms_norm_kernel, rope, swiglu_kernel
 
 AUTO = "auto"   # grid value: keep launch_config's choice for this field
 
@@ -69,13 +69,13 @@ def sweep(case, module, grid, ours):
 
 
 def _qk_norm_rope(i):
-    from swift_liger.ops import qk_norm_rope_kernel as m
+    m = qk_norm_rope_kernel
     return m.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"])
 
 
 def qk_head_loop():
     """QK-norm+RoPE's forward at the layouts that loop over head blocks (40 / 64 query heads at D=256): warps."""
-    from swift_liger.ops import qk_norm_rope_kernel as m
+    m = qk_norm_rope_kernel
     for hq in (40, 64):
         sweep(kernels.qk_norm_rope_case(1, 16384, hq, 8, 256), m, {"fwd": {"num_warps": [2, 4, 8]}}, _qk_norm_rope)
 
@@ -85,7 +85,7 @@ def main(ops):
     if "rms_norm" in ops:
         # Backward: register prefetch (one tile ahead) and warps; grid from the launcher's rule (occupancy, ~4 tiles
         # per program). tools/rms_lab.py varies the grid itself.
-        from swift_liger.ops import rms_norm_kernel as m
+        m = rms_norm_kernel
         for n, h, res in [(16384, 4096, False), (16384, 8192, False), (16384, 2048, False), (65536, 1024, False),
                           (1024, 1024, False), (4096, 1024, False), (16384, 4096, True)]:
             case = kernels.rms_norm_case(n, h, res)
@@ -94,7 +94,7 @@ def main(ops):
             sweep(case, m, {"bwd": {"prefetch": [True, False], "num_warps": [4, 8, 16, 32]}}, ours)
     if "rms_fp32" in ops:
         # fp32 inputs at <= 1024 columns: the bf16 rule (4 warps, prefetch) takes 255 registers here.
-        from swift_liger.ops import rms_norm_kernel as m
+        m = rms_norm_kernel
         for n, h in [(1024, 1024), (16384, 1024), (65536, 1024), (16384, 2048)]:
             case = kernels.rms_norm_case(n, h, dtype=torch.float32)
             sweep(case, m, {"bwd": {"prefetch": [True, False], "num_warps": [4, 8]}},
@@ -103,26 +103,26 @@ def main(ops):
         qk_head_loop()
     if "cross_entropy" in ops:
         # Vocabulary loop: block and warps (forward and backward share the config).
-        from swift_liger.ops import cross_entropy_kernel as m
+        m = cross_entropy_kernel
         for v in (32768, 128256):
             case = kernels.cross_entropy_case(8192, v)
             sweep(case, m, {None: {"block_v": [4096, 8192], "num_warps": [4, 8, 16]}},
                   lambda i: m.cross_entropy(i["logits"], i["labels"]))
     if "rope" in ops:
-        from swift_liger.ops import rope as m
+        m = rope
         for layout in [(32, 8, 128), (8, 8, 128), (16, 8, 64)]:
             case = kernels.rope_case(1, 16384, *layout)
             sweep(case, m, {None: {"num_warps": [1, 2, 4, 8]}},
                   lambda i: m.apply_rope(i["q"], i["k"], i["cos"], i["sin"]))
     if "qk_norm_rope" in ops:
-        from swift_liger.ops import qk_norm_rope_kernel as m
+        m = qk_norm_rope_kernel
         sweep(kernels.qk_norm_rope_cases()[0], m,
               {"fwd": {"num_warps": [4, 8]},
                "bwd": {"num_warps": [4, 8, 16], "programs": [2 * sms, 4 * sms, 8 * sms], "block_hq": [AUTO, 8]}},
               _qk_norm_rope)
         qk_head_loop()
     if "glu" in ops:
-        from swift_liger.ops import swiglu_kernel as m
+        m = swiglu_kernel
         for op, i_ in [("geglu", 4864), ("swiglu", 4864), ("geglu", 14336)]:
             case = kernels.glu_case(op, 16384, i_)
             fn = getattr(m, op)

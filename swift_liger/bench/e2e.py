@@ -10,55 +10,40 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 
+import torch
+
+import swift_liger
+
+from .harness import GiB, environment, header, last_json, run_child, tail, write_report
+from .shapes import SHAPES, build_model as build, hf_config, train_ready
+
 VARIANTS = ("plain", "liger", "compile", "swift_liger", "swift_liger+compile")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def build_model(layers: int, seq: int):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=seq,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg)
-    torch.set_default_dtype(prev)
-    return model
+    return build(hf_config(SHAPES["llama3-8b"], layers=layers, max_positions=seq), device="cuda",
+                 dtype=torch.bfloat16)
 
 
 def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int) -> dict:
-    import torch
-    from peft import LoraConfig, get_peft_model
-
     model = build_model(layers, seq)
     if variant.startswith("swift_liger"):
-        import swift_liger
         print(swift_liger.apply(model), flush=True)
     elif variant == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from liger_kernel.transformers import apply_liger_kernel_to_llama  # lazy: optional peer, this variant only
         apply_liger_kernel_to_llama(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=True)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    model = get_peft_model(model, lora)
+    model = train_ready(model, targets=LORA_TARGETS)
     if variant.endswith("compile"):
         # per-layer compile, as the fastest end-to-end peer does: each decoder layer compiled on its own
         for layer in model.base_model.model.model.layers:
             layer.compile(dynamic=False)
-    model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    ids = torch.randint(0, 128256, (1, seq), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
@@ -77,9 +62,27 @@ def run_variant(variant: str, layers: int, seq: int, steps: int, warmup: int) ->
     return {"variant": variant, "layers": layers, "seq": seq, "steps": steps,
             "tokens_per_s": seq * len(measured) / sum(measured),
             "step_ms": 1e3 * sum(measured) / len(measured),
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2 ** 30,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / GiB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
             "losses": losses}
+
+
+def to_markdown(env, args, results) -> str:
+    base = next((r for r in results if r.get("variant") == "plain" and "tokens_per_s" in r), None)
+    lines = header("End to end: Llama-3-8B-shaped LoRA, plain PyTorch loop", env, "triton", "transformers",
+                   "liger_kernel", cuda=False) + [
+             f"Random init, {args.layers} layers, batch 1 × {args.seq} tokens, bf16, SDPA, gradient checkpointing, "
+             f"LoRA r=16 on all linears, AdamW; {args.warmup} warm-up + {args.steps} measured steps.", "",
+             "| variant | tokens/s | vs plain | step ms | peak allocated GiB | peak reserved GiB |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if "tokens_per_s" not in r:
+            lines.append(f"| {r['variant']} | failed: {r.get('error', '')[:120]} | | | | |")
+            continue
+        rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}×" if base else "—"
+        lines.append(f"| {r['variant']} | {r['tokens_per_s']:.0f} | {rel} | {r['step_ms']:.0f} | "
+                     f"{r['peak_allocated_gib']:.2f} | {r['peak_reserved_gib']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
@@ -97,45 +100,21 @@ def main(argv=None):
         res = run_variant(args.variant, args.layers, args.seq, args.steps, args.warmup)
         print("RESULT " + json.dumps(res), flush=True)
         return
-    from .harness import environment
     results = []
     for v in args.variants.split(","):
-        cmd = [sys.executable, "-m", "swift_liger.bench.e2e", "--variant", v, "--layers", str(args.layers),
-               "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if line:
-            results.append(json.loads(line[-1][7:]))
-            r = results[-1]
+        child = run_child([sys.executable, "-m", "swift_liger.bench.e2e", "--variant", v, "--layers", str(args.layers),
+                           "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)])
+        r = last_json(child.stdout, "RESULT ")
+        if r is not None:
+            results.append(r)
             print(f"{v:22s} {r['tokens_per_s']:8.0f} tok/s  {r['peak_allocated_gib']:6.2f} GiB", flush=True)
         else:
-            err = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            results.append({"variant": v, "error": " | ".join(err)})
+            err = tail(child.stderr or child.stdout, 3)
+            results.append({"variant": v, "error": err})
             print(f"{v:22s} failed: {err}", flush=True)
-    env = environment()
-    env["command"] = "python -m swift_liger.bench.e2e " + " ".join(sys.argv[1:])
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "e2e_llama3_8b_lora.json"), "w") as f:
-        json.dump({"environment": env, "results": results}, f, indent=1)
-    base = next((r for r in results if r.get("variant") == "plain" and "tokens_per_s" in r), None)
-    lines = ["# End to end: Llama-3-8B-shaped LoRA, plain PyTorch loop", "",
-             f"GPU: {env['gpu']} · torch {env['torch']} · triton {env['triton']} · transformers "
-             f"{env['transformers']} · liger-kernel {env['liger_kernel']} · {env['date']}", "",
-             f"Command: `{env['command']}`", "",
-             f"Random init, {args.layers} layers, batch 1 × {args.seq} tokens, bf16, SDPA, gradient checkpointing, "
-             f"LoRA r=16 on all linears, AdamW; {args.warmup} warm-up + {args.steps} measured steps.", "",
-             "| variant | tokens/s | vs plain | step ms | peak allocated GiB | peak reserved GiB |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for r in results:
-        if "tokens_per_s" not in r:
-            lines.append(f"| {r['variant']} | failed: {r.get('error', '')[:120]} | | | | |")
-            continue
-        rel = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}×" if base else "—"
-        lines.append(f"| {r['variant']} | {r['tokens_per_s']:.0f} | {rel} | {r['step_ms']:.0f} | "
-                     f"{r['peak_allocated_gib']:.2f} | {r['peak_reserved_gib']:.2f} |")
-    md = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "e2e_llama3_8b_lora.md"), "w") as f:
-        f.write(md)
+    env = environment("python -m swift_liger.bench.e2e", argv)
+    md = write_report(args.out, "e2e_llama3_8b_lora", {"environment": env, "results": results},
+                      to_markdown(env, args, results))
     print(md)
 
 

@@ -20,18 +20,18 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-from .harness import describe, environment
-from ..ops import _launch
-from .rolling_cache import (GiB, KINDS, LIGER, ROLLING, build_model, cache_bytes, decode, known_kind, make_cache,
-                            model_config, prefill, sync)
+import swift_liger
+from swift_liger.ops import _launch
+
+from .harness import GiB, describe, environment, free, sync, write_report
+from .rolling_cache import (KINDS, LIGER, ROLLING, build_model, cache_bytes, decode, known_kind, make_cache,
+                            model_config, prefill)
 
 DEFAULT_KINDS = ("stock:hf_dynamic_sliding", "stock:hf_static_sliding", "ours:rolling_absolute",
                  "ours:rolling_streaming", "ours:hf_dynamic_sliding")
@@ -71,7 +71,6 @@ def run(args, log=print) -> dict:
     stock = build_model(model_config(args), device, dtype)
     models, patched = {"stock": stock}, {}
     if any(m == "ours" for m, _ in kinds):
-        import swift_liger
         ours = copy.deepcopy(stock)
         report = swift_liger.apply(ours, cross_entropy="off", fused_projections=True)
         patched = {k: v for k, v in report.patched.items() if isinstance(v, int) and v}
@@ -125,9 +124,7 @@ def run(args, log=print) -> dict:
             rows.append(dict(batch=batch, error=describe(exc)))
             log(f"b={batch}: {describe(exc)}")
         del live
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free(device)
     return _report(args, rows, patched)
 
 
@@ -137,9 +134,7 @@ def _report(args, rows, patched) -> dict:
 
 
 def _environment(args) -> dict:
-    env = environment()
-    env["command"] = "python -m swift_liger.bench.eager_decode " + " ".join(args.argv)
-    return env
+    return environment("python -m swift_liger.bench.eager_decode", args.argv)
 
 
 def _settings(args) -> dict:
@@ -232,14 +227,9 @@ def main(argv=None):
         args.window = min(args.window, 64)
     elif not torch.cuda.is_available():
         raise SystemExit("python -m swift_liger.bench.eager_decode needs a CUDA GPU (or --tiny)")
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, args.name)
 
     def save(report):
-        with open(stem + ".json", "w") as f:
-            json.dump(report, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(markdown(report))
+        write_report(args.out, args.name, report, markdown(report))
 
     args.on_row = save
     report = run(args)

@@ -23,16 +23,20 @@ On CPU the timings mean nothing and memory is null; the run only checks that eve
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import gc
 import json
 import os
-import shlex
 import sys
 import time
 import traceback
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+import swift_liger
+
+from .harness import DTYPES, GiB, counted, describe, environment, fmt, free, header, sync, write_report
+from .shapes import ModelDims, build_model as build, config_kwargs, hf_config, train_ready
 
 FAMILIES = ("llama", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "glm4", "qwen2_5_vl",
             "qwen3_vl")
@@ -43,29 +47,11 @@ LR = {"lora": 1e-4, "full": 1e-5}
 BATCH = 2
 MASKED_PREFIX = 16   # labels of the first positions are -100, as a prompt would be
 SEED = 0
-GiB = 1024 ** 3
 
-
-@dataclasses.dataclass(frozen=True)
-class Dims:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    moe_intermediate: int
-    experts: int
-    experts_per_tok: int
-
-
-# Big enough that a step is not launch-bound on a GPU, small enough that 10 families x 2 tuners x 2 variants
-# fit in a few minutes.
-DIMS = Dims(hidden=1024, intermediate=2816, layers=4, heads=8, kv_heads=4, head_dim=128, vocab=32000,
-            moe_intermediate=704, experts=8, experts_per_tok=2)
-TINY = Dims(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=256,
-            moe_intermediate=32, experts=4, experts_per_tok=2)
+# Every family at these dims (family None: each row's own; rope, eps, tying: the family's defaults). Big enough that
+# a step is not launch-bound on a GPU, small enough that 10 families x 2 tuners x 2 variants fit in a few minutes.
+DIMS = ModelDims(None, 1024, 2816, 4, 8, 4, 128, 32000, moe_intermediate=704, experts=8, experts_per_tok=2)
+TINY = ModelDims(None, 64, 128, 2, 4, 2, 16, 256, moe_intermediate=32, experts=4, experts_per_tok=2)
 
 
 def _sliding_window(seq: int) -> int:
@@ -73,13 +59,9 @@ def _sliding_window(seq: int) -> int:
     return max(4, min(256, seq // 4))
 
 
-def family_config(model_type: str, dims: Dims, seq: int):
+def family_config(model_type: str, dims: ModelDims, seq: int):
     """The transformers config of one family at these dims (composite text+vision config for the VL families)."""
-    from transformers import AutoConfig
-
-    text = dict(vocab_size=dims.vocab, hidden_size=dims.hidden, intermediate_size=dims.intermediate,
-                num_hidden_layers=dims.layers, num_attention_heads=dims.heads, num_key_value_heads=dims.kv_heads,
-                head_dim=dims.head_dim, max_position_embeddings=max(4096, seq),
+    text = dict(config_kwargs(dims, max_positions=max(4096, seq)),
                 # family defaults put pad/eos ids past a 32000 vocab (phi3, glm4), which breaks the embedding
                 pad_token_id=0, bos_token_id=1, eos_token_id=1, use_cache=False)
     layers = dims.layers
@@ -102,7 +84,7 @@ def family_config(model_type: str, dims: Dims, seq: int):
                     num_experts_per_tok=dims.experts_per_tok, norm_topk_prob=True, decoder_sparse_step=1,
                     mlp_only_layers=[])
     if model_type not in VL_FAMILIES:
-        return AutoConfig.for_model(model_type, **text)
+        return hf_config(family=model_type, **text)
 
     # VL: the language model gets the dims above, the vision tower one small block (it never runs: text-only
     # input). Multimodal RoPE sections must add up to head_dim / 2.
@@ -118,7 +100,7 @@ def family_config(model_type: str, dims: Dims, seq: int):
         text["rope_parameters"] = dict(rope_type="default", rope_theta=5000000.0, mrope_section=section,
                                        mrope_interleaved=True)
         vision.update(deepstack_visual_indexes=[0])
-    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, tie_word_embeddings=False)
+    return hf_config(family=model_type, text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
 def _text_config(config):
@@ -133,22 +115,14 @@ def attention_impl(config, requested: str) -> str:
     return "eager" if getattr(_text_config(config), "attn_logit_softcapping", None) else "sdpa"
 
 
-def build_model(model_type: str, dims: Dims, seq: int, device, dtype, attn: str):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
+def build_model(model_type: str, dims: ModelDims, seq: int, device, dtype, attn: str):
     config = family_config(model_type, dims, seq)
     impl = attention_impl(config, attn)
-    auto = AutoModelForImageTextToText if model_type in VL_FAMILIES else AutoModelForCausalLM
-    torch.manual_seed(SEED)   # same weights for both variants
-    with torch.device(device):   # initialise on the device: CPU init of every model would dominate the run
-        model = auto.from_config(config, dtype=dtype, attn_implementation=impl)
+    model = build(config, device=device, dtype=dtype, attn=impl, seed=SEED, image_text=model_type in VL_FAMILIES)
     return model, getattr(model.config, "_attn_implementation", impl)
 
 
 def make_batches(n: int, seq: int, vocab: int, device) -> List[tuple]:
-    import torch
-
     gen = torch.Generator().manual_seed(1234)
     out = []
     for _ in range(n):
@@ -159,16 +133,7 @@ def make_batches(n: int, seq: int, vocab: int, device) -> List[tuple]:
     return out
 
 
-def _sync(device) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _patch(model) -> Dict[str, Any]:
-    import swift_liger
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = swift_liger.apply(model)
@@ -186,55 +151,33 @@ def _patch(model) -> Dict[str, Any]:
     return json.loads(json.dumps(info, default=str))
 
 
-def _call_counts(model) -> Optional[Dict[str, Any]]:
-    from swift_liger import models
-
-    fn = getattr(models, "call_counts", None)
-    if fn is None:
-        return None
-    try:
-        return json.loads(json.dumps(fn(model), default=str))
-    except Exception as exc:   # counters are a diagnostic, never a reason to lose the row
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def run_variant(model_type: str, tuner: str, variant: str, *, dims: Dims, seq: int, steps: int, warmup: int,
+def run_variant(model_type: str, tuner: str, variant: str, *, dims: ModelDims, seq: int, steps: int, warmup: int,
                 device, dtype, attn: str) -> Dict[str, Any]:
-    import torch
-
     cuda = torch.device(device).type == "cuda"
     model, impl = build_model(model_type, dims, seq, device, dtype, attn)
     res: Dict[str, Any] = {"variant": variant, "attn_impl": impl}
     if variant == "swift_liger":
         res["report"] = _patch(model)   # before LoRA, as documented: the LoRA layers are picked up afterwards
         print(f"  {res['report']['summary']}", flush=True)
-    model.config.use_cache = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
-    if tuner == "lora":
-        from peft import LoraConfig, get_peft_model
-        torch.manual_seed(SEED + 1)   # identical adapter init in both variants
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
-                                                 lora_dropout=0.0))
-    model.train()
+    model = train_ready(model, lora=tuner == "lora", seed=SEED + 1)   # LoRA r=16 on all linears
     params = [p for p in model.parameters() if p.requires_grad]
     res["trainable_params"] = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=LR[tuner])
     batches = make_batches(warmup + steps, seq, dims.vocab, device)
     losses, times = [], []
-    gc.collect()
+    free(device)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         res["model_gib"] = torch.cuda.memory_allocated() / GiB
     for step, (ids, labels) in enumerate(batches):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=labels, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         del loss
@@ -245,17 +188,9 @@ def run_variant(model_type: str, tuner: str, variant: str, *, dims: Dims, seq: i
                tokens_per_s=BATCH * seq * len(measured) / sum(measured),
                peak_gib=torch.cuda.max_memory_allocated() / GiB if cuda else None)
     if variant == "swift_liger":
-        res["call_counts"] = _call_counts(model)
+        res["call_counts"] = counted(model)
     del model, opt, params, batches
     return res
-
-
-def _free(device) -> None:
-    import torch
-
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _ratio(a, b):
@@ -272,9 +207,8 @@ def run_row(model_type: str, tuner: str, **kw) -> Dict[str, Any]:
             runs[variant] = run_variant(model_type, tuner, variant, **kw)
         except Exception as exc:
             traceback.print_exc()
-            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-            errors.append(f"{variant}: {type(exc).__name__}: {first}")
-        _free(kw["device"])
+            errors.append(f"{variant}: {describe(exc, 300)}")
+        free(kw["device"])
     stock, ours = runs.get("stock", {}), runs.get("swift_liger", {})
     report = ours.get("report", {})
     row: Dict[str, Any] = {
@@ -303,10 +237,6 @@ def run_row(model_type: str, tuner: str, **kw) -> Dict[str, Any]:
     return row
 
 
-def _f(v, spec: str) -> str:
-    return "—" if v is None else format(v, spec)
-
-
 def _fusions(row: Dict[str, Any]) -> str:
     if row.get("supported") is False:
         return "not supported (stock)"
@@ -327,11 +257,7 @@ def _fusions(row: Dict[str, Any]) -> str:
 
 def to_markdown(env: Dict[str, Any], setup: Dict[str, Any], rows: List[Dict[str, Any]]) -> str:
     d = setup["dims"]
-    lines = ["# End to end per family: stock vs swift_liger", "",
-             f"GPU: {env.get('gpu')} · torch {env.get('torch')} (CUDA {env.get('cuda')}) · triton "
-             f"{env.get('triton')} · transformers {env.get('transformers')} · peft {env.get('peft')} · "
-             f"{env.get('date')}", "",
-             f"Command: `{env['command']}`", "",
+    lines = header("End to end per family: stock vs swift_liger", env, "triton", "transformers", "peft") + [
              f"Random init, {d['layers']} layers, hidden {d['hidden']}, {d['heads']}/{d['kv_heads']} heads of "
              f"{d['head_dim']}, vocab {d['vocab']}; batch {BATCH} × {setup['seq']} tokens, {setup['dtype']} on "
              f"{setup['device']}, gradient checkpointing, AdamW (LoRA r=16 all-linear lr 1e-4; full lr 1e-5); "
@@ -343,35 +269,16 @@ def to_markdown(env: Dict[str, Any], setup: Dict[str, Any], rows: List[Dict[str,
     for r in rows:
         fusions = _fusions(r) + (f" · **error**: {r['error'][:200]}" if r.get("error") else "")
         lines.append(
-            f"| {r['family']} | {r['tuner']} | {r.get('attn_impl') or '—'} | {_f(r['tok_s_stock'], '.0f')} | "
-            f"{_f(r['tok_s_ours'], '.0f')} | {_f(r['speed_ratio'], '.2f')} | {_f(r['peak_gib_stock'], '.2f')} | "
-            f"{_f(r['peak_gib_ours'], '.2f')} | {_f(r['memory_ratio'], '.2f')} | "
-            f"{_f(r['max_loss_rel_diff'], '.1e')} | {fusions.replace('|', '/')} |")
+            f"| {r['family']} | {r['tuner']} | {r.get('attn_impl') or '—'} | {fmt(r['tok_s_stock'], '.0f')} | "
+            f"{fmt(r['tok_s_ours'], '.0f')} | {fmt(r['speed_ratio'], '.2f')} | {fmt(r['peak_gib_stock'], '.2f')} | "
+            f"{fmt(r['peak_gib_ours'], '.2f')} | {fmt(r['memory_ratio'], '.2f')} | "
+            f"{fmt(r['max_loss_rel_diff'], '.1e')} | {fusions.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
-def environment(argv: Sequence[str]) -> Dict[str, Any]:
-    from .harness import environment as base
-
-    env = base()
-    env["command"] = "python -m swift_liger.bench.families " + shlex.join(list(argv))
-    try:
-        from importlib.metadata import version
-        env["peft"] = version("peft")
-    except Exception:
-        env["peft"] = None
-    env["swift_liger_backend"] = os.environ.get("SWIFT_LIGER_BACKEND", "auto")
-    return env
-
-
 def write(out_dir: str, env, setup, rows) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "families_e2e.json"), "w") as f:
-        json.dump({"environment": env, "setup": setup, "results": rows}, f, indent=1, default=str)
-    md = to_markdown(env, setup, rows)
-    with open(os.path.join(out_dir, "families_e2e.md"), "w") as f:
-        f.write(md)
-    return md
+    return write_report(out_dir, "families_e2e", {"environment": env, "setup": setup, "results": rows},
+                        to_markdown(env, setup, rows))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
@@ -389,14 +296,11 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     ap.add_argument("--tiny", action="store_true", help="tiny dims (hidden 64, vocab 256) for a CPU check")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
-
-    import torch
-
     if torch.device(args.device).type == "cpu":
         os.environ.setdefault("SWIFT_LIGER_BACKEND", "torch")   # CPU: the reference ops, no interpreter
     elif torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda but CUDA is not available (use --tiny --device cpu --dtype fp32 for a CPU check)")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     dims = TINY if args.tiny else DIMS
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = sorted(set(families) - set(FAMILIES))
@@ -406,8 +310,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     if set(tuners) - set(TUNERS):
         ap.error(f"--tuners must be among {', '.join(TUNERS)}")
 
-    env = environment(argv)
-    setup = {"dims": dataclasses.asdict(dims), "seq": args.seq, "batch": BATCH, "steps": args.steps,
+    env = environment("python -m swift_liger.bench.families", argv)
+    setup = {"dims": dims.asdict(), "seq": args.seq, "batch": BATCH, "steps": args.steps,
              "warmup": args.warmup, "device": args.device, "dtype": args.dtype, "attn": args.attn,
              "tiny": args.tiny, "families": families, "tuners": tuners}
     rows: List[Dict[str, Any]] = []
@@ -428,8 +332,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
             rows.append(row)
             env["total_seconds"] = time.perf_counter() - t_start
             write(args.out, env, setup, rows)   # after every row: a timeout keeps what is done
-            print(f"  -> x{_f(row.get('speed_ratio'), '.2f')} speed, x{_f(row.get('memory_ratio'), '.2f')} "
-                  f"memory, loss diff {_f(row.get('max_loss_rel_diff'), '.1e')}, {_fusions(row)}"
+            print(f"  -> x{fmt(row.get('speed_ratio'), '.2f')} speed, x{fmt(row.get('memory_ratio'), '.2f')} "
+                  f"memory, loss diff {fmt(row.get('max_loss_rel_diff'), '.1e')}, {_fusions(row)}"
                   + (f", ERROR {row['error']}" if row.get("error") else ""), flush=True)
     md = write(args.out, env, setup, rows)
     print(md, flush=True)

@@ -10,6 +10,14 @@ from typing import Dict, List
 
 import torch
 
+from swift_liger.ops import cross_entropy_kernel as ce_ops
+from swift_liger.ops import fused_linear_cross_entropy_kernel as flce_ops
+from swift_liger.ops import logprobs as logprobs_ops
+from swift_liger.ops import qk_norm_rope_kernel as qk_ops
+from swift_liger.ops import rms_norm_kernel as rms_ops
+from swift_liger.ops import rope as rope_ops
+from swift_liger.ops import swiglu_kernel as glu_ops
+
 from .harness import Case
 
 BF16 = torch.bfloat16
@@ -46,7 +54,6 @@ def _peers(eager, ours, liger=None, extra=None) -> Dict[str, callable]:
 
 def rms_norm_case(n: int, h: int, residual: bool = False, dtype: torch.dtype = BF16) -> Case:
     """RMSNorm over [n, h] (llama casting), optionally fused with the residual add before it (returns (y, s))."""
-    from swift_liger.ops import rms_norm_kernel as ops
     liger_rms = _try_import("liger_kernel.transformers.functional.liger_rms_norm")
     liger_add = _try_import("liger_kernel.transformers.functional.liger_fused_add_rms_norm")
 
@@ -60,15 +67,15 @@ def rms_norm_case(n: int, h: int, residual: bool = False, dtype: torch.dtype = B
     if residual:
         def eager(i):
             s = i["x"] + i["r"]
-            return ops.rms_norm_reference(s, i["w"], 1e-6), s
-        ours = lambda i: ops.rms_norm(i["x"], i["w"], 1e-6, residual=i["r"])
+            return rms_ops.rms_norm_reference(s, i["w"], 1e-6), s
+        ours = lambda i: rms_ops.rms_norm(i["x"], i["w"], 1e-6, residual=i["r"])
         liger = (lambda i: liger_add(i["x"], i["r"], i["w"], 1e-6, casting_mode="llama", in_place=False)) \
             if liger_add else None
         # fwd: read x, r, write y, s; bwd: read dy, ds, s, write dx (= dr, one tensor for both)
         nbytes, grads = 8 * n * h, 2 * n * h
     else:
-        eager = lambda i: ops.rms_norm_reference(i["x"], i["w"], 1e-6)
-        ours = lambda i: ops.rms_norm(i["x"], i["w"], 1e-6)
+        eager = lambda i: rms_ops.rms_norm_reference(i["x"], i["w"], 1e-6)
+        ours = lambda i: rms_ops.rms_norm(i["x"], i["w"], 1e-6)
         liger = (lambda i: liger_rms(i["x"], i["w"], 1e-6, casting_mode="llama", in_place=False)) if liger_rms else None
         # fwd: read x, write y; bwd: read dy, x, write dx (+ rstd, w, dw negligible)
         nbytes, grads = 5 * n * h, n * h
@@ -84,9 +91,8 @@ def rms_norm_cases() -> List[Case]:
 
 def glu_case(op: str, n: int, i_: int) -> Case:
     """SwiGLU (silu(a) * b) or GeGLU (gelu_tanh(a) * b) over two [n, i_] inputs."""
-    from swift_liger.ops import swiglu_kernel as ops
     liger = _try_import(f"liger_kernel.transformers.functional.liger_{op}")
-    reference, fused = getattr(ops, f"{op}_reference"), getattr(ops, op)
+    reference, fused = getattr(glu_ops, f"{op}_reference"), getattr(glu_ops, op)
 
     def make():
         return {"a": torch.randn(n, i_, device="cuda", dtype=BF16, requires_grad=True),
@@ -122,7 +128,6 @@ def _layout(b, t, hq, hkv, d) -> str:
 
 def rope_case(b: int, t: int, hq: int, hkv: int, d: int) -> Case:
     """RoPE on q [b, hq, t, d] and k [b, hkv, t, d] (transposed views of the projections), cos/sin [b, t, d]."""
-    from swift_liger.ops import rope as ops
     liger_rope = _try_import("liger_kernel.transformers.functional.liger_rope")
 
     def make():
@@ -131,11 +136,11 @@ def rope_case(b: int, t: int, hq: int, hkv: int, d: int) -> Case:
     nbytes = 4 * b * t * (hq + hkv) * d * E + 2 * b * t * d * E
     # "in-place": q/k and their incoming gradients rotated in their own memory (Liger's way), not a peer; views
     # of the leaves stand for the projection outputs an attention layer rotates (see glu_case)
-    inplace = {f"{OURS} inplace": lambda i: ops.apply_rope(_inner(i["q"]), _inner(i["k"]), i["cos"], i["sin"],
+    inplace = {f"{OURS} inplace": lambda i: rope_ops.apply_rope(_inner(i["q"]), _inner(i["k"]), i["cos"], i["sin"],
                                                            inplace=True)}
     return Case("rope", _layout(b, t, hq, hkv, d), make,
-                _peers(lambda i: ops.apply_rope_reference(i["q"], i["k"], i["cos"], i["sin"]),
-                       lambda i: ops.apply_rope(i["q"], i["k"], i["cos"], i["sin"]),
+                _peers(lambda i: rope_ops.apply_rope_reference(i["q"], i["k"], i["cos"], i["sin"]),
+                       lambda i: rope_ops.apply_rope(i["q"], i["k"], i["cos"], i["sin"]),
                        (lambda i: liger_rope(i["q"], i["k"], i["cos"], i["sin"])) if liger_rope else None,
                        inplace),
                 min_bytes=nbytes, grad_bytes=b * t * (hq + hkv) * d * E)
@@ -147,7 +152,6 @@ def rope_cases() -> List[Case]:
 
 def qk_norm_rope_case(b: int, t: int, hq: int, hkv: int, d: int) -> Case:
     """Per-head RMSNorm of q and k (weights [d]) then RoPE, as Qwen3 attention runs it."""
-    from swift_liger.ops import qk_norm_rope_kernel as ops
     liger_rope = _try_import("liger_kernel.transformers.functional.liger_rope")
     liger_rms = _try_import("liger_kernel.transformers.functional.liger_rms_norm")
 
@@ -164,8 +168,8 @@ def qk_norm_rope_case(b: int, t: int, hq: int, hkv: int, d: int) -> Case:
     # fwd reads q,k and writes them; bwd must read the input again (norm) and the grad, and write dx: 5 passes
     nbytes = 5 * b * t * (hq + hkv) * d * E + 2 * b * t * d * E
     return Case("qk_norm_rope", _layout(b, t, hq, hkv, d), make,
-                _peers(lambda i: ops.qk_norm_rope_reference(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),
-                       lambda i: ops.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),
+                _peers(lambda i: qk_ops.qk_norm_rope_reference(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),
+                       lambda i: qk_ops.qk_norm_rope(i["q"], i["k"], i["wq"], i["wk"], i["cos"], i["sin"]),
                        liger if (liger_rope and liger_rms) else None),
                 min_bytes=nbytes, grad_bytes=b * t * (hq + hkv) * d * E)
 
@@ -176,7 +180,6 @@ def qk_norm_rope_cases() -> List[Case]:
 
 def cross_entropy_case(n: int, v: int) -> Case:
     """Mean cross-entropy of bf16 logits [n, v] (every 7th label ignored)."""
-    from swift_liger.ops import cross_entropy_kernel as ops
     liger_ce = _try_import("liger_kernel.transformers.functional.liger_cross_entropy")
 
     def make():
@@ -185,11 +188,11 @@ def cross_entropy_case(n: int, v: int) -> Case:
         labels[::7] = -100
         return {"logits": logits, "labels": labels}
     # "in-place": dlogits overwrite the logits (Liger's way), not a peer; a view stands for the lm_head output
-    inplace = {f"{OURS} inplace": lambda i: ops.cross_entropy(_inner(i["logits"]), i["labels"],
+    inplace = {f"{OURS} inplace": lambda i: ce_ops.cross_entropy(_inner(i["logits"]), i["labels"],
                                                               inplace_backward=True)}
     return Case("cross_entropy", f"{n}x{v}", make,
-                _peers(lambda i: ops.cross_entropy_reference(i["logits"], i["labels"]),
-                       lambda i: ops.cross_entropy(i["logits"], i["labels"]),
+                _peers(lambda i: ce_ops.cross_entropy_reference(i["logits"], i["labels"]),
+                       lambda i: ce_ops.cross_entropy(i["logits"], i["labels"]),
                        (lambda i: liger_ce(i["logits"], i["labels"])) if liger_ce else None, inplace),
                 min_bytes=3 * n * v * E, grad_bytes=n * v * E)
 
@@ -201,7 +204,6 @@ def cross_entropy_cases() -> List[Case]:
 def flce_case(n: int, h: int, v: int, train_w: bool, strategies=("accumulate",)) -> Case:
     """Linear + cross-entropy from hidden states [n, h] and a head [v, h], frozen or trainable; with a trainable
     head, our op also runs with each dW strategy in `strategies` ("swift_liger <strategy>", not a peer)."""
-    from swift_liger.ops import fused_linear_cross_entropy_kernel as ops
     liger_flce = _try_import("liger_kernel.transformers.functional.liger_fused_linear_cross_entropy")
     cce = _try_import("cut_cross_entropy.linear_cross_entropy")
 
@@ -213,14 +215,14 @@ def flce_case(n: int, h: int, v: int, train_w: bool, strategies=("accumulate",))
         return {"h": hid, "w": w, "labels": labels}
     extra = {}
     for strategy in strategies if train_w else ():
-        extra[f"{OURS} {strategy}"] = lambda i, st=strategy: ops.fused_linear_cross_entropy(
+        extra[f"{OURS} {strategy}"] = lambda i, st=strategy: flce_ops.fused_linear_cross_entropy(
             i["h"], i["w"], i["labels"], dw_strategy=st)
     if cce is not None:
         extra["cce"] = lambda i: cce(i["h"], i["w"], i["labels"])
     gemms = 3 if train_w else 2
     return Case("fused_linear_ce", f"N{n} H{h} V{v} W {'trainable' if train_w else 'frozen'}", make,
-                _peers(lambda i: ops.fused_linear_cross_entropy_reference(i["h"], i["w"], i["labels"]),
-                       lambda i: ops.fused_linear_cross_entropy(i["h"], i["w"], i["labels"]),
+                _peers(lambda i: flce_ops.fused_linear_cross_entropy_reference(i["h"], i["w"], i["labels"]),
+                       lambda i: flce_ops.fused_linear_cross_entropy(i["h"], i["w"], i["labels"]),
                        (lambda i: liger_flce(i["h"], i["w"], i["labels"])) if liger_flce else None, extra),
                 min_flops=gemms * 2 * n * h * v, grad_bytes=(n * h + (v * h if train_w else 0)) * E)
 
@@ -235,7 +237,6 @@ def logprobs_cases() -> List[Case]:
     eager = lm_head logits in bf16, then trl's selective_log_softmax on them (its per-row bf16 path; inside ms-swift
     the trainer gets accelerate's fp32 copy of the logits and takes the fp32 path, with more memory);
     torch.compile = our fp32 reference (logits.float(), log_softmax, gather) compiled."""
-    from swift_liger.ops import logprobs as ops
     selective = _try_import("trl.trainer.utils.selective_log_softmax")
     cases = []
     for (h, v), train_w in [((3584, 152064), False), ((3584, 152064), True), ((4096, 128256), False)]:
@@ -254,10 +255,10 @@ def logprobs_cases() -> List[Case]:
             logps = selective(logits, i["labels"].clamp_min(0))
             return torch.where(mask, logps.float(), 0.0)   # fp32 like ours: the peers share output grads
 
-        reference = lambda i: ops.fused_linear_logprobs_reference(i["h"], i["w"], i["labels"])
+        reference = lambda i: logprobs_ops.fused_linear_logprobs_reference(i["h"], i["w"], i["labels"])
         impls = {"eager": stock if selective is not None else reference,
                  "torch.compile": lambda i, f=reference: _compiled(f)(i),
-                 "swift_liger": lambda i: ops.fused_linear_logprobs(i["h"], i["w"], i["labels"])}
+                 "swift_liger": lambda i: logprobs_ops.fused_linear_logprobs(i["h"], i["w"], i["labels"])}
         n = b * t
         cases.append(Case("logprobs", f"2x{t} H{h} V{v} W {'trainable' if train_w else 'frozen'}", make, impls,
                           min_flops=(3 if train_w else 2) * 2 * n * h * v,

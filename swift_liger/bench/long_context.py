@@ -44,18 +44,25 @@ keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
+import importlib
+import importlib.util
 import json
 import os
 import resource
-import shlex
 import signal
-import subprocess
 import sys
 import time
 import traceback
 from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+import swift_liger
+
+from .harness import (DTYPES, GiB, counted, describe, environment, fmt, header, last_json, run_child as run_process,
+                      tail, write_report)
+from .shapes import SHAPES, ModelDims, build_model as build, hf_config, train_ready
 
 VARIANTS = ("plain", "liger", "swift_liger", "long_context")
 OURS = ("swift_liger", "long_context")
@@ -64,33 +71,12 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LR = {"lora": 1e-4, "qlora": 1e-4, "full": 1e-5}
 SEED = 0
 DATA_SEED = 1234
-GiB = 1024 ** 3
 POINT_TIMEOUT = 240.0
 MIN_START_S = 5.0      # less than this left before the deadline: no new point is started
 MODULE = "swift_liger.bench.long_context"
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    family: str            # transformers model_type
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    rope_theta: float
-    rms_norm_eps: float
-    tied: bool = False     # lm_head shares the embedding matrix
-
-
-MODELS = {
-    "llama3-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128, 128256, 500000.0, 1e-5),
-    "qwen2.5-7b": Shape("qwen2", 3584, 18944, 28, 28, 4, 128, 152064, 1000000.0, 1e-6),
-    "qwen2.5-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 128, 151936, 1000000.0, 1e-6, tied=True),
-    "tiny": Shape("llama", 64, 128, 2, 4, 2, 16, 256, 500000.0, 1e-5),
-}
+MODELS = {name: dims for name, dims in SHAPES.items() if dims.family in ("llama", "qwen2")}   # Liger patches both
 
 
 # ----------------------------------------------------------------------------------------------- one point (child)
@@ -112,25 +98,13 @@ def seq_label(seq: Optional[int]) -> str:
     return f"{seq // 1024}k" if seq % 1024 == 0 else str(seq)
 
 
-def build_model(shape: Shape, layers: int, seq: int, device, dtype):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kw = dict(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=layers,
-              num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-              vocab_size=shape.vocab, rope_theta=shape.rope_theta, max_position_embeddings=max(seq, 4096),
-              rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=shape.tied, use_cache=False)
-    if shape.family == "qwen2":
-        kw.update(use_sliding_window=False)
-    cfg = AutoConfig.for_model(shape.family, **kw)
-    torch.manual_seed(SEED)   # same weights in every variant
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    return model
+def build_model(shape: ModelDims, layers: int, seq: int, device, dtype):
+    cfg = hf_config(shape, layers=layers, max_positions=max(seq, 4096), use_cache=False)
+    return build(cfg, device=device, dtype=dtype, seed=SEED)   # same weights in every variant
 
 
 def _liger(model, family: str) -> str:
-    import liger_kernel.transformers as lk
+    import liger_kernel.transformers as lk  # lazy: optional peer (the liger variant is skipped without it)
 
     fn = {"llama": lk.apply_liger_kernel_to_llama, "qwen2": lk.apply_liger_kernel_to_qwen2}[family]
     fn(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
@@ -142,7 +116,6 @@ def patch(model, variant: str, family: str, tiled_mlp: int) -> Optional[str]:
         return None
     if variant == "liger":
         return _liger(model, family)
-    import swift_liger
     overrides = dict(tiled_mlp=tiled_mlp, offload_checkpoints=True) if variant == "long_context" else {}
     return str(swift_liger.apply(model, **overrides))
 
@@ -150,8 +123,7 @@ def patch(model, variant: str, family: str, tiled_mlp: int) -> Optional[str]:
 def quantize_4bit(model, dtype) -> int:
     """Every nn.Linear of model.model.layers -> bitsandbytes Linear4bit (NF4, double quant, compute dtype `dtype`), in
     place, one at a time (the full-precision weight is freed as its layer is replaced). Returns how many."""
-    import bitsandbytes as bnb
-    import torch
+    import bitsandbytes as bnb  # lazy: optional, --tuner qlora only
 
     layers = model.model.layers
     names = [n for n, m in layers.named_modules() if type(m) is torch.nn.Linear]
@@ -172,8 +144,6 @@ def quantize_4bit(model, dtype) -> int:
 
 
 def make_batches(n: int, seq: int, vocab: int, device, batch: int = 1) -> list:
-    import torch
-
     gen = torch.Generator().manual_seed(DATA_SEED)   # same batches in every variant; row 0 the same at every batch
     more = torch.Generator().manual_seed(DATA_SEED + 1)
     return [torch.cat([torch.randint(0, vocab, (1, seq), generator=gen),
@@ -181,8 +151,6 @@ def make_batches(n: int, seq: int, vocab: int, device, batch: int = 1) -> list:
 
 
 def _progress(t0: float, phase: str, cuda: bool) -> None:
-    import torch
-
     info = {"phase": phase, "seconds": round(time.perf_counter() - t0, 2)}
     if cuda:
         info["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
@@ -194,7 +162,6 @@ def _host_gib() -> Dict[str, Optional[float]]:
     out: Dict[str, Optional[float]] = {
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB}
     try:
-        import torch
         if torch.cuda.is_available():
             stats = torch.cuda.host_memory_stats()   # the caching pinned-host allocator (offloaded checkpoints)
             peak = stats.get("allocated_bytes.all.peak", stats.get("allocated_bytes.peak"))
@@ -205,19 +172,15 @@ def _host_gib() -> Dict[str, Optional[float]]:
 
 
 def _is_oom(exc: BaseException) -> bool:
-    import torch
-
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("CUDA out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
 
 
-def run_point(variant: str, seq: int, *, shape: Shape, layers: int, steps: int, warmup: int, tuner: str,
+def run_point(variant: str, seq: int, *, shape: ModelDims, layers: int, steps: int, warmup: int, tuner: str,
               device: str, dtype_name: str, mem_fraction: Optional[float], mem_cap_gib: Optional[float],
               tiled_mlp: int, batch: int = 1) -> Dict[str, Any]:
-    import torch
-
     cuda = torch.device(device).type == "cuda"
     row: Dict[str, Any] = {"variant": variant, "seq": seq, "batch": batch, "layers": layers, "status": "ok"}
     t0 = time.perf_counter()
@@ -230,7 +193,7 @@ def run_point(variant: str, seq: int, *, shape: Shape, layers: int, steps: int, 
         if mem_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(mem_fraction, 0)   # first, before any allocation
         row.update(mem_fraction=mem_fraction, total_memory_gib=total / GiB)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    dtype = DTYPES[dtype_name]
     losses: List[float] = []
     times: List[float] = []
     try:
@@ -238,15 +201,7 @@ def run_point(variant: str, seq: int, *, shape: Shape, layers: int, steps: int, 
         row["patch"] = patch(model, variant, shape.family, tiled_mlp)
         if tuner == "qlora":
             row["quantized_linears"] = quantize_4bit(model, dtype)
-        model.config.use_cache = False
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-        if tuner in ("lora", "qlora"):
-            from peft import LoraConfig, get_peft_model
-            torch.manual_seed(SEED + 1)   # identical adapter init in every variant
-            model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                     target_modules=LORA_TARGETS))
-        model.train()
+        model = train_ready(model, lora=tuner in ("lora", "qlora"), targets=LORA_TARGETS, seed=SEED + 1)
         params = [p for p in model.parameters() if p.requires_grad]
         row["trainable_params"] = sum(p.numel() for p in params)
         opt = torch.optim.AdamW(params, lr=LR[tuner], fused=cuda)   # the HF Trainer's default (adamw_torch_fused)
@@ -274,18 +229,12 @@ def run_point(variant: str, seq: int, *, shape: Shape, layers: int, steps: int, 
             losses.append(loss.item())
             del loss
             _progress(t0, f"step {step} done (loss {losses[-1]:.5f}, {times[-1]:.2f} s)", cuda)
-        try:
-            from swift_liger import call_counts
-            counts = call_counts(model)
-            row["call_counts"] = json.loads(json.dumps(counts, default=str)) if counts else None
-        except Exception as exc:   # a diagnostic, never a reason to lose the point
-            row["call_counts"] = {"error": f"{type(exc).__name__}: {exc}"}
+        row["call_counts"] = counted(model)
     except BaseException as exc:   # noqa: BLE001 - everything ends up in the one JSON line
         if isinstance(exc, KeyboardInterrupt):
             raise
-        first = str(exc).strip().splitlines()[0][:400] if str(exc).strip() else ""
         row["status"] = "oom" if cuda and _is_oom(exc) else "error"
-        row["error"] = f"{type(exc).__name__}: {first}"
+        row["error"] = describe(exc, 400)
         if row["status"] == "error":
             traceback.print_exc()
         if cuda:
@@ -324,99 +273,32 @@ def _child_env(device: str) -> Dict[str, str]:
     return env
 
 
-def _text(data) -> str:
-    if data is None:
-        return ""
-    return data.decode(errors="replace") if isinstance(data, bytes) else data
-
-
-def _last_progress(stderr: str) -> Optional[Dict[str, Any]]:
-    for line in reversed(stderr.splitlines()):
-        if line.startswith("PROGRESS "):
-            try:
-                return json.loads(line[len("PROGRESS "):])
-            except ValueError:
-                return None
-    return None
-
-
-def _tail(text: str, n: int = 4) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip() and not ln.startswith("PROGRESS ")]
-    return " | ".join(lines[-n:])[-600:]
-
-
-_RUNNING: List[subprocess.Popen] = []   # the point in flight (at most one)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)   # the child we started, and what it started (its own session)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _on_signal(signum, frame):
-    # an outer `timeout` signals our process group; the child runs in a session of its own, so end it here
-    for proc in list(_RUNNING):
-        _kill(proc)
-    raise SystemExit(128 + signum)
-
-
 def run_child(variant: str, seq: int, batch: int, layers: int, timeout: float, args) -> Dict[str, Any]:
     """One point in its own process (own session, so a timeout kills all of it). Always returns a row."""
-    cmd = _child_cmd(variant, seq, batch, layers, args)
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_child_env(args.device), start_new_session=True)
-    _RUNNING.append(proc)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        out, err = proc.communicate()
-        timed_out = True
-    finally:
-        if proc.poll() is None:   # interrupted (KeyboardInterrupt, SystemExit): never leave it running
-            _kill(proc)
-            proc.wait()
-        _RUNNING.remove(proc)
-    out, err = _text(out), _text(err)
-    wall = time.perf_counter() - t0
-    if timed_out:
-        prog = _last_progress(err) or {}
+    child = run_process(_child_cmd(variant, seq, batch, layers, args), timeout=timeout, env=_child_env(args.device))
+    out, err = child.stdout, child.stderr
+    if child.timed_out:
+        prog = last_json(err, "PROGRESS ") or {}
         return {"variant": variant, "seq": seq, "batch": batch, "layers": layers, "status": "timeout",
-                "timeout_s": timeout, "wall_seconds": wall, "last_phase": prog.get("phase"),
+                "timeout_s": timeout, "wall_seconds": child.seconds, "last_phase": prog.get("phase"),
                 # lower bounds: the point was killed before it finished
                 "peak_allocated_gib_so_far": prog.get("peak_allocated_gib"),
                 "peak_reserved_gib_so_far": prog.get("peak_reserved_gib"),
                 "peak_allocated_gib": None, "peak_reserved_gib": None, "tokens_per_s": None,
                 "seconds_per_step": None, "losses": []}
-    row = None
-    for line in reversed(out.splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                row = json.loads(line)
-                break
-            except ValueError:
-                continue
+    row = last_json(out)
     if row is None:
-        why = f"exit code {proc.returncode}"
-        if proc.returncode is not None and proc.returncode < 0:
-            why = f"killed by signal {-proc.returncode}" + (" (host out of memory?)"
-                                                            if -proc.returncode == signal.SIGKILL else "")
+        rc = child.returncode
+        why = f"exit code {rc}"
+        if rc is not None and rc < 0:
+            why = f"killed by signal {-rc}" + (" (host out of memory?)" if -rc == signal.SIGKILL else "")
         row = {"variant": variant, "seq": seq, "batch": batch, "layers": layers, "status": "error",
-               "error": f"{why}: {_tail(err or out)}", "peak_allocated_gib": None, "peak_reserved_gib": None,
-               "tokens_per_s": None, "seconds_per_step": None, "losses": []}
+               "error": f"{why}: {tail(err or out, skip='PROGRESS ')}", "peak_allocated_gib": None,
+               "peak_reserved_gib": None, "tokens_per_s": None, "seconds_per_step": None, "losses": []}
     elif row.get("status") == "error" and err:
-        row["stderr_tail"] = _tail(err, 6)
-    row["wall_seconds"] = wall
+        row["stderr_tail"] = tail(err, 6, skip="PROGRESS ")
+    row["wall_seconds"] = child.seconds
     return row
-
-
-def _f(v, spec: str) -> str:
-    return "—" if v is None else format(v, spec)
 
 
 def _status(r: Dict[str, Any]) -> str:
@@ -449,17 +331,17 @@ def largest_batch(rows: List[Dict[str, Any]], variant: str) -> Dict[str, Any]:
 
 def summary_line(variants: Sequence[str], rows, skipped: Dict[str, str], batch_seq: Optional[int] = None) -> str:
     """'longest trained: ...', or with batch_seq (a batch sweep at that length) 'largest batch at 8k: ...'."""
-    key, fmt, best = ("seq", seq_label, longest) if batch_seq is None else ("batch", str, largest_batch)
+    key, label, best = ("seq", seq_label, longest) if batch_seq is None else ("batch", str, largest_batch)
     parts = []
     for v in variants:
         if v in skipped:
             parts.append(f"{v} skipped")
             continue
         info = best(rows, v)
-        text = f"{v} {fmt(info[key]) if info[key] else 'none'}"
+        text = f"{v} {label(info[key]) if info[key] else 'none'}"
         if info["stopped_by"]:
             st = info["stopped_by"]["status"]
-            text += f" ({fmt(info['stopped_by'][key])}: {'OOM' if st == 'oom' else st})"
+            text += f" ({label(info['stopped_by'][key])}: {'OOM' if st == 'oom' else st})"
         parts.append(text)
     head = "longest trained" if batch_seq is None else f"largest batch at {seq_label(batch_seq)}"
     return head + ": " + ", ".join(parts) + f" (ours: {', '.join(v for v in variants if v in OURS)})"
@@ -502,12 +384,9 @@ def to_markdown(env, setup, rows, skipped, projection, png: Optional[str]) -> st
                       f"(the decoder layers' linears in 4 bit, compute dtype {s['dtype']}; lm_head and embeddings "
                       "not)",
              "full": "full fine-tuning"}[s["tuner"]]
-    lines = [f"# {title}: {s['model']} {s['tuner']}", "",
-             f"GPU: {env.get('gpu')} · torch {env.get('torch')} (CUDA {env.get('cuda')}) · triton "
-             f"{env.get('triton')} · transformers {env.get('transformers')} · peft {env.get('peft')} · "
-             + (f"bitsandbytes {env.get('bitsandbytes')} · " if s["tuner"] == "qlora" else "")
-             + f"liger-kernel {env.get('liger_kernel')} · {env.get('date')}", "",
-             f"Command: `{env['command']}`", "",
+    qlora = ("bitsandbytes",) if s["tuner"] == "qlora" else ()
+    names = ("triton", "transformers", "peft", *qlora, "liger_kernel")
+    lines = header(f"{title}: {s['model']} {s['tuner']}", env, *names) + [
              f"Random init, {s['layers']} of {shape['layers']} layers, hidden {shape['hidden']}, intermediate "
              f"{shape['intermediate']}, {shape['heads']}/{shape['kv_heads']} heads of {shape['head_dim']}, vocab "
              f"{shape['vocab']}, rope_theta {shape['rope_theta']:g}; batch {'/'.join(map(str, s['batches'] or [1]))}, "
@@ -550,13 +429,13 @@ def to_markdown(env, setup, rows, skipped, projection, png: Optional[str]) -> st
         lines += ["| seq | batch | peak alloc GiB | peak reserved GiB | tok/s | s/step | host peak RSS GiB | status |",
                   "|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in mine:
-            alloc, reserved = _f(r.get("peak_allocated_gib"), ".2f"), _f(r.get("peak_reserved_gib"), ".2f")
+            alloc, reserved = fmt(r.get("peak_allocated_gib"), ".2f"), fmt(r.get("peak_reserved_gib"), ".2f")
             if r["status"] == "timeout" and r.get("peak_allocated_gib_so_far") is not None:
                 alloc = f"≥ {r['peak_allocated_gib_so_far']:.2f}"
                 reserved = f"≥ {r['peak_reserved_gib_so_far']:.2f}"
             lines.append(f"| {seq_label(r['seq'])} | {r['batch']} | {alloc} | {reserved} | "
-                         f"{_f(r.get('tokens_per_s'), '.0f')} | "
-                         f"{_f(r.get('seconds_per_step'), '.2f')} | {_f(r.get('host_peak_rss_gib'), '.1f')} | "
+                         f"{fmt(r.get('tokens_per_s'), '.0f')} | "
+                         f"{fmt(r.get('seconds_per_step'), '.2f')} | {fmt(r.get('host_peak_rss_gib'), '.1f')} | "
                          f"{_status(r).replace('|', '/')} |")
         lines.append("")
     if s.get("stopped"):
@@ -572,9 +451,9 @@ def to_markdown(env, setup, rows, skipped, projection, png: Optional[str]) -> st
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for p in projection:
             lines.append(f"| {p['variant']} | {seq_label(p['seq'])} | {p['batch']} | "
-                         f"{_f(p['peak_at_half_gib'], '.2f')} | "
-                         f"{_f(p['peak_at_n_gib'], '.2f')} | {_f(p['per_layer_gib'], '.3f')} | "
-                         f"{_f(p['projected_peak_gib'], '.2f')} (projected) |")
+                         f"{fmt(p['peak_at_half_gib'], '.2f')} | "
+                         f"{fmt(p['peak_at_n_gib'], '.2f')} | {fmt(p['per_layer_gib'], '.3f')} | "
+                         f"{fmt(p['projected_peak_gib'], '.2f')} (projected) |")
         if not projection:
             lines.append("| — | | | | | | no ok point with both layer counts |")
         lines.append("")
@@ -589,9 +468,9 @@ def plot(path: str, env, setup, rows) -> Optional[str]:
     if not any(r.get("peak_allocated_gib") is not None or r.get("peak_allocated_gib_so_far") is not None
                for r in rows):
         return None
-    import matplotlib
+    import matplotlib  # lazy: a second to import, only when there is something to plot
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after matplotlib.use("Agg")
 
     cap = setup.get("mem_cap_gib")
     total = next((r["total_memory_gib"] for r in rows if r.get("total_memory_gib")), None)
@@ -600,7 +479,7 @@ def plot(path: str, env, setup, rows) -> Optional[str]:
     peaks = [r.get("peak_allocated_gib") or r.get("peak_allocated_gib_so_far") or 0 for r in rows]
     top = 1.12 * max([p for p in peaks] + ([cap] if cap else []) + [1e-3])
     batch_seq = _batch_seq(setup)
-    key, fmt = ("seq", seq_label) if batch_seq is None else ("batch", str)
+    key, label = ("seq", seq_label) if batch_seq is None else ("batch", str)
     fig, ax = plt.subplots(figsize=(9.5, 5))
     markers = "osD^v"
     oom_labelled = timeout_labelled = False
@@ -629,7 +508,7 @@ def plot(path: str, env, setup, rows) -> Optional[str]:
     xs = sorted({r[key] for r in rows})
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs)
-    ax.set_xticklabels([fmt(x) for x in xs])
+    ax.set_xticklabels([label(x) for x in xs])
     ax.minorticks_off()
     ax.set_ylim(0, top)
     ax.set_xlabel("sequence length (tokens, batch 1)" if batch_seq is None else
@@ -649,21 +528,6 @@ def plot(path: str, env, setup, rows) -> Optional[str]:
     return path
 
 
-def environment(argv: Sequence[str]) -> Dict[str, Any]:
-    from .harness import environment as base
-
-    env = base()
-    env["command"] = f"python -m {MODULE} " + shlex.join(list(argv))
-    from importlib.metadata import version
-    for name in ("peft", "bitsandbytes"):
-        try:
-            env[name] = version(name)
-        except Exception:
-            env[name] = None
-    env["swift_liger_backend"] = os.environ.get("SWIFT_LIGER_BACKEND", "auto")
-    return env
-
-
 def write(out_dir: str, env, setup, rows, skipped, projection, halves) -> str:
     os.makedirs(out_dir, exist_ok=True)
     png_path = os.path.join(out_dir, "long_context.png")
@@ -679,18 +543,13 @@ def write(out_dir: str, env, setup, rows, skipped, projection, halves) -> str:
         data["projection"] = {"note": "projected, not measured", "formula": "peak(L) = peak(N) + (L - N) * "
                               "(peak(N) - peak(N//2)) / (N - N//2)", "half_layer_runs": list(halves.values()),
                               "rows": projection}
-    with open(os.path.join(out_dir, "long_context.json"), "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    md = to_markdown(env, setup, rows, skipped, projection, os.path.basename(png) if png else None)
-    with open(os.path.join(out_dir, "long_context.md"), "w") as f:
-        f.write(md)
-    return md
+    return write_report(out_dir, "long_context", data,
+                        to_markdown(env, setup, rows, skipped, projection, os.path.basename(png) if png else None))
 
 
 def _skip_reason(variant: str, device: str) -> Optional[str]:
     if variant != "liger":
         return None
-    import importlib.util
     if importlib.util.find_spec("liger_kernel") is None:
         return "liger_kernel is not importable (pip install liger-kernel)"
     if not device.startswith("cuda"):
@@ -701,8 +560,8 @@ def _skip_reason(variant: str, device: str) -> Optional[str]:
 def _line(r: Dict[str, Any]) -> str:
     return (f"  {r['variant']:13s} {seq_label(r['seq']):>6s} x{r['batch']:<3d} @{r['layers']}L  "
             f"{_status(r)[:90]:40s} peak "
-            f"{_f(r.get('peak_allocated_gib'), '.2f')} GiB  {_f(r.get('tokens_per_s'), '.0f')} tok/s  "
-            f"{_f(r.get('seconds_per_step'), '.2f')} s/step  ({r.get('wall_seconds', 0):.0f} s)")
+            f"{fmt(r.get('peak_allocated_gib'), '.2f')} GiB  {fmt(r.get('tokens_per_s'), '.0f')} tok/s  "
+            f"{fmt(r.get('seconds_per_step'), '.2f')} s/step  ({r.get('wall_seconds', 0):.0f} s)")
 
 
 def main(argv: Optional[Sequence[str]] = None):
@@ -773,20 +632,19 @@ def main(argv: Optional[Sequence[str]] = None):
     if args.project_layers is not None and not (2 <= layers < args.project_layers):
         ap.error("--project-layers L needs 2 <= --layers N < L (the slope comes from N and N//2 layers)")
     if args.device.startswith("cuda"):
-        import torch
         if not torch.cuda.is_available():
             sys.exit("--device cuda but CUDA is not available (use --model tiny --device cpu for a CPU check)")
     if args.tuner == "qlora":
         try:
-            import bitsandbytes  # noqa: F401
+            importlib.import_module("bitsandbytes")
         except Exception as exc:
             sys.exit(f"--tuner qlora needs bitsandbytes, which is not importable ({type(exc).__name__}: {exc}); "
                      f"pip install bitsandbytes")
 
-    env = environment(argv)
+    env = environment(f"python -m {MODULE}", argv, packages=("bitsandbytes",))
     skipped = {v: why for v in variants if (why := _skip_reason(v, args.device))}
     setup: Dict[str, Any] = {
-        "model": args.model, "shape": dataclasses.asdict(shape), "layers": layers, "tuner": args.tuner,
+        "model": args.model, "shape": shape.asdict(), "layers": layers, "tuner": args.tuner,
         "variants": variants, "seqs": seqs, "steps": args.steps, "warmup": args.warmup, "batches": batches,
         "device": args.device, "dtype": args.dtype, "attn": "sdpa", "mem_cap_gib": args.mem_cap_gib,
         "mem_fraction": args.mem_fraction, "tiled_mlp": args.tiled_mlp, "deadline": args.deadline,
@@ -810,17 +668,7 @@ def main(argv: Optional[Sequence[str]] = None):
     for v, why in skipped.items():
         print(f"  {v}: skipped ({why})", flush=True)
     flush()
-    previous = {}
-    try:   # signal handlers only exist in the main thread
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            previous[sig] = signal.signal(sig, _on_signal)
-    except ValueError:
-        pass
-    try:
-        return _sweep(args, env, setup, rows, halves, projection, skipped, layers, points, variants, remaining, flush)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return _sweep(args, env, setup, rows, halves, projection, skipped, layers, points, variants, remaining, flush)
 
 
 def _sweep(args, env, setup, rows, halves, projection, skipped, layers, points, variants, remaining, flush):

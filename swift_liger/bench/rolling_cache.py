@@ -39,18 +39,24 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
+import dataclasses
 import gc
 import json
 import os
-import platform
 import re
 import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+from transformers import DynamicCache, StaticCache
 
-from .harness import describe
+import swift_liger
+from swift_liger.cache import RollingKVCache
+
+from .harness import GiB, describe, environment as base_environment, fmt, free as cleanup, sync, write_report
+from .shapes import SHAPES, build_model as build, hf_config
 
 # "+graph": RollingKVCache(cuda_graph=True), decode steps after the wrap replay one CUDA graph of the decoder.
 # "+liger" (after any kind): swift_liger's RMSNorm/RoPE/SwiGLU kernels in the model for that kind's rows only, the
@@ -79,14 +85,12 @@ class kernels_for:
 
     def __enter__(self):
         if self.on:
-            import swift_liger
             report = swift_liger.apply(self.model, cross_entropy="off", fused_projections=self.fused)
             self.modules = sum(v for v in report.patched.values() if isinstance(v, int))
         return self
 
     def __exit__(self, *exc):
         if self.on:
-            import swift_liger
             swift_liger.revert(self.model)
         return False
 
@@ -94,7 +98,6 @@ class kernels_for:
 KINDS = ("rolling_absolute+graph", "rolling_streaming+graph", "rolling_absolute", "dynamic", "hf_dynamic_sliding",
          "hf_static_sliding")
 ROLLING = ("rolling_absolute+graph", "rolling_streaming+graph", "rolling_absolute", "rolling_streaming")
-GiB = 1024 ** 3
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -102,45 +105,25 @@ GiB = 1024 ** 3
 # ---------------------------------------------------------------------------------------------------------------
 
 def model_config(args, family="llama"):
-    from transformers import LlamaConfig, MistralConfig
-    if args.tiny:
-        dims = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16)
-    else:   # Llama-3-8B
-        dims = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                    num_key_value_heads=8, head_dim=128)
-    common = dict(num_hidden_layers=args.layers, rope_theta=500000.0, max_position_embeddings=1 << 20,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=None, pad_token_id=0)
-    if family == "mistral":
-        return MistralConfig(**dims, **common, sliding_window=args.window)
-    return LlamaConfig(**dims, **common)
+    """Llama-3-8B dims (or tiny ones) with args.layers layers; family "mistral": the same with args.window."""
+    window = dict(sliding_window=args.window) if family == "mistral" else {}
+    return hf_config(SHAPES["tiny" if args.tiny else "llama3-8b"], family=family, layers=args.layers,
+                     max_positions=1 << 20, bos_token_id=1, eos_token_id=None, pad_token_id=0, **window)
 
 
 def hybrid_config(args):
     """Gemma-2-9B dims (or tiny ones), args.hybrid_layers layers alternating sliding / full attention."""
-    from transformers import Gemma2Config
-    if args.tiny:
-        dims = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16)
-    else:   # Gemma-2-9B
-        dims = dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_attention_heads=16,
-                    num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256)
-    return Gemma2Config(**dims, num_hidden_layers=args.hybrid_layers, sliding_window=args.hybrid_window,
-                        max_position_embeddings=1 << 20, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    dims = (dataclasses.replace(SHAPES["tiny"], family="gemma2", rope_theta=None, rms_norm_eps=None, tied=None)
+            if args.tiny else SHAPES["gemma2-9b"])
+    return hf_config(dims, layers=args.hybrid_layers, max_positions=1 << 20, query_pre_attn_scalar=dims.head_dim,
+                     sliding_window=args.hybrid_window, bos_token_id=1, eos_token_id=None, pad_token_id=0)
 
 
 def build_model(config, device, dtype):
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    return model.to(device).eval()
+    return build(config, device=device, dtype=dtype).to(device).eval()
 
 
 def make_cache(kind, model, args, sinks=None):
-    from transformers import DynamicCache, StaticCache
-
-    from swift_liger.cache import RollingKVCache
     sinks = args.sinks if sinks is None else sinks
     kind = split_kind(kind)[0]
     if kind.startswith("rolling_"):
@@ -174,11 +157,6 @@ def cache_bytes(cache) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # Timing helpers
 # ---------------------------------------------------------------------------------------------------------------
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
 
 def allocated(device) -> int:
     return torch.cuda.memory_allocated() if device.type == "cuda" else 0
@@ -248,12 +226,6 @@ def timed_decode(model, cache, tok, steps, device, padding=None, rounds=1):
     finally:
         gc.enable()
     return tok, sorted(per_round)[len(per_round) // 2], per_round
-
-
-def cleanup(device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,8 +301,6 @@ def profile_steps(model, cache, tok, steps, device, padding=None) -> dict:
     """Where one decode step's time goes: torch.profiler over `steps` steps. wall (with the profiler's own
     overhead), device busy time (the sum of kernel durations), kernel launches, and device time per kernel group;
     wall well above device busy means the host sets the pace."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
     with profile(activities=activities) as prof:
@@ -436,7 +406,7 @@ def profile_markdown(rows) -> list:
             continue
         out.append(f"| {r['batch']} | {r['cache']} | {r['context']} | {r['ms_per_token']:.3f} | {r['wall_ms']:.3f} | "
                    f"{r['device_ms']:.3f} | "
-                   f"{r['launches']:.0f} | " + " | ".join(_f(r["groups"].get(g), ".3f") for g in groups) + " |")
+                   f"{r['launches']:.0f} | " + " | ".join(fmt(r["groups"].get(g), ".3f") for g in groups) + " |")
     return out + [""]
 
 
@@ -479,9 +449,6 @@ def long_run(model, args, device, batch, tokens, log, kind="rolling_streaming+gr
 @torch.no_grad()
 def agreement(args, device, dtype, log):
     """RollingKVCache(absolute, sinks=0) vs DynamicSlidingWindowLayer on a Mistral of the same shape."""
-    from transformers import DynamicCache
-
-    from swift_liger.cache import RollingKVCache
     cfg = model_config(args, "mistral")
     cfg.num_hidden_layers = args.check_layers
     model = build_model(cfg, device, dtype)
@@ -520,9 +487,6 @@ HYBRID_KINDS = ("rolling_model", "hf_default")
 
 
 def make_hybrid_cache(kind, model):
-    from transformers import DynamicCache
-
-    from swift_liger.cache import RollingKVCache
     if kind == "rolling_model":
         return RollingKVCache(model, window="model")
     return DynamicCache(config=model.config)   # what generate builds for this model
@@ -563,7 +527,7 @@ def hybrid(args, device, dtype, log):
                     log(f"  hybrid b={batch} {kind:14s} ctx={L:6d}  {ms:7.3f} ms/tok  KV "
                         f"{row['kv_bytes'] / GiB:7.3f} GiB")
             except Exception as exc:   # e.g. OOM: reported, not fatal
-                msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                msg = describe(exc)
                 rows.append(dict(batch=batch, cache=kind, context=None, error=msg))
                 log(f"  hybrid b={batch} {kind}: {msg}")
             del cache, tok
@@ -633,19 +597,8 @@ def hybrid_markdown(h) -> list:
 # Report
 # ---------------------------------------------------------------------------------------------------------------
 
-def environment(device) -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": " ".join([os.path.basename(sys.executable), "-m", "swift_liger.bench.rolling_cache"]
-                                + sys.argv[1:]),
-            "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "device": str(device)}
-    for pkg in ("triton", "transformers"):
-        try:
-            info[pkg] = version(pkg)
-        except PackageNotFoundError:
-            info[pkg] = None
-    return info
+def environment(device, argv) -> dict:
+    return base_environment("python -m swift_liger.bench.rolling_cache", argv, device=device)
 
 
 HF_SLIDING = ("hf_dynamic_sliding", "hf_static_sliding")
@@ -653,7 +606,6 @@ HF_SLIDING = ("hf_dynamic_sliding", "hf_static_sliding")
 
 def merge_reports(paths, out) -> int:
     """--merge: one report from several runs' JSON (see the module docstring)."""
-    import argparse
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         sys.exit(f"--merge: no such file {', '.join(missing)} (expected rolling_cache.json files)")
@@ -689,11 +641,7 @@ def merge_reports(paths, out) -> int:
     merged["speedups"] = summarize(rows, args)
     merged["targets"] = targets(merged, args)
     merged["wall_s"] = sum(r.get("wall_s") or 0 for r in reports)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "rolling_cache.json"), "w") as f:
-        json.dump(merged, f, indent=1, default=str)
-    with open(os.path.join(out, "rolling_cache.md"), "w") as f:
-        f.write(markdown(merged))
+    write_report(out, "rolling_cache", merged, markdown(merged))
     print(f"merged {len(paths)} runs ({len(rows)} rows) into {out}/rolling_cache.{{json,md}}")
     return 0
 
@@ -723,10 +671,6 @@ def summarize(rows, args):
                     entry[f"speedup_vs_{key}"] = min(got) / ms if got else None
                 out.append(entry)
     return out
-
-
-def _f(v, spec):
-    return "—" if v is None else format(v, spec)
 
 
 def markdown(report) -> str:
@@ -771,7 +715,7 @@ def markdown(report) -> str:
                   "| vs best HF sliding | vs best HF sliding, same model |",
                   "|---:|---:|---|---:|---:|---:|---:|---:|"]
         for s in report["speedups"]:
-            ratios = [_f(s.get(f"speedup_vs_{k}"), ".2f") for k in ("dynamic", "hf_dynamic_sliding",
+            ratios = [fmt(s.get(f"speedup_vs_{k}"), ".2f") for k in ("dynamic", "hf_dynamic_sliding",
                                                                        "hf_static_sliding", "best_hf_sliding",
                                                                        "best_hf_sliding_same_model")]
             lines.append(f"| {s['batch']} | {s['context']} | {s['cache'][8:]} | {' | '.join(ratios)} |")
@@ -780,8 +724,8 @@ def markdown(report) -> str:
     for lr in report["long_runs"]:
         lines += [f"`{lr.get('cache', 'rolling_streaming')}`, batch {lr['batch']}: {lr['tokens']} tokens after a {lr['prompt']}-token prompt. All logits finite: "
                   f"**{lr['all_finite']}**; cache bytes constant: **{lr['kv_bytes_constant']}**; allocated-memory "
-                  f"spread after the window filled: **{_f(lr['alloc_spread_after_fill'], 'd')} B**; mean "
-                  f"{_f(lr['ms_per_token_after_fill'], '.3f')} ms/token after the fill.", "",
+                  f"spread after the window filled: **{fmt(lr['alloc_spread_after_fill'], 'd')} B**; mean "
+                  f"{fmt(lr['ms_per_token_after_fill'], '.3f')} ms/token after the fill.", "",
                   "| tokens seen | ms/token | allocated over weights (MiB) | cache (MiB) | finite |",
                   "|---:|---:|---:|---:|---|"]
         step = max(1, len(lr["buckets"]) // 16)
@@ -881,6 +825,7 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="merge these runs' rolling_cache.json into --out (no GPU; every other option is ignored)")
     args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     if args.merge:
         return merge_reports(args.merge, args.out)
     if args.tiny:
@@ -911,15 +856,11 @@ def main(argv=None):
 
     t_start = time.perf_counter()
     if args.only_hybrid:
-        report = {"environment": environment(device), "settings": {k: v for k, v in vars(args).items()}}
-        os.makedirs(args.out, exist_ok=True)
+        report = {"environment": environment(device, argv), "settings": {k: v for k, v in vars(args).items()}}
         log("4. hybrid")
         report["hybrid"] = hybrid(args, device, dtype, log)
         report["wall_s"] = time.perf_counter() - t_start
-        with open(os.path.join(args.out, "rolling_cache_hybrid.json"), "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        with open(os.path.join(args.out, "rolling_cache_hybrid.md"), "w") as f:
-            f.write(markdown(report))
+        write_report(args.out, "rolling_cache_hybrid", report, markdown(report))
         log(f"total {report['wall_s']:.0f} s; wrote {args.out}/rolling_cache_hybrid.{{json,md}}")
         return
     config = model_config(args)
@@ -930,25 +871,20 @@ def main(argv=None):
                   f"layers ({n_params / 1e9:.2f} B params), hidden {config.hidden_size}, {config.num_attention_heads} "
                   f"heads / {config.num_key_value_heads} kv heads x {config.head_dim}, vocab {config.vocab_size}")
     if args.liger:
-        import swift_liger
         patched = swift_liger.apply(model, cross_entropy="off", fused_projections=args.fused_projections).patched
         model_desc += ("; swift_liger kernels applied to every cache's model (" +
                        ", ".join(f"{k} {v}" for k, v in patched.items() if v) + " modules)")
     if args.fused_projections and not args.liger:
         model_desc += "; the '+liger' kinds also fuse the q/k/v and gate/up projections (fused_projections)"
     log(f"{model_desc}; setup {time.perf_counter() - t_start:.1f} s")
-    report = {"environment": environment(device), "model": model_desc,
+    report = {"environment": environment(device, argv), "model": model_desc,
               "settings": {k: v for k, v in vars(args).items()}}
     report["long_runs"] = []
-    os.makedirs(args.out, exist_ok=True)
 
     def save():   # after every section: a run cut short by a time limit still leaves its results
         report["targets"] = targets(report, args)
         report["wall_s"] = time.perf_counter() - t_start
-        with open(os.path.join(args.out, "rolling_cache.json"), "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        with open(os.path.join(args.out, "rolling_cache.md"), "w") as f:
-            f.write(markdown(report))
+        write_report(args.out, "rolling_cache", report, markdown(report))
 
     report["matched_context"], report["speedups"] = [], []
     if args.profile_steps > 0:

@@ -15,7 +15,9 @@ import json
 import math
 import os
 
-from ..plot import plot_runs, read_steps
+from swift_liger.plot import plot_runs, read_steps
+
+from .harness import write_json
 
 
 def smooth(values, window):
@@ -71,8 +73,7 @@ def main(argv=None) -> int:
     soak_png = plot_runs([args.soak], os.path.join(args.out, f"{args.name}_long.png"),
                          title=f"swift sft --use_liger: {result['soak']['last_step']} steps", labels=["--use_liger"])
     result["plots"] = [os.path.basename(png), os.path.basename(soak_png)]
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.join(args.out, f"{args.name}.json"), result)
     print(json.dumps(result, indent=1))
     return 0
 

@@ -27,6 +27,11 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+import torch
+
+from . import harness, kernels
+from .harness import fmt, header, write_report
+
 OURS = "swift_liger"
 OPS = ("rms_norm", "rms_norm_residual", "swiglu", "geglu", "rope", "qk_norm_rope", "cross_entropy",
        "fused_linear_ce")
@@ -47,10 +52,6 @@ def order(groups: Dict[str, list], ops) -> List[tuple]:
 
 
 def run(args) -> int:
-    import torch
-
-    from . import harness, kernels
-
     ops = args.ops.split(",") if args.ops else list(OPS)
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
@@ -63,7 +64,7 @@ def run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "sweep.jsonl")
     t0 = time.time()
-    env = {**harness.environment(), "command": "python -m swift_liger.bench.sweep " + " ".join(sys.argv[1:])}
+    env = harness.environment("python -m swift_liger.bench.sweep")
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps({"environment": env}) + "\n")
     todo, measured = remaining(order(kernels.sweep_groups(), ops), args.skip)
@@ -79,8 +80,7 @@ def run(args) -> int:
             case = factory()
             results = harness.run_case(case, warmup_ms=max(10, rep // 4), rep_ms=rep, graphs=args.graphs)
         except Exception as exc:   # a case that cannot be built is reported, not fatal
-            results = [harness.Result(op, key, OURS, None, None, None, None, None, None,
-                                      f"{type(exc).__name__}: {str(exc)[:160]}")]
+            results = [harness.Result(op, key, OURS, None, None, None, None, None, None, harness.describe(exc))]
         with open(path, "a", encoding="utf-8") as f:
             for r in results:
                 f.write(json.dumps({**dataclasses.asdict(r), "op": op, "shape": key}) + "\n")
@@ -135,21 +135,15 @@ def cases(rows) -> Dict[tuple, list]:
     return by
 
 
-def _f(v, spec):
-    return "—" if v is None else format(v, spec)
-
-
 def _ms(row) -> str:
     """A row's median ms; ' (eager)' where a --graphs run could not capture it in a CUDA graph."""
-    return _f(row.get("ms"), ".3f") + (" (eager)" if row.get("graphed") is False else "")
+    return fmt(row.get("ms"), ".3f") + (" (eager)" if row.get("graphed") is False else "")
 
 
 def to_markdown(env, rows, command: str, png: Optional[str], notes: str = "") -> str:
     by = cases(rows)
-    lines = ["# Per-op sweep: ours against every peer at every shape", "",
-             f"GPU: {env.get('gpu')} · torch {env.get('torch')} · triton {env.get('triton')} · "
-             f"liger-kernel {env.get('liger_kernel')} · {env.get('date')}", "",
-             f"Command: `{command}`", "",
+    lines = header("Per-op sweep: ours against every peer at every shape", env, "triton", "liger_kernel", cuda=False,
+                   command=command) + [
              "bf16, forward+backward, `triton.testing.do_bench` median, every peer in one process on fresh identical "
              "inputs; torch.compile of the eager code, compiled per shape (static). `ours/best` = our median over "
              "the fastest peer's (eager excluded; < 1 means ours is faster). GB/s is over the op's minimum bytes "
@@ -182,14 +176,14 @@ def to_markdown(env, rows, command: str, png: Optional[str], notes: str = "") ->
             got = {r["impl"]: r for r in by[k]}
             ratio = _ratio(by[k])
             ours = got.get(OURS, {})
-            peak = _f(ours.get("peak_extra_gib"), ".3f")
+            peak = fmt(ours.get("peak_extra_gib"), ".3f")
             if f"{OURS} inplace" in got:
-                peak += f" ({_f(got[f'{OURS} inplace'].get('peak_extra_gib'), '.3f')})"
+                peak += f" ({fmt(got[f'{OURS} inplace'].get('peak_extra_gib'), '.3f')})"
             rate = (f"{ours['gbps']:.0f} GB/s" if ours.get("gbps") else
                     f"{ours['tflops']:.0f} TFLOP/s" if ours.get("tflops") else "—")
             lines.append(f"| {k[1]} | " + " | ".join(_ms(got.get(i, {})) for i in impls)
-                         + f" | {_f(ratio[0] if ratio else None, '.2f')} | {rate} | "
-                         f"{peak} / {_f(got.get('liger', {}).get('peak_extra_gib'), '.3f')} |")
+                         + f" | {fmt(ratio[0] if ratio else None, '.2f')} | {rate} | "
+                         f"{peak} / {fmt(got.get('liger', {}).get('peak_extra_gib'), '.3f')} |")
         lines.append("")
     head = ["## Summary", "", "| op | shapes measured | ours ≤ fastest peer | within 5% | worst ours/best (peer, shape) |",
             "|---|---:|---:|---:|---|", *summary, ""] + ([notes.strip(), ""] if notes.strip() else [])
@@ -199,9 +193,9 @@ def to_markdown(env, rows, command: str, png: Optional[str], notes: str = "") ->
 
 def plot(path: str, rows) -> bool:
     try:
-        import matplotlib
+        import matplotlib  # lazy: optional (no plot without it), a second to import, `report` only
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: after matplotlib.use("Agg")
     except ImportError:
         return False
     by = cases(rows)
@@ -243,16 +237,12 @@ def report(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     png = f"{args.name}.png" if plot(os.path.join(args.out, f"{args.name}.png"), rows) else None
     command = args.command or env.get("command", "python -m swift_liger.bench.sweep run")
-    with open(os.path.join(args.out, f"{args.name}.json"), "w", encoding="utf-8") as f:
-        json.dump({"environment": env, "command": command, "results": rows}, f, indent=1)
     notes = ""
     if args.notes:
         with open(args.notes, encoding="utf-8") as f:
             notes = f.read()
-    md = to_markdown(env, rows, command, png, notes)
-    with open(os.path.join(args.out, f"{args.name}.md"), "w", encoding="utf-8") as f:
-        f.write(md)
-    print(md)
+    print(write_report(args.out, args.name, {"environment": env, "command": command, "results": rows},
+                       to_markdown(env, rows, command, png, notes)))
     return 0
 
 

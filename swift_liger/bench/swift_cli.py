@@ -22,18 +22,24 @@ tokens/s of a run = median over the measured steps (after --warmup); peak memory
 from __future__ import annotations
 
 import argparse
-import datetime
+import dataclasses
 import glob
 import json
 import os
 import platform
 import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
+
+import torch
+
+from swift_liger.plot import read_steps as read_rows
+from swift_liger.testing import tiny
+
+from . import shapes
+from .harness import fmt, gpu_name, run_child, tail, utc_now, versions, versions_line, write_json, write_report
 
 VARIANTS = ("plain", "swift_liger", "swift_liger_no_lora_fusion", "swift_liger_compiled", "swift_liger_long_context",
             "swift_liger_save_attention", "liger_kernel")
@@ -51,19 +57,14 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                   "liger_kernel": "`--use_liger_kernel true` (liger-kernel)"}
 SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
                      "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
-SHAPES = {   # model_type, layers, hidden, intermediate, heads, kv_heads, vocab, tied embeddings
-    "llama3-8b": ("llama", 32, 4096, 14336, 32, 8, 128256, False),
-    "qwen2.5-7b": ("qwen2", 28, 3584, 18944, 28, 4, 152064, False),
-    "qwen2.5-1.5b": ("qwen2", 28, 1536, 8960, 12, 2, 151936, True),
-    "qwen2.5-0.5b": ("qwen2", 24, 896, 4864, 14, 2, 151936, True),
-}
+SHAPES = {name: dims for name, dims in shapes.SHAPES.items() if dims.family in SWIFT_MODEL_FLAGS and name != "tiny"}
 TASKS = ("sft", "dpo", "orpo", "cpo", "simpo", "kto")
 CPU_FLAGS = ["--torch_dtype", "float32", "--bf16", "false", "--fp16", "false"]
 # Room left under --seq for the chat template's tokens and BPE boundary effects; rows stay under max_length.
 SEQ_MARGIN = 64
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-GiB = 1024 ** 3
+VERSIONS = ("torch", "triton", "transformers", "ms-swift", "peft", "liger-kernel", "swift-liger")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,16 +106,15 @@ def _row_lengths(tokenizer, rows):
 
 
 def build(args) -> dict:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig  # lazy: seconds to import; run and report never need it
 
-    from ..testing import tiny
-
-    arch, layers, hidden, inter, heads, kv, vocab, tied = SHAPES[args.shape]
-    for key, value in (("layers", layers), ("hidden", hidden), ("intermediate", inter), ("heads", heads),
-                       ("kv_heads", kv), ("vocab", vocab)):
+    dims = SHAPES[args.shape]
+    arch, tied = dims.family, dims.tied
+    flags = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")   # each overrides the shape's
+    for key in flags:
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, getattr(dims, key))
+    dims = dataclasses.replace(dims, head_dim=None, **{k: getattr(args, k) for k in flags})   # hidden / heads
 
     t0 = time.time()
     os.makedirs(args.outdir, exist_ok=True)
@@ -160,21 +160,10 @@ def build(args) -> dict:
         tokenizer, [{"messages": tiny._chat(r["messages"][0]["content"], r["rejected_response"])} for r in pairs])
     t_data = time.time() - t0 - t_tok
 
-    extra = dict(rope_theta=500000.0, rms_norm_eps=1e-5) if arch == "llama" else dict(rope_theta=1e6,
-                                                                                       rms_norm_eps=1e-6)
-    cfg = AutoConfig.for_model(arch, vocab_size=args.vocab, hidden_size=args.hidden,
-                               intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                               num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                               max_position_embeddings=max(args.seq, 32768), tie_word_embeddings=tied,
-                               hidden_act="silu", bos_token_id=None, eos_token_id=eos, pad_token_id=pad, **extra)
-    torch.manual_seed(args.seed)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(args.device):  # every parameter born on the device in bf16: init is a few kernels each
-            model = AutoModelForCausalLM.from_config(cfg)
-    finally:
-        torch.set_default_dtype(prev)
+    cfg = shapes.hf_config(dims, max_positions=max(args.seq, 32768), hidden_act="silu", bos_token_id=None,
+                           eos_token_id=eos, pad_token_id=pad)
+    # every parameter born on the device in bf16: init is a few kernels each
+    model = shapes.build_model(cfg, device=args.device, dtype=torch.bfloat16, attn=None, seed=args.seed)
     model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=None,
                                                do_sample=False)
     if args.device.startswith("cuda"):
@@ -197,8 +186,7 @@ def build(args) -> dict:
                                      "mean": round(sum(pref_lengths) / len(pref_lengths), 1)},
             "seconds": {"tokenizer": round(t_tok, 1), "dataset": round(t_data, 1), "init": round(t_init, 1),
                         "save": round(t_save, 1), "total": round(time.time() - t0, 1)}}
-    with open(os.path.join(args.outdir, "build.json"), "w") as f:
-        json.dump(info, f, indent=2)
+    write_json(os.path.join(args.outdir, "build.json"), info, indent=2)
     return info
 
 
@@ -227,21 +215,6 @@ def swift_command(model, dataset, variant, output_dir, seq, steps, extra=(), pyt
             *VARIANT_FLAGS[variant], *extra]
 
 
-def read_rows(logging_jsonl) -> list:
-    rows = []
-    with open(logging_jsonl, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            step = row.get("global_step/max_steps")
-            if "loss" in row and isinstance(step, str):
-                row["step"] = int(step.split("/")[0])
-                rows.append(row)
-    return sorted(rows, key=lambda r: r["step"])
-
-
 def summarize(rows, warmup) -> dict:
     measured = [r for r in rows if r["step"] > warmup and "tokens/s" in r]
     out = {"steps_logged": len(rows), "steps_measured": len(measured), "warmup": warmup,
@@ -266,48 +239,7 @@ def summarize(rows, warmup) -> dict:
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-    out = {"python": platform.python_version()}
-    for name in ("torch", "triton", "transformers", "ms-swift", "peft", "liger-kernel", "swift-liger"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    if out["swift-liger"] is None:   # run from a checkout on PYTHONPATH (the device calls do)
-        from swift_liger import __version__
-        out["swift-liger"] = f"{__version__} (source tree)"
-    return out
-
-
-def _gpu_name():
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                           text=True, timeout=20)
-        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
-    except Exception:
-        return None
-
-
-def _kill_group(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
-    except Exception:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except Exception:
-            pass
-        proc.wait()
-
-
-def _error_lines(log_path, n=6):
-    try:
-        with open(log_path, errors="replace") as f:
-            lines = [ln.rstrip() for ln in f if ln.strip()]
-    except OSError:
-        return ""
-    errs = [ln for ln in lines if "Error" in ln or "error:" in ln or "Exception" in ln]
-    return " | ".join((errs or lines)[-n:])[-800:]
+    return {"python": platform.python_version(), **versions(VERSIONS)}   # swift-liger from a checkout: "(source tree)"
 
 
 def _last_flag(cmd, flag):
@@ -334,17 +266,10 @@ def run(args) -> dict:
     env = dict(os.environ, **OFFLINE_ENV)
     env.pop("SWIFT_LIGER_DISABLE_HOOK", None)
     print(f"[{args.variant}] {shlex.join(cmd[1:])}", flush=True)
-    t0 = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        timed_out = False
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-            rc = proc.returncode
-    wall = time.time() - t0
+    child = run_child(cmd, timeout=args.timeout, env=env, log_path=log_path, grace=15)
+    rc, timed_out, wall = child.returncode, child.timed_out, child.seconds
+    with open(log_path, errors="replace") as log:
+        log_text = log.read()
 
     logs = sorted(glob.glob(os.path.join(output_dir, "v*-*", "logging.jsonl")))
     rows = read_rows(logs[-1]) if logs else []
@@ -358,11 +283,9 @@ def run(args) -> dict:
               "command": "python -m swift.cli.main " + shlex.join(cmd[3:]),
               "steps": args.steps, "seq": args.seq, "dtype": _last_flag(cmd, "--torch_dtype"),
               "summary": summarize(rows, args.warmup),
-              "rows": rows, "versions": _versions(), "gpu": _gpu_name(),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    with open(log_path, errors="replace") as log:   # what ran, counted (integration/runtime.py)
-        counted = [ln.split("swift_liger: ", 1)[1].strip() for ln in log
-                   if "swift_liger: " in ln and "in the first step" in ln]
+              "rows": rows, "versions": _versions(), "gpu": gpu_name(), "date": utc_now()}
+    counted = [ln.split("swift_liger: ", 1)[1].strip() for ln in log_text.splitlines()   # what ran, counted
+               if "swift_liger: " in ln and "in the first step" in ln]                 # (integration/runtime.py)
     fusion = [ln for ln in counted if ln.startswith("lora_fusion in the first step")]
     if fusion:
         result["lora_fusion"] = fusion[0]
@@ -370,9 +293,9 @@ def run(args) -> dict:
         result["first_step"] = counted
     if rc != 0 or not rows:
         why = f"timed out after {args.timeout}s" if timed_out else f"exit code {rc}"
-        result["error"] = f"{why}: {_error_lines(log_path)}"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        errors = tail(log_text, 6, 800, prefer=lambda ln: "Error" in ln or "error:" in ln or "Exception" in ln)
+        result["error"] = f"{why}: {errors}"
+    write_json(os.path.join(args.out, f"{name}.json"), result)
     s = result["summary"]
     for r in rows:
         print(f"[{args.variant}] step {r['step']:3d} loss {r['loss']:.4f} "
@@ -391,10 +314,6 @@ def run(args) -> dict:
 # report
 # ---------------------------------------------------------------------------------------------------------------
 
-def _f(v, spec):
-    return "—" if v is None else format(v, spec)
-
-
 def report(args) -> str:
     results = []
     for v in VARIANTS:
@@ -411,13 +330,8 @@ def report(args) -> str:
     first = results[0]
     env = {"gpu": next((r["gpu"] for r in results if r.get("gpu")), None), **first["versions"],
            "date": max(r["date"] for r in results)}
-    try:
-        import torch
-        env["cuda"] = torch.version.cuda
-        if env["gpu"] is None and torch.cuda.is_available():
-            env["gpu"] = torch.cuda.get_device_name()
-    except Exception:
-        pass
+    env["cuda"] = torch.version.cuda
+    env["gpu"] = env["gpu"] or gpu_name()
     steps, seq = first["steps"], first["seq"]
     warmup = first["summary"]["warmup"]
     build_cmd = build_info and ("python -m swift_liger.bench.swift_cli build " +
@@ -431,9 +345,7 @@ def report(args) -> str:
     tuning = "LoRA r=16 on all linears" if args.tuner == "lora" else "full fine-tuning"
     lines = [f"# End to end: `{cli}` CLI, {shape_name}-shaped, "
              f"{'LoRA' if args.tuner == 'lora' else 'full fine-tuning'}", "",
-             f"GPU: {env['gpu']} · torch {env.get('torch')} · triton {env.get('triton')} · transformers "
-             f"{env.get('transformers')} · ms-swift {env.get('ms-swift')} · peft {env.get('peft')} · liger-kernel "
-             f"{env.get('liger-kernel')} · swift-liger {env.get('swift-liger')} · {env['date']}", ""]
+             versions_line(env, *VERSIONS[1:], cuda=False), ""]
     shape = "model from the build step"
     if build_info:
         c, n = build_info["config"], build_info["params"]
@@ -464,15 +376,16 @@ def report(args) -> str:
             lines.append(f"| {label} | failed: {r['error'][:160].replace('|', '/')} | | | | | |")
             continue
         rel = f"{s['tokens_per_s'] / base['summary']['tokens_per_s']:.2f}×" if base else "—"
-        lines.append(f"| {label} | {s['tokens_per_s']:.0f} | {rel} | {_f(s.get('step_time_s'), '.3f')} | "
-                     f"{_f(s.get('peak_allocated_gib'), '.2f')} | {_f(s.get('peak_reserved_gib'), '.2f')} | "
-                     f"{_f(s.get('final_loss'), '.4f')} |")
+        lines.append(f"| {label} | {s['tokens_per_s']:.0f} | {rel} | {fmt(s.get('step_time_s'), '.3f')} | "
+                     f"{fmt(s.get('peak_allocated_gib'), '.2f')} | {fmt(s.get('peak_reserved_gib'), '.2f')} | "
+                     f"{fmt(s.get('final_loss'), '.4f')} |")
     lines += [""]
     notes = [f"- {r['variant']}: {r['summary'].get('tokens_per_step', '?')} tokens/step, "
              f"{r['summary']['steps_measured']} measured steps, tokens/s min–max "
-             f"{_f(r['summary'].get('tokens_per_s_min'), '.0f')}–{_f(r['summary'].get('tokens_per_s_max'), '.0f')}, "
-             f"MFU {_f(r['summary'].get('mfu'), '.3f')}, ms-swift memory(GiB) "
-             f"{_f(r['summary'].get('swift_memory_gib'), '.2f')}, whole CLI run {r['wall_s']} s"
+             f"{fmt(r['summary'].get('tokens_per_s_min'), '.0f')}–"
+             f"{fmt(r['summary'].get('tokens_per_s_max'), '.0f')}, "
+             f"MFU {fmt(r['summary'].get('mfu'), '.3f')}, ms-swift memory(GiB) "
+             f"{fmt(r['summary'].get('swift_memory_gib'), '.2f')}, whole CLI run {r['wall_s']} s"
              + ("; counted in the first step: " + " / ".join(r["first_step"]) if r.get("first_step") else "")
              + (f", error: {r['error'][:300]}" if r.get("error") else "")
              for r in results]
@@ -483,15 +396,9 @@ def report(args) -> str:
     for r in results:
         lines.append(r["command"])
     lines += ["```", ""]
-    md = "\n".join(lines)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-        json.dump({"environment": env, "build": build_info, "warmup": warmup, "steps": steps, "seq": seq,
-                   "tokens_per_s_statistic": "median over measured steps",
-                   "results": results}, f, indent=1)
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write(md)
-    return md
+    return write_report(args.out, args.name, {"environment": env, "build": build_info, "warmup": warmup, "steps": steps,
+                                              "seq": seq, "tokens_per_s_statistic": "median over measured steps",
+                                              "results": results}, "\n".join(lines))
 
 
 # ---------------------------------------------------------------------------------------------------------------
