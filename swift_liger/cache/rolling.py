@@ -105,10 +105,10 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..fusions.rolling_cache import MODEL_WINDOW, RollingCacheRefused, check_settings
 from ..models.families import rolling_cache_model_types
 from ..ops.decode_attention_kernel import decode_attention_unchecked, decode_attention_write_unchecked
 from ..ops.kv_ring_write_kernel import kv_ring_write_unchecked, kv_sink_rotate, kv_sink_rotate_unchecked
+from .settings import MODEL_WINDOW, RollingCacheRefused, check_settings
 
 SUPPORTED_MODEL_TYPES = rolling_cache_model_types()   # from the family tables (models/families.py)
 # Sliding + full layers: supported with window="model" only (their own window on the sliding layers, exact).

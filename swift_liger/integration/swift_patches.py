@@ -505,7 +505,7 @@ def _rolling_cache_note(model, report):
                         "others: the same attention as the model's own cache, with KV storage of the sliding layers "
                         "fixed at the window")
     if sinks is None:   # RollingKVCache's default, as its settings check completes it
-        from swift_liger.fusions.rolling_cache import check_settings
+        from swift_liger.cache.settings import check_settings  # lazy: only this message needs it
         sinks = check_settings(window, None)["sinks"]
     return "info", (f"every generate call of the inference engine runs on a fresh RollingKVCache(window={window}, "
                     f"sinks={sinks}, mode={settings.get('mode')!r}): KV storage is fixed at {sinks}+{window} tokens "

@@ -327,28 +327,6 @@ def test_bad_settings(device):
         RollingKVCache(model, window="model")
 
 
-def test_flag_and_config_spelling():
-    from swift_liger.config import LigerConfig
-    from swift_liger.fusions.rolling_cache import normalize, parse_flag
-    assert parse_flag("model") == {"window": "model"}
-    assert parse_flag(" Model ") == {"window": "model"}
-    assert parse_flag('{"window": "model"}') == {"window": "model"}
-    assert parse_flag("64,4") == {"window": 64, "sinks": 4}
-    assert parse_flag("64, 4, Graph") == {"window": 64, "sinks": 4, "cuda_graph": True}
-    with pytest.raises(ValueError, match='optionally ",graph"'):
-        parse_flag("64,4,fast")
-    assert normalize({"window": "MODEL"}) == {"window": "model"}
-    assert LigerConfig(rolling_cache={"window": "model"}).rolling_cache == {"window": "model"}
-    with pytest.raises(ValueError, match='liger_rolling_cache must be "window,sinks" \\(two integers, optionally '
-                                         '",graph"\\), "model"'):
-        parse_flag("auto")
-    with pytest.raises(ValueError, match="LigerConfig.rolling_cache: window 'model' keeps the model's own sliding "
-                                         "window exactly, without sinks"):
-        LigerConfig(rolling_cache={"window": "model", "sinks": 2})
-    with pytest.raises(ValueError, match="LigerConfig.rolling_cache: window must be an int >= 1 or 'model'"):
-        LigerConfig(rolling_cache={"window": "global"})
-
-
 def test_install_and_apply(device):
     """install_rolling_cache(model, "model") and swift_liger.apply(rolling_cache={"window": "model"}) on gemma2."""
     import swift_liger
