@@ -5,6 +5,11 @@ window on the sliding layers and a full cache on the others, outputs equal to tr
 ``install_rolling_cache(model, window, sinks, mode)`` makes every ``model.generate`` call of that instance use a
 fresh one (what the rolling_cache fusion calls for ``liger_rolling_cache``).
 
+Modules, by concern (each imports only swift_liger.ops, swift_liger.models.families and the ones above it):
+settings (the settings check; no torch), support (which models, checked before a cache is built), planner (each
+forward's plan and the decoder's pre-forward hook), decode (decode kernel and CUDA-graph steps), ring (RollingKVCache
+and its layers), install (install / uninstall on a model).
+
 The names below that need torch load on first use (module ``__getattr__``), so ``import swift_liger.cache.settings``
 (the fusion spec, LigerConfig, the flags) stays free of torch and transformers.
 """
@@ -13,11 +18,11 @@ from importlib import import_module
 from .settings import MODEL_WINDOW, RollingCacheRefused, check_settings
 
 _LAZY = {   # public name -> the module that holds it (imported on first access)
-    "RollingKVCache": "rolling",
-    "install_rolling_cache": "rolling",
-    "uninstall_rolling_cache": "rolling",
-    "SUPPORTED_MODEL_TYPES": "rolling",
-    "SUPPORTED_ATTENTION": "rolling",
+    "RollingKVCache": "ring",
+    "install_rolling_cache": "install",
+    "uninstall_rolling_cache": "install",
+    "SUPPORTED_MODEL_TYPES": "support",
+    "SUPPORTED_ATTENTION": "support",
 }
 
 

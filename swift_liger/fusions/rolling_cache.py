@@ -62,7 +62,7 @@ def parse_flag(value):
 
 def patch(ctx) -> None:
     try:
-        from ..cache import (  # lazy: the spec loads without torch
+        from ..cache.install import (  # lazy: the spec loads without torch
             install_rolling_cache, uninstall_rolling_cache)
     except ImportError as exc:
         ctx.report.skip("rolling_cache", f"swift_liger.cache unavailable ({exc})", problem=True)

@@ -354,7 +354,7 @@ def check_model_window(state, model_dir: str) -> None:
         return
     from transformers import AutoConfig
 
-    from ..cache.rolling import _model_layer_kinds
+    from ..cache.support import _model_layer_kinds  # lazy: needs torch; arguments load without it
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError):

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LogitsProcessor, MistralConfig, Qwen3Config
 
 from helpers import assert_close, left_padded
-from swift_liger.cache import RollingKVCache, install_rolling_cache, uninstall_rolling_cache
+from swift_liger.cache import RollingKVCache, decode, install_rolling_cache, planner, ring, uninstall_rolling_cache
 
 GPU = os.environ.get("SWIFT_LIGER_TEST_GPU", "0") == "1"
 WINDOW, SINKS = 6, 2
@@ -309,19 +309,18 @@ def test_all_ones_mask_keeps_the_fast_path(device, monkeypatch):
 def test_eager_decode_kernel_matches_sdpa(device, mode, monkeypatch):
     """Unpadded single-token steps (before and after the wrap) attending with the split-KV decode kernel give the
     tokens and logits of the SDPA path (on CPU forced on; on CUDA it is the default)."""
-    import swift_liger.cache.rolling as rolling
     model = tiny_model(device)
     ids = torch.randint(2, 64, (2, 3), device=device)
-    monkeypatch.setattr(rolling, "DECODE_KERNEL_DEVICES", ())
+    monkeypatch.setattr(planner, "DECODE_KERNEL_DEVICES", ())
     want, want_logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode), ids, None, 12)
-    monkeypatch.setattr(rolling, "DECODE_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(planner, "DECODE_KERNEL_DEVICES", ("cuda", "cpu"))
     attended, fused, ring_writes = [], [], []
-    kernel, kernel_w = rolling.decode_attention_unchecked, rolling.decode_attention_write_unchecked
-    ring_write = rolling.kv_ring_write_unchecked
-    monkeypatch.setattr(rolling, "decode_attention_unchecked", lambda *a: attended.append(a[1].shape[2]) or kernel(*a))
-    monkeypatch.setattr(rolling, "decode_attention_write_unchecked",
+    kernel, kernel_w = decode.decode_attention_unchecked, decode.decode_attention_write_unchecked
+    ring_write = ring.kv_ring_write_unchecked
+    monkeypatch.setattr(decode, "decode_attention_unchecked", lambda *a: attended.append(a[1].shape[2]) or kernel(*a))
+    monkeypatch.setattr(decode, "decode_attention_write_unchecked",
                         lambda *a: fused.append(a[1].shape[2]) or kernel_w(*a))
-    monkeypatch.setattr(rolling, "kv_ring_write_unchecked", lambda *a: ring_writes.append(a[2].shape[2]) or
+    monkeypatch.setattr(ring, "kv_ring_write_unchecked", lambda *a: ring_writes.append(a[2].shape[2]) or
                         ring_write(*a))
     seqs, logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode), ids, None, 12)
     # 11 decode steps x 2 layers; key lengths grow 4..8 (prefix views of the ring), then stay at sinks + window.
@@ -349,10 +348,9 @@ def test_graph_decode_matches_eager(device, mode, monkeypatch):
     runs, attended = [], []
     original = RollingKVCache._graph_run
     monkeypatch.setattr(RollingKVCache, "_graph_run", lambda self, *a: runs.append(1) or original(self, *a))
-    import swift_liger.cache.rolling as rolling
-    kernel, kernel_w = rolling.decode_attention_unchecked, rolling.decode_attention_write_unchecked
-    monkeypatch.setattr(rolling, "decode_attention_unchecked", lambda *a: attended.append(1) or kernel(*a))
-    monkeypatch.setattr(rolling, "decode_attention_write_unchecked", lambda *a: attended.append(1) or kernel_w(*a))
+    kernel, kernel_w = decode.decode_attention_unchecked, decode.decode_attention_write_unchecked
+    monkeypatch.setattr(decode, "decode_attention_unchecked", lambda *a: attended.append(1) or kernel(*a))
+    monkeypatch.setattr(decode, "decode_attention_write_unchecked", lambda *a: attended.append(1) or kernel_w(*a))
     cache = RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode, cuda_graph=True)
     seqs, logits = generate(model, cache, ids, torch.ones_like(ids), 16)
     # 5 + 16 - 1 tokens fed; steps at stream index >= sinks + window (8) go through the graph: 20 - 8 = 12
