@@ -8,7 +8,7 @@ fresh one (what the rolling_cache fusion calls for ``liger_rolling_cache``).
 Modules, by concern (each imports only swift_liger.ops, swift_liger.models.families and the ones above it):
 settings (the settings check; no torch), support (which models, checked before a cache is built), planner (each
 forward's plan and the decoder's pre-forward hook), decode (decode kernel and CUDA-graph steps), ring (RollingKVCache
-and its layers), install (install / uninstall on a model).
+and its layers), install (install / uninstall / is_installed on a model).
 
 The names below that need torch load on first use (module ``__getattr__``), so ``import swift_liger.cache.settings``
 (the fusion spec, LigerConfig, the flags) stays free of torch and transformers.
@@ -21,6 +21,7 @@ _LAZY = {   # public name -> the module that holds it (imported on first access)
     "RollingKVCache": "ring",
     "install_rolling_cache": "install",
     "uninstall_rolling_cache": "install",
+    "is_installed": "install",
     "SUPPORTED_MODEL_TYPES": "support",
     "SUPPORTED_ATTENTION": "support",
 }
@@ -39,5 +40,5 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["RollingKVCache", "install_rolling_cache", "uninstall_rolling_cache",
+__all__ = ["RollingKVCache", "install_rolling_cache", "uninstall_rolling_cache", "is_installed",
            "SUPPORTED_MODEL_TYPES", "SUPPORTED_ATTENTION", "MODEL_WINDOW", "RollingCacheRefused", "check_settings"]

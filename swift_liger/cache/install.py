@@ -1,6 +1,6 @@
 """Installing a RollingKVCache on a model: ``install_rolling_cache`` wraps this instance's ``generate`` so every call
 that brings no cache of its own runs on a fresh RollingKVCache; ``uninstall_rolling_cache`` undoes it (and removes
-the decoder's hooks). The rolling_cache fusion (``liger_rolling_cache``)
+the decoder's hooks); ``is_installed`` says whether it is on. The rolling_cache fusion (``liger_rolling_cache``)
 calls these.
 """
 from __future__ import annotations
@@ -73,3 +73,7 @@ def uninstall_rolling_cache(model: torch.nn.Module) -> None:
     _remove_hook(decoder)
     _remove_forward_wrapper(decoder)
 
+
+def is_installed(model) -> bool:
+    """True while ``install_rolling_cache`` is on for this model instance (its ``generate`` builds the caches)."""
+    return _INSTALL_ATTR in getattr(model, "__dict__", {})

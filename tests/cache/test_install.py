@@ -1,4 +1,4 @@
-"""install_rolling_cache / uninstall_rolling_cache (swift_liger/cache/install.py)."""
+"""install_rolling_cache / uninstall_rolling_cache / is_installed (swift_liger/cache/install.py)."""
 import copy
 
 import pytest
@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from helpers import left_padded
 from ring_helpers import SINKS, WINDOW, generate, tiny_model
-from swift_liger.cache import RollingKVCache, install_rolling_cache, uninstall_rolling_cache
+from swift_liger.cache import RollingKVCache, install_rolling_cache, is_installed, uninstall_rolling_cache
 
 
 def test_install_rolling_cache(device):
@@ -63,3 +63,25 @@ def test_window_that_cannot_fit_the_device_is_refused_at_install(device):
     install_rolling_cache(model, window=64, sinks=4)
     uninstall_rolling_cache(model)
 
+
+def test_is_installed(device):
+    """is_installed follows install / uninstall on this instance only (a deep copy of an installed model is
+    installed too: its generate wrapper came with it)."""
+    model, other = tiny_model(device), tiny_model(device)
+    assert not is_installed(model) and not is_installed(other)
+    RollingKVCache(model, window=WINDOW, sinks=SINKS)            # a cache alone installs nothing on generate
+    assert not is_installed(model)
+    install_rolling_cache(model, WINDOW, SINKS)
+    assert is_installed(model) and not is_installed(other)
+    install_rolling_cache(model, WINDOW + 1, SINKS)              # re-install: still on, new settings
+    assert is_installed(model)
+    clone = copy.deepcopy(model)
+    assert is_installed(clone)
+    uninstall_rolling_cache(model)
+    assert not is_installed(model) and is_installed(clone)
+    uninstall_rolling_cache(clone)
+    assert not is_installed(clone)
+    with pytest.raises(ValueError, match="sinks must be < window"):
+        install_rolling_cache(model, 4, 4)
+    assert not is_installed(model)                               # a refused install leaves nothing on
+    assert not is_installed(object())                            # anything without a __dict__ entry
