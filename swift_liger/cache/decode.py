@@ -36,13 +36,13 @@ _DECODE_ATTENTION = "swift_liger_rolling_decode"
 # Eager decode: RollingLayer.update leaves each layer's new token here (keyed by id of the keys it returned) and
 # the layer's attention call below stores it in the same launch as the attention (ring write + decode attention
 # in 2 launches instead of 3: ~40 us of host time per layer and step on the H200 host).
-_PENDING_WRITES: dict = {}
+PENDING_WRITES: dict = {}
 
 
 def _rolling_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention-function contract: q [B, Hq, 1, D], k/v [B, Hkv, C, D] -> ([B, 1, Hq, D], None)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    pending = _PENDING_WRITES.pop(id(key), None) if _PENDING_WRITES else None
+    pending = PENDING_WRITES.pop(id(key), None) if PENDING_WRITES else None
     if pending is not None and pending[0] is key and pending[1] is value:
         _, _, k_new, v_new, slot, _ = pending
         return decode_attention_write_unchecked(query, key, value, float(scale), k_new, v_new, slot), None
@@ -114,9 +114,9 @@ class DecodeRunner:
         finally:
             config._attn_implementation_internal = previous
             plan.defer_write = False
-            left = [k for k, w in _PENDING_WRITES.items() if w[5] is self]
+            left = [k for k, w in PENDING_WRITES.items() if w[5] is self]
             for k in left:   # a layer that did not attend through our function: store its token now
-                keys, values, k_new, v_new, slot, _ = _PENDING_WRITES.pop(k)
+                keys, values, k_new, v_new, slot, _ = PENDING_WRITES.pop(k)
                 keys[:, :, slot] = k_new[:, :, 0]
                 values[:, :, slot] = v_new[:, :, 0]
         if left:
@@ -192,7 +192,7 @@ def _rolling_decoder_forward(self, *args, **kwargs):
     return original(*args, **kwargs)
 
 
-def _ensure_forward_wrapper(decoder: torch.nn.Module) -> None:
+def ensure_forward_wrapper(decoder: torch.nn.Module) -> None:
     """Install _rolling_decoder_forward on this decoder instance (removable)."""
     if getattr(decoder, _GRAPH_ATTR, None) is not None:
         return
@@ -201,7 +201,7 @@ def _ensure_forward_wrapper(decoder: torch.nn.Module) -> None:
     object.__setattr__(decoder, "forward", types.MethodType(_rolling_decoder_forward, decoder))
 
 
-def _remove_forward_wrapper(decoder: torch.nn.Module) -> None:
+def remove_forward_wrapper(decoder: torch.nn.Module) -> None:
     state = decoder.__dict__.get(_GRAPH_ATTR)
     if state is None:
         return

@@ -10,12 +10,12 @@ from typing import Optional
 
 import torch
 
-from .decode import _remove_forward_wrapper
-from .planner import _remove_hook
+from .decode import remove_forward_wrapper
+from .planner import remove_hook
 from .ring import RollingKVCache
-from .support import _find_decoder
+from .support import find_decoder
 
-_INSTALL_ATTR = "_swift_liger_rolling_install"
+INSTALL_ATTR = "_swift_liger_rolling_install"
 
 
 def install_rolling_cache(model: torch.nn.Module, window, sinks: Optional[int] = None, mode: str = "absolute",
@@ -29,12 +29,12 @@ def install_rolling_cache(model: torch.nn.Module, window, sinks: Optional[int] =
     """
     RollingKVCache(model, window=window, sinks=sinks, mode=mode, cuda_graph=cuda_graph)   # validation, hooks
     settings = {"window": window, "sinks": sinks, "mode": mode, "cuda_graph": cuda_graph}
-    state = getattr(model, _INSTALL_ATTR, None)
+    state = getattr(model, INSTALL_ATTR, None)
     if state is not None:
         state["settings"] = settings
         return model
     state = {"settings": settings, "original": model.__dict__.get("generate")}   # None: the class method
-    object.__setattr__(model, _INSTALL_ATTR, state)
+    object.__setattr__(model, INSTALL_ATTR, state)
     object.__setattr__(model, "generate", types.MethodType(_rolling_generate, model))
     return model
 
@@ -43,7 +43,7 @@ def _rolling_generate(self, *args, **kwargs):
     """``generate`` of a model with install_rolling_cache: a fresh RollingKVCache unless the call brings its own
     cache (or none). Bound with MethodType and reading its settings from the instance, so deep copies build caches
     for themselves."""
-    state = self.__dict__[_INSTALL_ATTR]
+    state = self.__dict__[INSTALL_ATTR]
     gen_config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
     wants_cache = (kwargs.get("past_key_values") is None and kwargs.get("use_cache", True) is not False
                    and kwargs.get("cache_implementation") is None
@@ -59,21 +59,21 @@ def _rolling_generate(self, *args, **kwargs):
 
 def uninstall_rolling_cache(model: torch.nn.Module) -> None:
     """Undo ``install_rolling_cache`` (and remove the decoder hook)."""
-    state = model.__dict__.get(_INSTALL_ATTR)
+    state = model.__dict__.get(INSTALL_ATTR)
     if state is not None:
         if state["original"] is not None:
             object.__setattr__(model, "generate", state["original"])
         else:
             object.__delattr__(model, "generate")
-        object.__delattr__(model, _INSTALL_ATTR)
+        object.__delattr__(model, INSTALL_ATTR)
     try:
-        decoder = _find_decoder(model)
+        decoder = find_decoder(model)
     except ValueError:
         return
-    _remove_hook(decoder)
-    _remove_forward_wrapper(decoder)
+    remove_hook(decoder)
+    remove_forward_wrapper(decoder)
 
 
 def is_installed(model) -> bool:
     """True while ``install_rolling_cache`` is on for this model instance (its ``generate`` builds the caches)."""
-    return _INSTALL_ATTR in getattr(model, "__dict__", {})
+    return INSTALL_ATTR in getattr(model, "__dict__", {})

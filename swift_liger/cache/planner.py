@@ -1,6 +1,6 @@
 """Per-forward planning of a RollingKVCache: for each forward of the decoder, once for all layers, the stream index
 and ring slot of every new token, the position ids, the sink rotation (streaming mode) and what attention sees (a
-mask of our own, or none so that transformers builds its usual causal one). Holds the plan (_Plan), the planning
+mask of our own, or none so that transformers builds its usual causal one). Holds the plan (Plan), the planning
 methods (ForwardPlanner, mixed into RollingKVCache in ring.py) and the decoder's pre-forward hook that runs them.
 
 How the model is told about the layout
@@ -40,7 +40,7 @@ import torch
 from transformers.masking_utils import create_causal_mask
 
 from ..ops.kv_ring_write_kernel import kv_sink_rotate_unchecked
-from .support import _check_attention
+from .support import check_attention
 
 _TABLE = 256   # decode steps covered by one precomputed position / sink-rotation table
 # Devices whose eager single-token steps attend with the decode kernel (on CPU SDPA is as good; tests add "cpu").
@@ -49,7 +49,7 @@ _HOOK_ATTR = "_swift_liger_rolling_hook"
 
 
 @dataclasses.dataclass(slots=True)
-class _Plan:
+class Plan:
     """What every layer does in one forward (computed once by the pre-hook)."""
     T: int
     layout: str                      # "prefix" | "full" | "slots" | "rows" | "concat"
@@ -69,7 +69,7 @@ class _Plan:
     pos_t: Optional[torch.Tensor] = None   # graph: [B, 1] / [B] device views of the step counter, read by the
     end_t: Optional[torch.Tensor] = None   # write kernel at replay time (a Python int would be baked in)
     defer_write: bool = False        # eager decode with our attention installed: each layer's write is done by its
-                                     # decode-attention launch (see _PENDING_WRITES)
+                                     # decode-attention launch (see PENDING_WRITES)
 
 
 class ForwardPlanner:
@@ -103,14 +103,14 @@ class ForwardPlanner:
             # Decode fast path: no mask, no index tensors; positions and sink angles come from tables.
             if n >= C and self._graph_ok(device):
                 # Positions and the sink rotation are computed inside the graph from the step counter.
-                plan = _Plan(1, "full", n, None, kv_length=C, q_offset=C - 1, graph=True, decode_kernel=True)
+                plan = Plan(1, "full", n, None, kv_length=C, q_offset=C - 1, graph=True, decode_kernel=True)
             else:
                 if position_ids is None:
                     position_ids = self._decode_positions(n, device)
                 if n < C:
-                    plan = _Plan(1, "prefix", n, None, prefix_len=n + 1, kv_length=n + 1, q_offset=n)
+                    plan = Plan(1, "prefix", n, None, prefix_len=n + 1, kv_length=n + 1, q_offset=n)
                 else:
-                    plan = _Plan(1, "full", n, None, kv_length=C, q_offset=C - 1)
+                    plan = Plan(1, "full", n, None, kv_length=C, q_offset=C - 1)
                     if self.mode == "streaming" and self.sinks > 0:
                         cos, sin = self._decode_sink_rotation(n, device)
                         if self._joint_ready:   # every layer's sinks in one launch, before any layer attends
@@ -127,7 +127,7 @@ class ForwardPlanner:
                 position_ids = plan.pos
         elif attention_mask is None and n is not None and self._fast_ok and n + T <= C:
             # Uniform rows: the kernel takes the start index as a scalar, no per-step index tensors.
-            plan = _Plan(T, "prefix", n, None, prefix_len=n + T, kv_length=n + T, q_offset=n)
+            plan = Plan(T, "prefix", n, None, prefix_len=n + T, kv_length=n + T, q_offset=n)
             if position_ids is None:
                 position_ids = (torch.arange(T, device=device) + n).unsqueeze(0)
         else:
@@ -156,11 +156,11 @@ class ForwardPlanner:
             self._counts_min = int(self._counts.min())   # one host read after each masked forward
         return self._counts_min >= self.capacity
 
-    def _padded_decode_plan(self, batch: int, device) -> "_Plan":
+    def _padded_decode_plan(self, batch: int, device) -> "Plan":
         """One real token per row of a padded batch whose rings are all full: per-row slots and positions from the
         row lengths, no mask; attention is the decode kernel (CUDA) or SDPA over the whole storage."""
         counts = self._counts.to(device)
-        plan = _Plan(1, "rows", counts[:, None], counts + 1, kv_length=self.capacity, q_offset=self.capacity - 1)
+        plan = Plan(1, "rows", counts[:, None], counts + 1, kv_length=self.capacity, q_offset=self.capacity - 1)
         if self._graph_ok(device):
             plan.graph = plan.decode_kernel = True
             return plan
@@ -256,7 +256,7 @@ class ForwardPlanner:
             vis = cols < end[:, None]
             if position_ids is None:
                 position_ids = pos
-        plan = _Plan(1, "slots", pos, end, kv_length=self.capacity, q_offset=self.capacity - 1)
+        plan = Plan(1, "slots", pos, end, kv_length=self.capacity, q_offset=self.capacity - 1)
         if self.mode == "streaming" and self.sinks > 0:
             if self._joint_ready:
                 # Every layer's sinks in one launch, before any layer writes. Slots s >= n0[b] are not stored
@@ -293,7 +293,7 @@ class ForwardPlanner:
         q = pos                                                      # [B, T]
         # Keys are cat(storage, chunk): the chunk's early queries need tokens the write evicts.
         storage = self._columns > 0
-        plan = _Plan(T, "concat", pos, end, storage_in_keys=storage)
+        plan = Plan(T, "concat", pos, end, storage_in_keys=storage)
         chunk_cols = torch.arange(T, device=device)
         if storage:
             sidx, sheld = self._slot_streams(n0)
@@ -347,7 +347,7 @@ def _rolling_pre_hook(module, args, kwargs):
         args = ()
     if cache._decoder is not module:
         raise ValueError("this RollingKVCache was built for a different model")
-    _check_attention(module.config)
+    check_attention(module.config)
     x = kwargs.get("input_ids")
     if x is None:
         x = kwargs.get("inputs_embeds")
@@ -370,13 +370,13 @@ def _rolling_pre_hook(module, args, kwargs):
     return args, kwargs
 
 
-def _ensure_hook(decoder: torch.nn.Module) -> None:
+def ensure_hook(decoder: torch.nn.Module) -> None:
     if getattr(decoder, _HOOK_ATTR, None) is None:
         handle = decoder.register_forward_pre_hook(_rolling_pre_hook, with_kwargs=True)
         object.__setattr__(decoder, _HOOK_ATTR, handle)
 
 
-def _remove_hook(decoder: torch.nn.Module) -> None:
+def remove_hook(decoder: torch.nn.Module) -> None:
     handle = getattr(decoder, _HOOK_ATTR, None)
     if handle is not None:
         handle.remove()

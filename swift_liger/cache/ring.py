@@ -69,10 +69,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..ops.kv_ring_write_kernel import kv_ring_write_unchecked, kv_sink_rotate
-from .decode import _PENDING_WRITES, DecodeRunner, _ensure_forward_wrapper
-from .planner import ForwardPlanner, _ensure_hook, _Plan
+from .decode import PENDING_WRITES, DecodeRunner, ensure_forward_wrapper
+from .planner import ForwardPlanner, Plan, ensure_hook
 from .settings import MODEL_WINDOW, check_settings
-from .support import _check_family, _check_fits, _find_decoder, _model_layer_kinds, _validate_model, _warn_mixed
+from .support import check_family, check_fits, find_decoder, model_layer_kinds, validate_model, warn_mixed
 
 _FULL_BLOCK = 1024   # full-attention layers of a hybrid cache grow their storage by this many columns at a time
 
@@ -130,7 +130,7 @@ class RollingLayer(_Unsupported, CacheLayerMixin):
         o._joint_ready = all(layer.is_initialized and layer._joint for layer in o.layers
                              if isinstance(layer, RollingLayer))
 
-    def update(self, key_states, value_states, plan: Optional[_Plan] = None, *args, **kwargs):
+    def update(self, key_states, value_states, plan: Optional[Plan] = None, *args, **kwargs):
         if plan is None:
             raise RuntimeError("RollingKVCache layers are updated through RollingKVCache.update")
         if not self.is_initialized:
@@ -162,7 +162,7 @@ class RollingLayer(_Unsupported, CacheLayerMixin):
             slot = o.sinks + (pos - o.sinks) % o.window
             keys, values = ((self.keys[:, :, :plan.prefix_len], self.values[:, :, :plan.prefix_len])
                             if plan.layout == "prefix" else (self.keys, self.values))
-            _PENDING_WRITES[id(keys)] = (keys, values, key_states, value_states, slot, o)
+            PENDING_WRITES[id(keys)] = (keys, values, key_states, value_states, slot, o)
             return keys, values
         kv_ring_write_unchecked(self.keys, self.values, key_states, value_states, pos, end, o.sinks,
                                 o.window, self.sink_keys, plan.cos if rotate else None,
@@ -228,7 +228,7 @@ class FullLayer(_Unsupported, CacheLayerMixin):
         self.length = 0
         self.is_initialized = True
 
-    def update(self, key_states, value_states, plan: Optional[_Plan] = None, *args, **kwargs):
+    def update(self, key_states, value_states, plan: Optional[Plan] = None, *args, **kwargs):
         if plan is None:
             raise RuntimeError("RollingKVCache layers are updated through RollingKVCache.update")
         if not self.is_initialized:
@@ -312,18 +312,18 @@ class RollingKVCache(ForwardPlanner, DecodeRunner, Cache):
                  cuda_graph: bool = False):
         settings = check_settings(window, sinks, mode, cuda_graph)
         self.own_window = settings["window"] == MODEL_WINDOW
-        _check_family(model, self.own_window)
-        decoder = _find_decoder(model)
-        _validate_model(decoder, mode, self.own_window)
+        check_family(model, self.own_window)
+        decoder = find_decoder(model)
+        validate_model(decoder, mode, self.own_window)
         config = decoder.config
         if self.own_window:
-            kinds, window = _model_layer_kinds(config)
+            kinds, window = model_layer_kinds(config)
         else:
             kinds = ("ring",) * config.num_hidden_layers
-            _warn_mixed(config, window, settings["sinks"])
+            warn_mixed(config, window, settings["sinks"])
         sinks = settings["sinks"]
         if not self.own_window:
-            _check_fits(decoder, config, window, sinks, kinds.count("ring"))
+            check_fits(decoder, config, window, sinks, kinds.count("ring"))
         self.window, self.sinks, self.mode = window, sinks, mode
         self.capacity = sinks + window
         self.layer_kinds = kinds                # "ring" (RollingLayer) or "full" (FullLayer) per layer
@@ -349,8 +349,8 @@ class RollingKVCache(ForwardPlanner, DecodeRunner, Cache):
         self._g_step: Optional[torch.Tensor] = None   # [1] int64: stream index of the token being decoded
         self._g_counts: Optional[torch.Tensor] = None   # [B] int64: per-row stream indices (padded batches)
         self._reset_state()
-        _ensure_hook(decoder)
-        _ensure_forward_wrapper(decoder)
+        ensure_hook(decoder)
+        ensure_forward_wrapper(decoder)
 
     def _reset_state(self) -> None:
         self._columns = 0                       # columns processed, padding included (generate's past length)
@@ -358,7 +358,7 @@ class RollingKVCache(ForwardPlanner, DecodeRunner, Cache):
         self._counts: Optional[torch.Tensor] = None   # [B] per-row stream lengths once rows differ
         self._counts_min: Optional[int] = None   # min of _counts when known on the host (None: read it)
         self._batch: Optional[int] = None
-        self._plan: Optional[_Plan] = None
+        self._plan: Optional[Plan] = None
         # Decode fast path tables (see _decode_positions / _decode_sink_rotation).
         self._pos_table: Optional[torch.Tensor] = None
         self._pos_start = 0

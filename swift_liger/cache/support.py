@@ -25,7 +25,7 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 STREAMING_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def _find_decoder(model: torch.nn.Module) -> torch.nn.Module:
+def find_decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The module that embeds, builds masks and runs the layers (``LlamaModel`` for ``LlamaForCausalLM``)."""
     m = model
     for _ in range(4):
@@ -43,7 +43,7 @@ def _find_decoder(model: torch.nn.Module) -> torch.nn.Module:
     raise ValueError(f"RollingKVCache: cannot find the decoder (a module with .layers) in {type(model).__name__}")
 
 
-def _check_family(model: torch.nn.Module, own_window: bool = False) -> None:
+def check_family(model: torch.nn.Module, own_window: bool = False) -> None:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in HYBRID_MODEL_TYPES and not own_window:
         raise RollingCacheRefused(f"RollingKVCache supports {model_type} with window='model' only (--liger_rolling_cache "
@@ -58,10 +58,10 @@ def _check_family(model: torch.nn.Module, own_window: bool = False) -> None:
                          f"window='model'); got {model_type!r}")
 
 
-def _validate_model(decoder: torch.nn.Module, mode: str, own_window: bool = False) -> None:
+def validate_model(decoder: torch.nn.Module, mode: str, own_window: bool = False) -> None:
     config = decoder.config
-    _check_family(decoder, own_window)
-    _check_attention(config)
+    check_family(decoder, own_window)
+    check_attention(config)
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("RollingKVCache needs causal attention; this config has use_bidirectional_attention=True")
     if mode == "streaming":
@@ -94,7 +94,7 @@ def _layer_types(config) -> tuple:
     return list(types_), [window if t == "sliding_attention" else None for t in types_]
 
 
-def _model_layer_kinds(config) -> tuple:
+def model_layer_kinds(config) -> tuple:
     """window="model": ("ring" | "full" per layer, the sliding window W). Refuses configs without sliding layers,
     with other layer types (chunked, linear) or with different windows per layer."""
     types_, windows = _layer_types(config)
@@ -118,7 +118,7 @@ def _model_layer_kinds(config) -> tuple:
     return kinds, next(iter(sliding))
 
 
-def _warn_mixed(config, window: int, sinks: int) -> None:
+def warn_mixed(config, window: int, sinks: int) -> None:
     """An explicit window on a config that mixes sliding and full layers (qwen2/qwen3 with layer_types)."""
     types_, windows = _layer_types(config)
     full = [i for i, t in enumerate(types_) if t == "full_attention"]
@@ -134,7 +134,7 @@ def _warn_mixed(config, window: int, sinks: int) -> None:
                   UserWarning, stacklevel=3)
 
 
-def _check_attention(config) -> None:
+def check_attention(config) -> None:
     impl = getattr(config, "_attn_implementation", None)
     if impl not in SUPPORTED_ATTENTION:
         raise ValueError(f"RollingKVCache needs attn_implementation in {SUPPORTED_ATTENTION} (they take the "
@@ -154,7 +154,7 @@ def _device_bytes(device: torch.device) -> Optional[int]:
     return None
 
 
-def _check_fits(decoder, config, window: int, sinks: int, ring_layers: int) -> None:
+def check_fits(decoder, config, window: int, sinks: int, ring_layers: int) -> None:
     """ValueError when one sequence's ring (keys and values of every ring layer, sinks + window tokens) exceeds the
     model device's total memory: such a window would fail (or stall) at the first prompt's allocation."""
     param = next(decoder.parameters(), None)

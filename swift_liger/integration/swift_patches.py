@@ -490,8 +490,8 @@ def _rolling_cache_note(model, report):
     is said here rather than silently ignored."""
     if not getattr(report, "patched", {}).get("rolling_cache"):
         return None
-    from swift_liger.cache.install import _INSTALL_ATTR  # lazy: it needs torch; this module loads without
-    settings = (getattr(model, _INSTALL_ATTR, None) or {}).get("settings", {})
+    from swift_liger.cache.install import INSTALL_ATTR  # lazy: it needs torch; this module loads without
+    settings = (getattr(model, INSTALL_ATTR, None) or {}).get("settings", {})
     gen = getattr(model, "generation_config", None)
     impl, use_cache = getattr(gen, "cache_implementation", None), getattr(gen, "use_cache", True)
     if impl is not None or use_cache is False:

@@ -249,13 +249,13 @@ def test_rolling_cache_note_says_what_the_cache_keeps():
     """The log line for `--liger_rolling_cache model` names the model's own window (no 'None+model tokens', no
     'None sinks'); a "window,sinks" setting without sinks names the default 4."""
     import types
-    from swift_liger.cache.install import _INSTALL_ATTR
+    from swift_liger.cache.install import INSTALL_ATTR
     from swift_liger.integration.swift_patches import _rolling_cache_note
     report = types.SimpleNamespace(patched={"rolling_cache": 1})
 
     def note(settings):
         model = types.SimpleNamespace(config=types.SimpleNamespace(sliding_window=4096), generation_config=None)
-        setattr(model, _INSTALL_ATTR, {"settings": settings})
+        setattr(model, INSTALL_ATTR, {"settings": settings})
         return _rolling_cache_note(model, report)[1]
     text = note({"window": "model", "sinks": None, "mode": "absolute"})
     assert "None" not in text and "4096" in text and "own sliding window" in text, text
