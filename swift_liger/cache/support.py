@@ -2,8 +2,8 @@
 causal attention, RoPE (streaming mode), the layer kinds of window="model" (read from the config as transformers
 reads them), and whether the ring fits the device at all. Also finds the decoder the cache hooks.
 
-Needs torch and transformers' cache_utils, not the planner or the cache itself: install.py and
-integration/arguments.py (``window="model"`` on a checkpoint's config, before the model loads) use it alone.
+Needs torch and transformers' cache_utils but not the cache itself, so integration/arguments.py can check
+``window="model"`` against a checkpoint's config before the model loads.
 """
 from __future__ import annotations
 
