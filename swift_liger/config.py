@@ -10,23 +10,6 @@ from typing import Any, Mapping, Optional
 
 from .fusions import REGISTRY
 
-ROLLING_CACHE_MODES = ("absolute", "streaming")
-ROLLING_CACHE_KEYS = ("window", "sinks", "mode", "cuda_graph")
-
-
-def check_rolling_cache(window, sinks=4, mode="absolute", cuda_graph=False, *, where="RollingKVCache") -> dict:
-    """RollingKVCache settings, checked: window int >= 1, sinks int >= 0 and < window, mode absolute|streaming,
-    cuda_graph bool. Returns them as a dict; errors start with `where`."""
-    for name, value, minimum in (("window", window, 1), ("sinks", sinks, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {value!r}")
-    if sinks >= window:
-        raise ValueError(f"{where}: sinks must be < window, got sinks={sinks}, window={window}")
-    if mode not in ROLLING_CACHE_MODES:
-        raise ValueError(f"{where}: mode must be one of {', '.join(ROLLING_CACHE_MODES)}, got {mode!r}")
-    if not isinstance(cuda_graph, bool):
-        raise ValueError(f"{where}: cuda_graph must be true or false, got {cuda_graph!r}")
-    return {"window": window, "sinks": sinks, "mode": mode, "cuda_graph": cuda_graph}
 
 
 def closest(name: str, known) -> str:

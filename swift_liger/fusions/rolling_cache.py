@@ -5,42 +5,22 @@ Settings: ``window`` an int (every layer a ring of ``sinks`` + the last ``window
 model's own sliding window, exact, for configs with sliding-window layers (gemma2, gemma3, qwen2/qwen3 with
 ``layer_types``, mistral): a ring of ``config.sliding_window`` slots (no sinks) on each sliding layer and a growing
 full cache on each full-attention layer, outputs equal to transformers' default cache.
+
+The settings themselves are checked by swift_liger.cache.settings (torch-free, shared with RollingKVCache); this
+module holds the LigerConfig / flag spelling and the patch, which imports the installer when it runs.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
+from ..cache.settings import MODEL_WINDOW, ROLLING_CACHE_KEYS, RollingCacheRefused, check_settings
 from .base import Fusion, is_count
-
-MODEL_WINDOW = "model"
-
-
-def check_settings(window, sinks=None, mode="absolute", cuda_graph=False, *, where="RollingKVCache") -> dict:
-    """RollingKVCache settings, checked and completed: sinks defaults to 4 for an int window and is 0 for
-    window="model" (which also needs mode "absolute" and no CUDA graph). Errors start with `where`."""
-    from ..config import check_rolling_cache
-    if isinstance(window, str):
-        if window.strip().lower() != MODEL_WINDOW:
-            raise ValueError(f"{where}: window must be an int >= 1 or 'model' (the model's own sliding window), "
-                             f"got {window!r}")
-        if sinks not in (None, 0):
-            raise ValueError(f"{where}: window 'model' keeps the model's own sliding window exactly, without sinks; "
-                             f"got sinks={sinks!r} (leave sinks out or give 0)")
-        if mode != "absolute":
-            raise ValueError(f"{where}: window 'model' needs mode 'absolute' (true RoPE positions), got {mode!r}")
-        if cuda_graph is not False:
-            raise ValueError(f"{where}: window 'model' runs without a CUDA graph (the full-attention layers' cache "
-                             f"grows); got cuda_graph={cuda_graph!r}")
-        return {"window": MODEL_WINDOW, "sinks": 0, "mode": "absolute", "cuda_graph": False}
-    return check_rolling_cache(window, 4 if sinks is None else sinks, mode, cuda_graph, where=where)
 
 
 def normalize(value):
     if value is None:
         return None
-    from collections.abc import Mapping
-
-    from ..config import ROLLING_CACHE_KEYS
     if not isinstance(value, Mapping) or set(value) - set(ROLLING_CACHE_KEYS) or "window" not in value:
         raise ValueError("LigerConfig.rolling_cache must be a mapping with keys window, sinks (and optional mode, "
                          f"cuda_graph), got {value!r}")
@@ -80,14 +60,10 @@ def parse_flag(value):
     return out
 
 
-class RollingCacheRefused(ValueError):
-    """A rolling-cache setting that cannot work on this model (an explicit window on a model with full-attention
-    layers, a ring larger than the device): an error, where an unsupported model is a reported skip."""
-
-
 def patch(ctx) -> None:
     try:
-        from ..cache import install_rolling_cache, uninstall_rolling_cache
+        from ..cache.install import (  # lazy: the spec loads without torch
+            install_rolling_cache, uninstall_rolling_cache)
     except ImportError as exc:
         ctx.report.skip("rolling_cache", f"swift_liger.cache unavailable ({exc})", problem=True)
         return

@@ -356,14 +356,14 @@ def check_model_window(state, model_dir: str) -> None:
         return
     from transformers import AutoConfig
 
-    from ..cache.rolling import _model_layer_kinds   # lazy: torch and transformers, only for window="model"
+    from ..cache.support import model_layer_kinds  # lazy: needs torch; arguments load without it
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError):
         return
     config = getattr(config, "text_config", None) or config
     try:
-        _model_layer_kinds(config)
+        model_layer_kinds(config)
     except ValueError as exc:
         raise ValueError(f"swift_liger: liger_rolling_cache model: {exc}") from None
 

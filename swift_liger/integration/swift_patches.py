@@ -34,6 +34,7 @@ import warnings
 import weakref
 from typing import Optional
 
+from ..cache.settings import check_settings
 from .arguments import (FIELD_NAMES, check_argv, check_model, finalize, inject_fields, preference_fused, resolved,
                         validate)
 from .record import records, write_record
@@ -478,8 +479,8 @@ def _rolling_cache_note(model, report):
     is said here rather than silently ignored."""
     if not getattr(report, "patched", {}).get("rolling_cache"):
         return None
-    from swift_liger.cache.rolling import _INSTALL_ATTR
-    settings = (getattr(model, _INSTALL_ATTR, None) or {}).get("settings", {})
+    from ..cache.install import INSTALL_ATTR  # lazy: it needs torch; this module loads without
+    settings = (getattr(model, INSTALL_ATTR, None) or {}).get("settings", {})
     gen = getattr(model, "generation_config", None)
     impl, use_cache = getattr(gen, "cache_implementation", None), getattr(gen, "use_cache", True)
     if impl is not None or use_cache is False:
@@ -493,7 +494,6 @@ def _rolling_cache_note(model, report):
                         "others: the same attention as the model's own cache, with KV storage of the sliding layers "
                         "fixed at the window")
     if sinks is None:   # RollingKVCache's default, as its settings check completes it
-        from swift_liger.fusions.rolling_cache import check_settings
         sinks = check_settings(window, None)["sinks"]
     return "info", (f"every generate call of the inference engine runs on a fresh RollingKVCache(window={window}, "
                     f"sinks={sinks}, mode={settings.get('mode')!r}): KV storage is fixed at {sinks}+{window} tokens "

@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+pytest.register_assert_rewrite("ring_helpers")   # the shared drivers and reference (ring_helpers.py) assert too
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():

@@ -13,7 +13,8 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from helpers import assert_close, left_padded
 from swift_liger.cache import RollingKVCache, install_rolling_cache, uninstall_rolling_cache
-from swift_liger.cache.rolling import FullLayer, RollingLayer
+from swift_liger.cache import decode, planner, support
+from swift_liger.cache.ring import FullLayer, RollingLayer
 
 W = 8          # the models' sliding window
 PROMPT = 13    # longer than the window
@@ -177,15 +178,14 @@ def test_continue_generation_and_beam_search(device):
 def test_decode_kernel_equals_sdpa(device, family, monkeypatch):
     """Unpadded decode steps attend with the split-KV decode kernel on every layer, rings and full layers (forced
     on here; on CUDA the default); gemma2 with eager attention keeps its softcapping attention."""
-    import swift_liger.cache.rolling as rolling
     model = hybrid_model(device, family)
     ids = torch.randint(2, 64, (2, PROMPT), device=device)
     want, want_logits, _ = generate(model, None, ids, None, 12)
-    monkeypatch.setattr(rolling, "DECODE_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(planner, "DECODE_KERNEL_DEVICES", ("cuda", "cpu"))
     attended, fused = [], []
-    kernel, kernel_w = rolling.decode_attention_unchecked, rolling.decode_attention_write_unchecked
-    monkeypatch.setattr(rolling, "decode_attention_unchecked", lambda *a: attended.append(a[1].shape[2]) or kernel(*a))
-    monkeypatch.setattr(rolling, "decode_attention_write_unchecked",
+    kernel, kernel_w = decode.decode_attention_unchecked, decode.decode_attention_write_unchecked
+    monkeypatch.setattr(decode, "decode_attention_unchecked", lambda *a: attended.append(a[1].shape[2]) or kernel(*a))
+    monkeypatch.setattr(decode, "decode_attention_write_unchecked",
                         lambda *a: fused.append(a[1].shape[2]) or kernel_w(*a))
     seqs, logits, _ = generate(model, RollingKVCache(model, window="model"), ids, None, 12)
     # 11 decode steps x 4 layers; ring layers attend over W slots (storing the token in the same launch), full ones
@@ -327,28 +327,6 @@ def test_bad_settings(device):
         RollingKVCache(model, window="model")
 
 
-def test_flag_and_config_spelling():
-    from swift_liger.config import LigerConfig
-    from swift_liger.fusions.rolling_cache import normalize, parse_flag
-    assert parse_flag("model") == {"window": "model"}
-    assert parse_flag(" Model ") == {"window": "model"}
-    assert parse_flag('{"window": "model"}') == {"window": "model"}
-    assert parse_flag("64,4") == {"window": 64, "sinks": 4}
-    assert parse_flag("64, 4, Graph") == {"window": 64, "sinks": 4, "cuda_graph": True}
-    with pytest.raises(ValueError, match='optionally ",graph"'):
-        parse_flag("64,4,fast")
-    assert normalize({"window": "MODEL"}) == {"window": "model"}
-    assert LigerConfig(rolling_cache={"window": "model"}).rolling_cache == {"window": "model"}
-    with pytest.raises(ValueError, match='liger_rolling_cache must be "window,sinks" \\(two integers, optionally '
-                                         '",graph"\\), "model"'):
-        parse_flag("auto")
-    with pytest.raises(ValueError, match="LigerConfig.rolling_cache: window 'model' keeps the model's own sliding "
-                                         "window exactly, without sinks"):
-        LigerConfig(rolling_cache={"window": "model", "sinks": 2})
-    with pytest.raises(ValueError, match="LigerConfig.rolling_cache: window must be an int >= 1 or 'model'"):
-        LigerConfig(rolling_cache={"window": "global"})
-
-
 def test_install_and_apply(device):
     """install_rolling_cache(model, "model") and swift_liger.apply(rolling_cache={"window": "model"}) on gemma2."""
     import swift_liger
@@ -376,10 +354,8 @@ def test_layer_types_without_per_layer_kwargs(family, api, monkeypatch):
     """transformers 5.17's get_layer_types_and_kwargs returns one kwargs dict for all layers, older releases lack
     it: the layer types and the window then come from the config, the same answer as 5.19's per-layer kwargs."""
     from transformers import cache_utils
-
-    from swift_liger.cache import rolling
     config = HYBRID[family]() if family in HYBRID else LlamaConfig(**TINY, num_hidden_layers=3)
-    expected = rolling._layer_types(config)
+    expected = support._layer_types(config)
     real = cache_utils.get_layer_types_and_kwargs
     if api == "one_dict":
         monkeypatch.setattr(cache_utils, "get_layer_types_and_kwargs",
@@ -387,6 +363,6 @@ def test_layer_types_without_per_layer_kwargs(family, api, monkeypatch):
                                 c, "sliding_window", None) else {}))
     else:
         monkeypatch.delattr(cache_utils, "get_layer_types_and_kwargs")
-    assert rolling._layer_types(config) == expected
+    assert support._layer_types(config) == expected
     assert len(expected[0]) == len(expected[1]) == config.num_hidden_layers
     assert expected[1] == [W if t == "sliding_attention" else None for t in expected[0]]

@@ -115,11 +115,11 @@ def test_describe_and_dtypes():
 
 
 def test_counted_is_a_diagnostic(monkeypatch):
-    import swift_liger.models
+    import swift_liger.patcher
 
     assert harness.counted(torch.nn.Linear(2, 2)) is None   # an unpatched model: nothing counted
 
     def broken(model):
         raise RuntimeError("counters gone")
-    monkeypatch.setattr(swift_liger.models, "call_counts", broken)
+    monkeypatch.setattr(swift_liger.patcher, "call_counts", broken)
     assert harness.counted(torch.nn.Linear(2, 2)) == {"error": "RuntimeError: counters gone"}

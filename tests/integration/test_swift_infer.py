@@ -197,9 +197,9 @@ LAYOUT_PROBE = textwrap.dedent('''
     import atexit, json, os
     _OUT = os.environ.get("SWIFT_INFER_LAYOUT_OUT")
     if _OUT:
-        import swift_liger.cache.rolling as _rolling
+        from swift_liger.cache.ring import RollingKVCache as _Cache
         _seen = {}
-        _orig = _rolling.RollingKVCache._begin_forward
+        _orig = _Cache._begin_forward
 
         def _begin_forward(self, batch, T, *args, **kwargs):
             out = _orig(self, batch, T, *args, **kwargs)
@@ -207,7 +207,7 @@ LAYOUT_PROBE = textwrap.dedent('''
             _seen[key] = _seen.get(key, 0) + 1
             return out
 
-        _rolling.RollingKVCache._begin_forward = _begin_forward
+        _Cache._begin_forward = _begin_forward
         atexit.register(lambda: _seen and open(f"{_OUT}.{os.getpid()}.json", "w").write(json.dumps(_seen)))
 ''')
 
@@ -249,13 +249,13 @@ def test_rolling_cache_note_says_what_the_cache_keeps():
     """The log line for `--liger_rolling_cache model` names the model's own window (no 'None+model tokens', no
     'None sinks'); a "window,sinks" setting without sinks names the default 4."""
     import types
-    from swift_liger.cache.rolling import _INSTALL_ATTR
+    from swift_liger.cache.install import INSTALL_ATTR
     from swift_liger.integration.swift_patches import _rolling_cache_note
     report = types.SimpleNamespace(patched={"rolling_cache": 1})
 
     def note(settings):
         model = types.SimpleNamespace(config=types.SimpleNamespace(sliding_window=4096), generation_config=None)
-        setattr(model, _INSTALL_ATTR, {"settings": settings})
+        setattr(model, INSTALL_ATTR, {"settings": settings})
         return _rolling_cache_note(model, report)[1]
     text = note({"window": "model", "sinks": None, "mode": "absolute"})
     assert "None" not in text and "4096" in text and "own sliding window" in text, text
