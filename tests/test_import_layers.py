@@ -229,6 +229,31 @@ def test_no_private_names_across_modules():
     assert private_names() == []
 
 
+def test_op_module_names_say_what_they_hold():
+    """ops/: `<op>_kernel.py` holds Triton kernels, `<op>_op.py` builds an op from other modules' kernels and GEMMs
+    (none of its own), `_<piece>.py` is a shared piece; no module takes the name of a function the package exports."""
+    folder = os.path.join(PACKAGE, "ops")
+    with open(os.path.join(folder, "__init__.py"), encoding="utf-8") as f:
+        exported = {a.asname or a.name for n in ast.parse(f.read()).body if isinstance(n, ast.ImportFrom)
+                    for a in n.names}
+    bad = []
+    for name in sorted(os.listdir(folder)):
+        stem = name[:-3]
+        if not name.endswith(".py") or name == "__init__.py":
+            continue
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            jit = "@triton.jit" in f.read()
+        if stem in exported:
+            bad.append(f"{name}: takes the name of the exported function {stem}")
+        elif stem.endswith("_kernel") and not jit:
+            bad.append(f"{name}: named _kernel but holds no @triton.jit kernel (name it <op>_op.py)")
+        elif stem.endswith("_op") and jit:
+            bad.append(f"{name}: named _op but holds Triton kernels (name it <op>_kernel.py)")
+        elif not stem.startswith("_") and not stem.endswith(("_kernel", "_op")):
+            bad.append(f"{name}: neither <op>_kernel.py, <op>_op.py nor a _shared piece")
+    assert bad == []
+
+
 @pytest.mark.parametrize("module", ["swift_liger", "swift_liger.config", "swift_liger.patching.families",
                                     "swift_liger.integration.arguments", "swift_liger.cli"])
 def test_torch_free_modules(module):

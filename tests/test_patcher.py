@@ -621,7 +621,7 @@ def lora_calls(model):
 @pytest.fixture
 def lora_linear_calls(monkeypatch):
     """A list that gets one entry per ops.lora_linear call."""
-    from swift_liger.ops import lora_linear_kernel as LL
+    from swift_liger.ops import lora_linear_op as LL
     calls = []
     original = LL.LoRALinearFunction.apply
     monkeypatch.setattr(LL.LoRALinearFunction, "apply", lambda *a: calls.append(1) or original(*a))

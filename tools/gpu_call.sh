@@ -138,7 +138,7 @@ PY
   qlora)
     stamp qlora
     SWIFT_LIGER_TEST_GPU=1 timeout "${QLORA_TESTS_TIMEOUT:-150}" python3 -m pytest tests/patching/test_qlora.py \
-      tests/ops/test_lora_linear_kernel.py -rf -p no:cacheprovider >"$OUT/gpu_qlora_tests.log" 2>&1
+      tests/ops/test_lora_linear_op.py -rf -p no:cacheprovider >"$OUT/gpu_qlora_tests.log" 2>&1
     echo "pytest rc $?"; grep -E "passed|failed|^FAILED" "$OUT/gpu_qlora_tests.log" | tail -8
     python3 -m swift_liger.cli tiny /tmp/tinyq --arch llama >/dev/null 2>&1
     F="--model /tmp/tinyq/model --model_type llama --template chatml --dataset /tmp/tinyq/sft.jsonl --tuner_type lora

@@ -2,7 +2,7 @@
 import torch
 
 from swift_liger.ops import qk_norm_rope_kernel as qk
-from swift_liger.ops import rope
+from swift_liger.ops import rope_kernel as rope
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -8,7 +8,7 @@
 #   SHAPE=qwen2.5-7b SEQ=4096 TASKS="dpo orpo" GA=4         preference pairs of 2 x ~4k tokens
 #   BATCH=8 SEQ=512                                          8 rows of ~448 tokens per step (default batch 1)
 #   TUNER=full  VARIANTS="swift_liger plain"  VARIANTS_orpo="plain"  STEPS=8 WARMUP=3  DEADLINE=530 (whole call, s)
-#   TEST_PATHS="tests/ops/test_logprobs.py ..."              run these tests on the GPU first (SWIFT_LIGER_TEST_GPU=1)
+#   TEST_PATHS="tests/ops/test_logprobs_op.py ..."              run these tests on the GPU first (SWIFT_LIGER_TEST_GPU=1)
 set -uo pipefail
 OUT=${OUT:-.out}; R=/tmp/swift_cli_runs; DEADLINE=${DEADLINE:-530}
 SHAPE=${SHAPE:-llama3-8b}; SEQ=${SEQ:-8192}; TASKS=${TASKS:-sft}; TUNER=${TUNER:-lora}; GA=${GA:-1}

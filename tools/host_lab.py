@@ -21,7 +21,8 @@ import triton
 
 from swift_liger.bench import harness
 from swift_liger.bench.shapes import SHAPES
-from swift_liger.ops import _launch, decode_attention_kernel, kv_ring_write_kernel, rms_norm_kernel, rope, swiglu_kernel
+from swift_liger.ops import _launch, decode_attention_kernel, kv_ring_write_kernel, rms_norm_kernel, swiglu_kernel
+from swift_liger.ops import rope_kernel as rope
 
 p = argparse.ArgumentParser()
 p.add_argument("--iters", type=int, default=3000)

@@ -1,7 +1,7 @@
 """RoPE forward-kernel variants against Liger-Kernel's kernel, each timed as one CUDA graph of 20 launches
 (median / 20): python3 tools/rope_lab.py (GPU, liger-kernel installed) -> $OUT/rope_lab.json, printed summary.
 Results and reading: docs/benchmarks/rope_lab_h200.md. The variant kernel below is the rotation kernel with
-switches (SEQ, SAME, F32CS, RELOAD) for the experiment only; swift_liger.ops.rope is what ships."""
+switches (SEQ, SAME, F32CS, RELOAD) for the experiment only; swift_liger.ops.rope_kernel is what ships."""
 import os
 
 import torch
@@ -11,8 +11,8 @@ from triton.testing import do_bench
 
 from swift_liger.bench import harness
 from swift_liger.bench.kernels import SWEEP_HEAD_DIMS, SWEEP_HEADS, SWEEP_ROPE_TOKENS
-from swift_liger.ops import rope
-from swift_liger.ops.rope import load_heads, store_heads, rotate, token_coords
+from swift_liger.ops import rope_kernel as rope
+from swift_liger.ops.rope_kernel import load_heads, store_heads, rotate, token_coords
 from liger_kernel.ops import rope as lrope
 
 

@@ -14,7 +14,8 @@ import sys
 import torch
 
 from swift_liger.bench import harness, kernels
-from swift_liger.ops import _common, cross_entropy_kernel, qk_norm_rope_kernel, rms_norm_kernel, rope, swiglu_kernel
+from swift_liger.ops import _common, cross_entropy_kernel, qk_norm_rope_kernel, rms_norm_kernel, swiglu_kernel
+from swift_liger.ops import rope_kernel as rope
 
 AUTO = "auto"   # grid value: keep launch_config's choice for this field
 

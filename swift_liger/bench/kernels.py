@@ -12,10 +12,10 @@ import torch
 
 from swift_liger.ops import cross_entropy_kernel as ce_ops
 from swift_liger.ops import fused_linear_cross_entropy_kernel as flce_ops
-from swift_liger.ops import logprobs as logprobs_ops
+from swift_liger.ops import logprobs_op as logprobs_ops
 from swift_liger.ops import qk_norm_rope_kernel as qk_ops
 from swift_liger.ops import rms_norm_kernel as rms_ops
-from swift_liger.ops import rope as rope_ops
+from swift_liger.ops import rope_kernel as rope_ops
 from swift_liger.ops import swiglu_kernel as glu_ops
 
 from .harness import Case

@@ -430,7 +430,8 @@ PREFERENCE_RLHF = ("dpo", "orpo", "cpo", "simpo", "kto")
 
 
 def preference_fused(args, cfg) -> bool:
-    """The preference trainer computes its log-probs from hidden states (ops.logprobs), never from [rows, V] logits."""
+    """The preference trainer computes its log-probs from hidden states (ops.fused_linear_logprobs), never from
+    [rows, V] logits."""
     return getattr(args, "rlhf_type", None) in PREFERENCE_RLHF and cfg.cross_entropy == "fused_linear"
 
 
@@ -492,7 +493,7 @@ def finalize(args) -> None:
             state["notes"].append("cross_entropy fused_linear -> fused: " + "; ".join(reasons))
         elif rlhf_type in PREFERENCE_RLHF:
             state["notes"].append(f"cross_entropy=fused_linear: the {rlhf_type} trainer takes its log-probs from "
-                                  "hidden states (swift_liger.ops.logprobs), for the policy and the reference pass")
+                                  "hidden states (ops.fused_linear_logprobs), for the policy and the reference pass")
 
 
 def resolved(args):

@@ -8,11 +8,12 @@ odds ratio, CPO/SimPO's gamma and length normalisation, KTO's KL term) is ms-swi
 
 * DPO, KTO: `concatenated_forward` / `forward` run inside `HeadHandle.emitting_hidden()` (the model returns its final
   hidden states as logits) and `get_per_token_logps` (ms-swift's RLHFTrainerMixin) computes what it computes from
-  logits (per-token log p, masked; per-position mean or sum of logits, masked; the mask) with ops.logprobs.
+  logits (per-token log p, masked; per-position mean or sum of logits, masked; the mask) with
+  ops.fused_linear_logprobs.
 * ORPO, CPO/SimPO: trl's `concatenated_forward` reads the logits in three places, so it is replaced whole by
-  `_PairSeam.concatenated_forward`, which returns trl's five values from one ops.logprobs call: sequence log p
-  (sum or mean), the chosen NLL, and, for the logits/chosen|rejected metrics, per-position logit means (their mean
-  equals the mean over the full [rows, T, V] logits).
+  `_PairSeam.concatenated_forward`, which returns trl's five values from one ops.fused_linear_logprobs call:
+  sequence log p (sum or mean), the chosen NLL, and, for the logits/chosen|rejected metrics, per-position logit
+  means (their mean equals the mean over the full [rows, T, V] logits).
 
 Applies to the policy and to the reference pass (the separate ref model of full fine-tuning, patched too; or the
 adapter-disabled policy of LoRA). Where it cannot apply (lm_head wrapped by LoRA / modules_to_save, sequence
@@ -121,7 +122,8 @@ class KTOSeam(_Seam):
 
 
 class _PairSeam(_Seam):
-    """trl's ORPO/CPO concatenated_forward from one ops.logprobs call over the concatenated chosen+rejected rows."""
+    """trl's ORPO/CPO concatenated_forward from one ops.fused_linear_logprobs call over the concatenated
+    chosen+rejected rows."""
 
     average_log_prob = True
     logits_metric_positions = slice(None)

@@ -1,22 +1,23 @@
 """Triton kernels behind autograd Functions. Pure kernels: nothing here imports transformers or ms-swift.
 
-The public names are functions (``from swift_liger.ops import rms_norm``); each lives in a module named
-``<op>_kernel`` (``swift_liger.ops.rms_norm_kernel``, ...) with its kernels, launchers and tuning knobs, so
-``from swift_liger.ops import rms_norm_kernel`` reaches the module with a plain import. Modules whose public
-functions have other names keep theirs (``rope``: apply_rope, ``logprobs``: fused_linear_logprobs,
-``dropout_mask``: pack_mask / masked_scale). `import swift_liger` alone does not import this package, so the
-ms-swift start-up hook stays cheap.
+The public names are functions (``from swift_liger.ops import rms_norm``). A module's name says what it holds:
+``<op>_kernel.py`` holds the op's Triton kernels with their launchers and tuning knobs (``rms_norm_kernel``,
+``rope_kernel``, ``dropout_mask_kernel``, ...); ``<op>_op.py`` builds an op from other modules' kernels and GEMMs
+(``lora_linear_op``, ``logprobs_op``); ``_<piece>.py`` are shared pieces. No module takes a function's name, so
+``from swift_liger.ops import rms_norm_kernel`` reaches the module with a plain import (tests/test_import_layers.py
+checks the rule). `import swift_liger` alone does not import this package, so the ms-swift start-up hook stays
+cheap.
 """
 from .cross_entropy_kernel import CrossEntropyFunction, cross_entropy, cross_entropy_reference
 from .decode_attention_kernel import decode_attention, decode_attention_reference
 from .fused_linear_cross_entropy_kernel import (FusedLinearCrossEntropyFunction, fused_linear_cross_entropy,
                                                 fused_linear_cross_entropy_reference)
 from .kv_ring_write_kernel import kv_ring_write, kv_ring_write_reference, kv_sink_rotate, kv_sink_rotate_reference
-from .logprobs import LogprobsOutput, fused_linear_logprobs, fused_linear_logprobs_reference
-from .lora_linear_kernel import lora_linear, lora_linear_reference
+from .logprobs_op import LogprobsOutput, fused_linear_logprobs, fused_linear_logprobs_reference
+from .lora_linear_op import lora_linear, lora_linear_reference
 from .qk_norm_rope_kernel import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_reference
 from .rms_norm_kernel import RMSNormFunction, rms_norm, rms_norm_reference
-from .rope import RoPEFunction, apply_rope, apply_rope_reference
+from .rope_kernel import RoPEFunction, apply_rope, apply_rope_reference
 from .swiglu_kernel import GeGLUFunction, SwiGLUFunction, geglu, geglu_reference, swiglu, swiglu_reference
 
 __all__ = [

@@ -556,7 +556,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     All outputs fp32. Gradients flow from loss_sum and token_loss (lse and logit_sum are non-differentiable);
     ``row_grads`` says whether token_loss may receive one (then pass 2 may need hidden/weight in backward, so they
-    are kept). swift_liger.ops.logprobs uses this Function with row_grads=True: log p = -token_loss.
+    are kept). swift_liger.ops.logprobs_op uses this Function with row_grads=True: log p = -token_loss.
     The gradients are formed in forward at unit scale and scaled by grad_output in backward, so the graph can be
     backpropagated only once (a second backward raises the saved-tensor version error). Unless pass 2 can run,
     backward reads neither hidden nor weight: a ZeRO-3 weight may be re-partitioned after forward, and hidden is
@@ -741,7 +741,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The row engine: the named internal API the public functions here and the other linear+loss ops (ops.logprobs)
+# The row engine: the named internal API the public functions here and the other linear+loss ops (ops.logprobs_op)
 # build on: check_args (above), autocast_inputs, flat_rows, run_rows. A new loss over the head uses these four.
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import _common, _launch, _reduce
-from .rope import (RoPEConfig, apply_rope_reference, check_rope_args, cos_sin_strides, last_dim_contiguous,
+from .rope_kernel import (RoPEConfig, apply_rope_reference, check_rope_args, cos_sin_strides, last_dim_contiguous,
                    load_cos_sin, load_heads, rotary_config, rotate, store_heads, token_coords)
 
 CASTINGS = ("llama", "gemma")

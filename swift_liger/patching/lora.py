@@ -2,9 +2,9 @@
 
 This module knows PEFT's lora.Linear (one active adapter, unmerged, vanilla LoRA, a frozen nn.Linear base, no
 biases or hooks) and PEFT's lora.Linear4bit over a bitsandbytes 4-bit base (QLoRA: the base weight goes to the op
-as an ops.lora_linear_kernel.DequantizedWeight, dequantized the way bitsandbytes' own training matmul does).
+as an ops.lora_linear_op.DequantizedWeight, dequantized the way bitsandbytes' own training matmul does).
 Whether ops.lora_linear can take the call (dtypes, dropout, contiguity) is decided in one place,
-``ops.lora_linear_kernel.lora_linear_problem``. Anything else runs PEFT's own forward. Every call is counted in the
+``ops.lora_linear_op.lora_linear_problem``. Anything else runs PEFT's own forward. Every call is counted in the
 patch state of the model (``lora_fused`` / ``lora_peft``), read back through swift_liger.call_counts.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..ops.lora_linear_kernel import DequantizedWeight, lora_linear_problem, lora_linear_unchecked
+from ..ops.lora_linear_op import DequantizedWeight, lora_linear_problem, lora_linear_unchecked
 from .state import CALLS_ATTR, count
 
 

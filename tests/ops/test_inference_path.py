@@ -3,7 +3,7 @@ directly, no torch.autograd.Function, with outputs bit-equal to the recorded pat
 import pytest
 import torch
 
-from swift_liger.ops import qk_norm_rope_kernel, rms_norm_kernel, rope, swiglu_kernel
+from swift_liger.ops import qk_norm_rope_kernel, rms_norm_kernel, rope_kernel as rope, swiglu_kernel
 
 BF16 = torch.bfloat16
 

@@ -7,7 +7,7 @@ How the configurations are enumerated: every kernel module's ``launch_config`` (
 the fused-linear-CE slice width from default_chunk_size / _slice_width, decode attention's splits from _plan),
 given a ``_common.Target`` per architecture (SM count and shared memory: decode attention, qk_norm_rope's backward
 grid; sm_90 for the modules whose choice depends on the device type only); lora_linear and logprobs launch no
-kernels of their own (dropout_mask and the fused-linear-CE kernels). They are called over a grid of realistic
+kernels of their own (dropout_mask_kernel and the fused-linear-CE kernels). They are called over a grid of realistic
 shapes (hidden 1024..8192, intermediate 4864..28672, heads 8/8..64/8 and a few GQA layouts with D 64/128/256 and
 full or half rotary, vocab 32000 / 128256 / 151936 / 256000, 1..131072 token rows), and the results deduplicated to
 distinct (kernel, constexprs, num_warps, num_stages) tuples.
@@ -111,9 +111,10 @@ def _enumerate():
     """{(module, kernel, constexprs-json, num_warps, num_stages)} over the shape grid, per arch when it matters."""
     from swift_liger.ops import (_common, _reduce as red, _scale as sc, cross_entropy_kernel as ce,
                                  decode_attention_kernel as da,
-                                 dropout_mask as dm,
+                                 dropout_mask_kernel as dm,
                                  fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
-                                 qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope, swiglu_kernel as sw)
+                                 qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope_kernel as rope,
+                                 swiglu_kernel as sw)
     from swift_liger.ops import _targets
     # Per architecture: its SM count and shared memory (decode attention, qk_norm_rope's backward grid); the other
     # modules' choices depend on the device type only, so they are enumerated once for sm_90.
@@ -154,7 +155,7 @@ def _enumerate():
         base = dict(HQ=HQ, HK=HK, HALF=half, D=D)
         c = rope.launch_config(HQ, HK, D, half, cuda)
         for bwd, il in ((False, False), (True, True)):
-            add("rope", "_rope_kernel", dict(base, **blocks(c), BACKWARD=bwd, INTERLEAVED=il), c.num_warps)
+            add("rope_kernel", "_rope_kernel", dict(base, **blocks(c), BACKWARD=bwd, INTERLEAVED=il), c.num_warps)
         c = qk.launch_config("fwd", 1, HQ, HK, D, half, cuda)
         for gemma, round_y in ((False, False), (True, True)):
             add("qk_norm_rope_kernel", "_qk_norm_rope_fwd_kernel", dict(base, **blocks(c), GEMMA=gemma,
@@ -237,9 +238,9 @@ def _enumerate():
 
     # dropout mask (the LoRA linear's only kernels).
     c = dm.launch_config("pack", 1 << 20, cuda)
-    add("dropout_mask", "_pack_kernel", dict(BLOCK=c.block), c.num_warps)
+    add("dropout_mask_kernel", "_pack_kernel", dict(BLOCK=c.block), c.num_warps)
     c = dm.launch_config("scale", 1 << 20, cuda)
-    add("dropout_mask", "_masked_scale_kernel", dict(BLOCK=c.block), c.num_warps)
+    add("dropout_mask_kernel", "_masked_scale_kernel", dict(BLOCK=c.block), c.num_warps)
     return jobs
 
 

@@ -7,8 +7,8 @@ from swift_liger.ops import qk_norm_rope_kernel as qk_mod
 from swift_liger.ops import _reduce as reduce_mod
 from swift_liger.ops._common import launch_override
 from swift_liger.ops.qk_norm_rope_kernel import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_reference
-from swift_liger.ops.rope import apply_rope_reference
-from test_rope import make_cos_sin, make_heads
+from swift_liger.ops.rope_kernel import apply_rope_reference
+from test_rope_kernel import make_cos_sin, make_heads
 
 
 def st_round(x, dtype):

@@ -7,7 +7,7 @@ Preference trainers (DPO, ORPO, CPO/SimPO, KTO) call the model without labels an
     with handle.emitting_hidden():
         out = model(**batch)                # the unchanged HF forward with the lm_head skipped:
     hidden = handle.take(out.logits)        # out.logits holds the final hidden states [B, T, H]
-    res = handle.logprobs(hidden, labels, return_logit_sum=True)   # ops.logprobs, through the (sharded) lm_head
+    res = handle.logprobs(hidden, labels, return_logit_sum=True)   # ops.fused_linear_logprobs via the lm_head
 
 ``take`` returns None when the model materialised real logits (its lm_head was replaced since apply), so the
 caller runs its own code on them; it raises when what the caller hands back cannot be those hidden states, so
@@ -114,7 +114,7 @@ class HeadHandle:
                            "treat it as logits")
 
     def logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, **options):
-        """ops.logprobs.fused_linear_logprobs(hidden, lm_head.weight, labels, lm_head.bias, **options), with the
+        """ops.fused_linear_logprobs(hidden, lm_head.weight, labels, lm_head.bias, **options), with the
         head gathered when ZeRO-3 / FSDP2 shard it."""
         st = self.state
         cap = getattr(self.root.config, st.softcap_attr, None) if st.softcap_attr else None

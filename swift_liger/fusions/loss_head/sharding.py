@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple, Union
 import torch
 
 from ...ops.fused_linear_cross_entropy_kernel import fused_linear_cross_entropy
-from ...ops.logprobs import fused_linear_logprobs
+from ...ops.logprobs_op import fused_linear_logprobs
 
 __all__ = [
     "call_through_module",

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import assert_close, f64, inputs_unchanged
-from swift_liger.ops.lora_linear_kernel import lora_linear, lora_linear_reference
+from swift_liger.ops.lora_linear_op import lora_linear, lora_linear_reference
 
 
 def make(n=(3, 5), d_in=24, d_out=40, r=4, dtype=torch.float32, adapter_dtype=torch.float32, bias=True, seed=0):
@@ -165,7 +165,7 @@ def test_upcast_fp32_adapters_without_autocast(device, p, monkeypatch):
     """bf16 x and base weight, fp32 adapters, no autocast (a plain PyTorch loop): same values and gradients as
     PEFT's fp32 branch, in row chunks (a small CHUNK_BYTES makes 5 of them, the last one partial), keeping x and
     the bits instead of fp32 copies."""
-    from swift_liger.ops import lora_linear_kernel as LL
+    from swift_liger.ops import lora_linear_op as LL
     monkeypatch.setattr(LL, "CHUNK_BYTES", 8 * 48 * 4)          # 8 rows per chunk
     x, w, b, a, bb = (t.detach().to(device).requires_grad_(t.requires_grad)
                       for t in make(n=(37,), d_in=40, d_out=48, dtype=torch.bfloat16, adapter_dtype=torch.float32))
@@ -208,7 +208,7 @@ def test_dequantized_weight_made_per_matmul_and_never_saved(dropout_p, upcast):
     """A DequantizedWeight base (QLoRA): the same values and gradients as the dense weight it stands for; get() runs
     once in the forward and once in the backward's input gradient, and no tensor it returned is saved for the
     backward. upcast: fp32 adapters on a bf16 x without autocast (LoRALinearUpcastFunction)."""
-    from swift_liger.ops.lora_linear_kernel import DequantizedWeight
+    from swift_liger.ops.lora_linear_op import DequantizedWeight
     dtype = torch.bfloat16 if upcast else torch.float32
     x, w, b, a, bb = make(dtype=dtype, adapter_dtype=torch.float32, bias=not upcast, seed=4)
     made = []
@@ -236,7 +236,7 @@ def test_dequantized_weight_made_per_matmul_and_never_saved(dropout_p, upcast):
 
 
 def test_dequantized_weight_checked_like_a_tensor():
-    from swift_liger.ops.lora_linear_kernel import DequantizedWeight
+    from swift_liger.ops.lora_linear_op import DequantizedWeight
     x, w, b, a, bb = make()
     qw = DequantizedWeight(lambda: w, (40, 23), w.dtype, w.device)
     with pytest.raises(ValueError, match=r"weight must be \[out, 24\]"):

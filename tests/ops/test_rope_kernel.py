@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from helpers import DTYPES, assert_close, f64, inputs_unchanged
-from swift_liger.ops import rope as rope_mod
+from swift_liger.ops import rope_kernel as rope_mod
 from swift_liger.ops._common import launch_override
-from swift_liger.ops.rope import RoPEFunction, apply_rope, apply_rope_reference
+from swift_liger.ops.rope_kernel import RoPEFunction, apply_rope, apply_rope_reference
 
 
 def make_cos_sin(B, T, dr, dtype, device, form="btd", base=10000.0):

@@ -16,7 +16,7 @@ What it saves, compared with PEFT's ``lora.Linear`` (fp32 adapters on a bf16 mod
   ``LoRALinearUpcastFunction`` does that from fp32 row chunks it re-creates in the backward, instead of PEFT's
   fp32 copy of every input kept for the backward.
 - With LoRA dropout (ms-swift's default is 0.05) it draws the dropout itself and keeps the mask as bits
-  (ops/dropout_mask.py): autograd's dropout would keep a bool mask and the LoRA branch the dropped-out input,
+  (ops/dropout_mask_kernel.py): autograd's dropout would keep a bool mask and the LoRA branch the dropped-out input,
   3 bytes per bf16 element; here 1/8 byte, and the backward re-applies the mask to x.
 
 - Launches: the LoRA output joins the base output in the second GEMM's epilogue (``addmm_``), the backward scales
@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .dropout_mask import masked_scale, pack_mask
+from .dropout_mask_kernel import masked_scale, pack_mask
 
 
 class DequantizedWeight:

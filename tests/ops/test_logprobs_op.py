@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import helpers
 from helpers import assert_close, f64, inputs_unchanged, randn
-from swift_liger.ops.logprobs import LogprobsOutput, fused_linear_logprobs, fused_linear_logprobs_reference
+from swift_liger.ops.logprobs_op import LogprobsOutput, fused_linear_logprobs, fused_linear_logprobs_reference
 
 from swift_liger.ops import fused_linear_cross_entropy_kernel as flce_mod
 

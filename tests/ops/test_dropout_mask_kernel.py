@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from helpers import assert_close, inputs_unchanged, poisoned_like
-from swift_liger.ops.dropout_mask import masked_scale, pack_mask
+from swift_liger.ops.dropout_mask_kernel import masked_scale, pack_mask
 
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 5, 11), (2, 8192 + 13)])   # ragged tails, > one program
