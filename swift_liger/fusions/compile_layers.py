@@ -6,7 +6,7 @@ from .base import Fusion
 
 def recompile(layer) -> None:
     """deepcopy: the copied entry would still call the original layer."""
-    import torch
+    import torch   # lazy: the spec loads without torch
     layer.__dict__["_compiled_call_impl"] = torch.compile(layer._call_impl)
 
 
@@ -27,7 +27,8 @@ def patch(ctx) -> None:
         ctx.report.patched["compile_layers"] += 1
 
 
-FUSION = Fusion(key="compile_layers", label=lambda count, report: f"torch.compile on {count} decoder layers", default=False,
+FUSION = Fusion(key="compile_layers", default=False,
+                label=lambda count, report: f"torch.compile on {count} decoder layers",
                 help="torch.compile each decoder layer (our ops stay single custom-op nodes inside); first steps pay "
                      "the compile time.",
                 applies_to="decoder layers", order=90, patch=patch, say_off=False)

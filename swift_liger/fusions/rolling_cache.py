@@ -83,7 +83,8 @@ def patch(ctx) -> None:
     ctx.report.patched["rolling_cache"] = 1
 
 
-FUSION = Fusion(key="rolling_cache", label=lambda count, report: "rolling_cache", default=None, kind="mapping", off=None,
+FUSION = Fusion(key="rolling_cache", default=None, kind="mapping", off=None,
+                label=lambda count, report: "rolling_cache",
                 help='RollingKVCache for generation: "window,sinks", "window,sinks,graph" (CUDA: decode steps '
                      'after the window fills replay one CUDA graph; 5.6 against ~37 ms/token eager on an H200, '
                      'Llama-3-8B), "model" (the model\'s own sliding window, exact: gemma2/gemma3 and other configs '
