@@ -48,11 +48,8 @@ def dist(tmp_path_factory):
 
 
 def _have_hatchling() -> bool:
-    try:
-        import hatchling  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    import importlib.util
+    return importlib.util.find_spec("hatchling") is not None
 
 
 def _tracked_package_files() -> set:
