@@ -6,9 +6,12 @@ the optimizer steps since the previous log line:
   step_time(s)       wall time from on_step_begin to on_step_end (forward+backward of all micro-batches, optimizer
                      step; CUDA is synchronised at the end so queued kernels count). Data loading for the step
                      happens before on_step_begin and is not included.
-  tokens/s           non-padding tokens / step_time, summed over data-parallel ranks. Tokens per micro-batch:
-                     attention_mask.sum() for 2-D masks, else input_ids.numel() (padding-free/packed batches have
-                     no padding). Prompt tokens count too: they cost forward+backward like any other.
+  tokens/s           non-padding tokens / step_time, summed over data-parallel ranks. Tokens per micro-batch, of
+                     the batch the loss is computed on (after the trainer prepared it: GRPO's generated rows, not
+                     its prompts): attention_mask.sum() for 2-D masks, else input_ids.numel() (padding-free/packed
+                     batches have no padding). Prompt tokens count too: they cost forward+backward like any other.
+                     For GRPO step_time includes generating the completions.
+  completion_tokens/s  GRPO only: the completion tokens among them (completion_mask.sum()).
   peak_alloc(GiB)    CUDA only: torch.cuda.max_memory_allocated() with the peak reset at every step begin, max over
   peak_reserved(GiB) the logged steps (rank-local, current device). ms-swift's cumulative memory(GiB) stays right.
   alloc(GiB)         CUDA only: torch.cuda.memory_allocated() at the end of the last logged step (weights, optimizer
@@ -82,9 +85,29 @@ def _rss_bytes():
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _model_batch(inputs):
+    """The mapping holding the model's input_ids: the batch itself, or the "model_inputs" of GRPO's prepared batch
+    ({"model_inputs": ..., "grpo_batch": ...}, possibly in a one-element list)."""
+    if isinstance(inputs, list) and len(inputs) == 1:
+        inputs = inputs[0]
+    if not isinstance(inputs, Mapping):  # dict or transformers' BatchEncoding (a UserDict)
+        return None
+    nested = inputs.get("model_inputs")
+    return nested if isinstance(nested, Mapping) else inputs
+
+
+def count_completion_tokens(inputs):
+    """Completion tokens of a GRPO micro-batch (its grpo_batch.completion_mask), else 0."""
+    if isinstance(inputs, list) and len(inputs) == 1:
+        inputs = inputs[0]
+    mask = getattr(inputs.get("grpo_batch"), "completion_mask", None) if isinstance(inputs, Mapping) else None
+    return mask.sum() if mask is not None and hasattr(mask, "sum") else 0
+
+
 def count_tokens(inputs):
     """Non-padding tokens in one micro-batch (a tensor or an int)."""
-    if not isinstance(inputs, Mapping):  # dict or transformers' BatchEncoding (a UserDict)
+    inputs = _model_batch(inputs)
+    if inputs is None:
         return 0
     mask = inputs.get("attention_mask")
     if mask is not None and hasattr(mask, "dim") and mask.dim() == 2:
@@ -103,7 +126,8 @@ class StepMetrics:
         self.trainer = trainer
         self.cuda = torch.cuda.is_available() and trainer.args.device.type == "cuda"
         self.enabled = True
-        self._pending = []  # token counts of the micro-batches of the current step
+        self._pending = []  # (tokens, completion tokens) of the micro-batches of the current step
+        self._counted = False  # the current micro-batch was counted from the inputs compute_loss got
         self._reset_interval()
         self.peak = None
         self.flops_per_token = None
@@ -118,6 +142,7 @@ class StepMetrics:
         self.steps = 0
         self.seconds = 0.0
         self.tokens = 0
+        self.completion_tokens = 0
         self.peak_alloc = 0
         self.peak_reserved = 0
         self.alloc = 0
@@ -145,12 +170,26 @@ class StepMetrics:
         except Exception as e:
             self._fail("step_begin", e)
 
-    def micro_batch(self, inputs):
-        if self.enabled and self.t0 is not None:
+    def micro_batch_begin(self):
+        self._counted = False
+
+    def loss_inputs(self, inputs):
+        """compute_loss's inputs: the batch as the model sees it (first call per micro-batch)."""
+        if self.enabled and self.t0 is not None and not self._counted:
             try:
-                self._pending.append(count_tokens(inputs))
+                self._pending.append((count_tokens(inputs), count_completion_tokens(inputs)))
+                self._counted = True
+            except Exception as e:
+                self._fail("compute_loss", e)
+
+    def micro_batch_end(self, inputs):
+        """training_step's inputs, counted when compute_loss was not called (a trainer with its own loss path)."""
+        if self.enabled and self.t0 is not None and not self._counted:
+            try:
+                self._pending.append((count_tokens(inputs), 0))
             except Exception as e:
                 self._fail("training_step", e)
+        self._counted = False
 
     def step_end(self):
         if not self.enabled or self.t0 is None:
@@ -163,7 +202,8 @@ class StepMetrics:
                 self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved())
                 self.alloc = torch.cuda.memory_allocated()
             self.seconds += time.perf_counter() - self.t0
-            self.tokens += int(sum(int(t) for t in self._pending))
+            self.tokens += int(sum(int(t) for t, _ in self._pending))
+            self.completion_tokens += int(sum(int(c) for _, c in self._pending))
             self.steps += 1
             self.t0 = None
         except Exception as e:
@@ -176,14 +216,16 @@ class StepMetrics:
         try:
             import torch
             import torch.distributed as dist
-            tokens, world = float(self.tokens), 1
+            tokens, completion, world = float(self.tokens), float(self.completion_tokens), 1
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 world = dist.get_world_size()
-                t = torch.tensor([tokens], dtype=torch.float64, device=self.trainer.args.device)
+                t = torch.tensor([tokens, completion], dtype=torch.float64, device=self.trainer.args.device)
                 dist.all_reduce(t)
-                tokens = float(t.item())
-            out = {"step_time(s)": round(self.seconds / self.steps, 6),
-                   "tokens/s": round(tokens / self.seconds, 2) if self.seconds > 0 else 0.0}
+                tokens, completion = (float(v) for v in t.tolist())
+            per_s = (lambda n: round(n / self.seconds, 2) if self.seconds > 0 else 0.0)
+            out = {"step_time(s)": round(self.seconds / self.steps, 6), "tokens/s": per_s(tokens)}
+            if completion > 0:
+                out["completion_tokens/s"] = per_s(completion)
             if self.cuda:
                 out["peak_alloc(GiB)"] = round(self.peak_alloc / GiB, 4)
                 out["peak_reserved(GiB)"] = round(self.peak_reserved / GiB, 4)
@@ -231,10 +273,18 @@ def attach(trainer) -> StepMetrics:
     trainer.add_callback(_callback_class()(metrics))
 
     orig_step = trainer.training_step
+    orig_loss = getattr(trainer, "compute_loss", None)
 
     def training_step(model, inputs, *args, **kwargs):
-        metrics.micro_batch(inputs)
-        return orig_step(model, inputs, *args, **kwargs)
+        metrics.micro_batch_begin()
+        try:
+            return orig_step(model, inputs, *args, **kwargs)
+        finally:
+            metrics.micro_batch_end(inputs)
+
+    def compute_loss(model, inputs, *args, **kwargs):
+        metrics.loss_inputs(inputs)
+        return orig_loss(model, inputs, *args, **kwargs)
 
     orig_log = trainer.log
 
@@ -245,5 +295,7 @@ def attach(trainer) -> StepMetrics:
         return orig_log(logs, *args, **kwargs)
 
     trainer.training_step = training_step
+    if orig_loss is not None:
+        trainer.compute_loss = compute_loss
     trainer.log = log
     return metrics

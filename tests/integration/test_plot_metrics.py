@@ -56,6 +56,40 @@ def test_attach_counts_non_padding_tokens_and_logs_once_per_interval():
     assert logs["rss(GiB)"] > 0 and "peak_alloc(GiB)" not in logs and "MFU" not in logs
 
 
+class FakeGRPOTrainer(FakeTrainer):
+    """training_step gets raw rows; the batch the loss sees is generated inside it, as in ms-swift's GRPO."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        assert isinstance(inputs, list) and "messages" in inputs[0]
+        completion = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]])
+        attention = torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]])   # left-padded prompt, padded completion
+        prepared = {"model_inputs": {"input_ids": torch.zeros(2, 6), "attention_mask": attention},
+                    "grpo_batch": types.SimpleNamespace(completion_mask=completion)}
+        self.compute_loss(model, [prepared])
+        self.compute_loss(model, [prepared])   # a second call in the same micro-batch is not counted again
+        return torch.tensor(1.0)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.seen.append(inputs)
+        return torch.tensor(1.0)
+
+
+def test_grpo_counts_the_generated_batch_and_its_completion_tokens():
+    trainer = FakeGRPOTrainer()
+    metrics.attach(trainer)
+    (cb,) = trainer.callbacks
+    cb.on_step_begin(None, None, None)
+    for _ in range(2):
+        trainer.training_step(trainer.model, [{"messages": [{"role": "user", "content": "hi"}]}])
+    time.sleep(0.01)
+    cb.on_step_end(None, None, None)
+    trainer.log({"loss": 1.0})
+    (logs,) = trainer.logged
+    assert len(trainer.seen) == 4
+    assert logs["tokens/s"] == pytest.approx(2 * 10 / logs["step_time(s)"], rel=1e-3)
+    assert logs["completion_tokens/s"] == pytest.approx(2 * 6 / logs["step_time(s)"], rel=1e-3)
+
+
 def test_metrics_never_break_training():
     trainer = FakeTrainer()
     m = metrics.attach(trainer)
