@@ -97,8 +97,8 @@ def signature(args: tuple) -> tuple:
             out.append((a.dtype, not a.data_ptr() & 15))
         elif c is float or a is None:
             out.append(c)
-        elif c is bool:
-            out.append(a)
+        elif c is bool:   # not just `a`: True == 1 and False == 0 as keys, which Triton specializes apart
+            out.append((bool, a))
         else:   # e.g. a numpy integer: Triton may specialize on its value in ways not modelled here
             raise Unkeyed(c.__name__)
     return tuple(out)

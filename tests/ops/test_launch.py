@@ -21,7 +21,8 @@ def test_signature_classes():
     assert sig((16,)) == ((0, True),) and sig((17,)) == ((0, False),)
     assert sig((1 << 31,)) == ((1, True),) and sig((-(1 << 31),)) == ((0, True),)
     assert sig((1 << 63,)) == ((2, True),)
-    assert sig((True,)) == (True,) and sig((False,)) != sig((True,))
+    assert sig((True,)) == ((bool, True),) and sig((False,)) != sig((True,))
+    assert sig((True,)) != sig((1,)) and sig((False,)) != sig((0,))   # Triton: u1 against constexpr 1 / i32
     assert sig((0.5,)) == (float,) and sig((None,)) == (type(None),)
     with pytest.raises(_launch.Unkeyed):
         sig((object(),))
@@ -30,6 +31,51 @@ def test_signature_classes():
     assert sig((base[1:],)) == ((torch.bfloat16, False),)      # 2-byte offset: not 16-byte aligned
     assert sig((base[8:],)) == ((torch.bfloat16, True),)
     assert sig((base.float(),)) != sig((base,))
+
+
+def _native_specialize():
+    """The installed Triton's own argument specialization for an NVIDIA target, called the way its binder calls it
+    (not constexpr, specialized, alignment checked); it needs no GPU."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    native = getattr(jit, "native_specialize_impl", None)
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+    except ImportError:
+        native = None
+    if native is None:
+        pytest.skip("this Triton has no native_specialize_impl / CUDA backend to compare with")
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    return lambda a: native(backend, a, False, True, True)
+
+
+def test_signature_refines_the_installed_tritons_specialization():
+    """Calls that share our key get the same specialization from Triton, so they share Triton's compiled kernel
+    (our key may split finer: 0/1 and True/False are kept apart)."""
+    theirs = _native_specialize()
+    base = torch.zeros(256, dtype=torch.bfloat16)
+    corpus = [0, 1, 2, 3, 15, 16, 17, 32, 4096, -1, -16, -17, (1 << 31) - 16, (1 << 31) - 1, 1 << 31, -(1 << 31),
+              -(1 << 31) - 16, 1 << 32, (1 << 63) - 16, -(1 << 63), 1 << 63, (1 << 64) - 16, True, False, 0.0, 0.5,
+              -2.5, None, base, base[1:], base[2:], base[8:], base[16:], base.float(), base.float()[3:], base.half(),
+              base.to(torch.int32), base.to(torch.int64)[1:], base.to(torch.uint8)[5:], base.bool()]
+    by_key = {}
+    for arg in corpus:
+        key, spec = _launch.signature((arg,)), theirs(arg)
+        first = by_key.setdefault(key, (arg, spec))
+        assert first[1] == spec, f"{first[0]!r} and {arg!r} share our key {key} but Triton gives {first[1]} / {spec}"
+
+
+def test_tritons_launch_is_the_call_fastlaunch_replays():
+    """For the Triton versions FastLaunch is enabled on, JITFunction.run still ends in the launcher call that
+    FastLaunch makes (grid, stream, function, packed metadata, launch metadata, hooks, every bound argument)."""
+    import triton
+    from triton.runtime.jit import JITFunction
+    if _launch._triton_minor() not in _launch.SUPPORTED_TRITON:
+        pytest.skip(f"FastLaunch is off on Triton {triton.__version__}")
+    source = " ".join(inspect.getsource(JITFunction.run).split())
+    assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
+            "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())") in source
+    assert "bound_args, specialization, options = binder(*args, **kwargs)" in source
 
 
 def _param(name, constexpr=False, default=inspect.Parameter.empty):
