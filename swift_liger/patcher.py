@@ -19,6 +19,10 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
+from .versions import require
+
+require("transformers")   # the family tables and patches follow transformers' module layout of these versions
+
 from .config import LigerConfig
 from .fusions import PATCHES, REGISTRY, PatchContext, enabled
 from .patching.families import FAMILIES, family_for

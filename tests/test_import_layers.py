@@ -20,7 +20,7 @@ import pytest
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "swift_liger")
 
 FLOORS = (
-    ("env",),             # settings read from the environment
+    ("env", "versions"),  # settings read from the environment; the tested dependency versions
     ("ops",),             # the kernels
     ("patching",),        # the toolkit patches go through: patch state, family tables, LoRA glue, checkpoints
     ("cache",),           # RollingKVCache

@@ -21,6 +21,7 @@ from ..config import LigerConfig, closest
 from ..env import backend_from_env
 from ..fusions import BY_KEY, REGISTRY
 from ..patching.families import FAMILIES
+from ..versions import require as require_versions
 
 _BOOL_FLAG = {"nargs": "?", "const": True}  # `--liger_rope` alone means true; default None means "from the preset"
 
@@ -49,6 +50,8 @@ ENV_VARS = {   # every environment variable swift_liger reads, checked in valida
     "SWIFT_LIGER_DISABLE_HOOK": "1 turns the ms-swift import hook off (no --use_liger flags)",
     "SWIFT_LIGER_FAST_LAUNCH": "0 sends every Triton launch through kernel[grid] (default 1: decode-path kernels "
                                "replay their compiled launcher, ~7 us less host time per launch)",
+    "SWIFT_LIGER_ALLOW_UNTESTED_VERSIONS": "1 warns instead of refusing torch, triton, transformers or ms-swift "
+                                           "versions outside the tested ranges (swift_liger/versions.py)",
 }
 
 
@@ -266,7 +269,9 @@ def check_argv(class_type, argv) -> None:
 
 
 def check_environment() -> None:
-    """Every environment variable swift_liger reads (ENV_VARS), checked when the arguments are built."""
+    """Every environment variable swift_liger reads (ENV_VARS), checked when the arguments are built, and the
+    installed dependency versions (before ms-swift loads the model)."""
+    require_versions("torch", "triton", "transformers", "ms-swift")
     backend = backend_from_env()
     if backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         torch = sys.modules.get("torch")

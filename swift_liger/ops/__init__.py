@@ -8,6 +8,10 @@ The public names are functions (``from swift_liger.ops import rms_norm``). A mod
 checks the rule). `import swift_liger` alone does not import this package, so the ms-swift start-up hook stays
 cheap.
 """
+from ..versions import require as _require_versions
+
+_require_versions("torch", "triton")   # before any kernel module imports them: a clear error, not a Triton one
+
 from .cross_entropy_kernel import CrossEntropyFunction, cross_entropy, cross_entropy_reference
 from .decode_attention_kernel import decode_attention, decode_attention_reference
 from .fused_linear_cross_entropy_kernel import (FusedLinearCrossEntropyFunction, fused_linear_cross_entropy,
