@@ -98,12 +98,15 @@ def _ce_bwd_kernel(logits_ptr, labels_ptr, lse_ptr, grad_ptr, dlogits_ptr,
     smooth = eps / n_cols
     inv_cap = 1.0 / softcap
     target = tl.where(valid, label, -1).to(tl.int32)  # int32 compare in the loop (label < V < 2^31)
+    # An ignored row reads nothing: one compare against 0 columns, not `mask & valid` (Triton 3.9's interpreter
+    # gives a block & scalar-i1 mask a non-bool dtype and refuses it).
+    n_read = tl.where(valid, n_cols, 0)
     row_ptr = logits_ptr + row * stride_row
     drow_ptr = dlogits_ptr + row * stride_drow
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
-        z = tl.load(row_ptr + cols, mask=mask & valid, other=0.0).to(tl.float32)
+        z = tl.load(row_ptr + cols, mask=cols < n_read, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             t = _tanh(z * inv_cap)
             z = softcap * t

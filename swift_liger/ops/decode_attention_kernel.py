@@ -112,8 +112,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, C, HKV, keys_per_s
         k_new = tl.load(kn_ptr + b * skn_b + hk * skn_h + d, mask=dmask, other=0.0)
         v_new = tl.load(vn_ptr + b * svn_b + hk * svn_h + d, mask=dmask, other=0.0)
         own = (slot >= start) & (slot < end)
-        tl.store(k_base + slot * sk_c + d, k_new.to(k_ptr.dtype.element_ty), mask=dmask & own)
-        tl.store(v_base + slot * sv_c + d, v_new.to(v_ptr.dtype.element_ty), mask=dmask & own)
+        wmask = d < tl.where(own, D, 0)   # not `dmask & own`: see cross_entropy_kernel's n_read
+        tl.store(k_base + slot * sk_c + d, k_new.to(k_ptr.dtype.element_ty), mask=wmask)
+        tl.store(v_base + slot * sv_c + d, v_new.to(v_ptr.dtype.element_ty), mask=wmask)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
