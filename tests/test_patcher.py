@@ -576,6 +576,8 @@ def test_compile_layers_with_lora_and_checkpointing(torch_backend):
     ref, model = lora_pair(peft, ref, model, 7, **lora)
     checkpointed_training((model, ref), use_reentrant=False)
     ids, labels = batch()
+    if torch.cuda.is_available():   # inductor may start CUDA inside the first checkpointed forward, which checkpoint
+        torch.cuda.init()           # refuses; a process that ran a CUDA test before never sees it
     torch._dynamo.reset()
     calls = torch._dynamo.utils.counters["stats"]["calls_captured"]
     out, expected = model(ids, labels=labels, use_cache=False), ref(ids, labels=labels, use_cache=False)

@@ -14,8 +14,9 @@ calls that share our key share Triton's compiled kernel. A new signature launche
 if needed) and is remembered.
 
 Plain ``kernel[grid]`` is used instead: under ``TRITON_INTERPRET=1``; with ``SWIFT_LIGER_FAST_LAUNCH=0``; for Triton
-versions whose launcher call has not been read for this (3.6 and 3.7 have; their ``JITFunction.run`` ends in the same
-call made here); while launch hooks or pre-run hooks are installed (e.g. Triton's proton profiler); and for a call
+versions whose launcher call has not been read for this (3.6 to 3.9 have: their ``JITFunction.run`` ends in the same
+call made here, and tests/ops/test_launch.py checks that against the installed Triton's source and that our key
+refines its argument specialization); while launch hooks or pre-run hooks are installed (e.g. Triton's proton profiler); and for a call
 site that passes a runtime argument by keyword.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from . import _common
 # Launcher calls read from triton/runtime/jit.py (JITFunction.run) and compiler.py (CompiledKernel.__getitem__):
 # run(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook,
 # *every parameter in signature order, constexprs included).
-SUPPORTED_TRITON = ((3, 6), (3, 7))
+SUPPORTED_TRITON = ((3, 6), (3, 7), (3, 8), (3, 9))
 OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_pdl"))
 _I32 = 1 << 31
 _I64 = 1 << 63
@@ -62,7 +63,7 @@ _KNOBS = _runtime_knobs() if ENABLED else None
 
 
 def _no_hooks() -> bool:
-    """No launch hook installed: Triton 3.6/3.7 hold them in (possibly empty) HookChains; older ones use None."""
+    """No launch hook installed: Triton 3.6 to 3.9 hold them in (possibly empty) HookChains; older ones use None."""
     k = _KNOBS
     if k is None:
         return True
