@@ -88,6 +88,11 @@ def compare_table(stock, liger) -> tuple:
     return lines, worst, (mem_s, mem_l)
 
 
+def patched_fusions(record: dict) -> dict:
+    """What liger_patch.json says was patched in the policy model, fusions patched 0 times left out."""
+    return {k: v for k, v in (record["models"]["policy"]["report"].get("patched") or {}).items() if v}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m swift_liger.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default=os.path.join("runs", "demo"))
@@ -141,7 +146,7 @@ def main(argv=None) -> int:
     if os.path.exists(patch_file):
         with open(patch_file) as f:
             record = json.load(f)
-        patched = {k: v for k, v in (record["models"]["policy"]["report"].get("patched") or {}).items() if v}
+        patched = patched_fusions(record)
         print(f"patched ({patch_file}): {patched}")
         print("note: cross_entropy=fused_linear returns no logits in training, so the liger run logs no token_acc")
     with open(runs["liger"] + ".log", errors="replace") as f:   # what ran, counted (integration/runtime.py)

@@ -246,3 +246,12 @@ def test_summary_without_speed_ratio():
     assert "6.01x" in plot._summary_text(s1, False) and "601 tok/s" in plot._summary_text(s1, False)
     text = plot._summary_text(s1, False, speed_ratio=False)
     assert "601 tok/s" in text and "x)" not in text
+
+
+def test_demo_lists_only_fusions_that_patched_something():
+    from swift_liger import demo
+    record = {"models": {"policy": {"report": {"patched": {"rms_norm": 5, "rope": 2, "swiglu": 0,
+                                                           "compile_layers": 0, "cross_entropy": 1}}}}}
+    assert demo.patched_fusions(record) == {"rms_norm": 5, "rope": 2, "cross_entropy": 1}
+    record["models"]["policy"]["report"]["patched"] = None
+    assert demo.patched_fusions(record) == {}
