@@ -13,6 +13,8 @@ shortens the stack (per-layer numbers do not change; the head stays). Variants, 
 - ours: ``swift_liger.apply`` (every default fusion), then PEFT;
 - ours_no_lora: the same with lora_fusion off;
 - ours_compiled: compile_layers on (first step reported apart);
+- ours_compiled_grad: the same, but each layer's autograd-off forward (a reentrant checkpoint's first pass) runs
+  eager, so one graph per layer class compiles instead of two (lab only);
 - liger: Liger-Kernel's instance patch (what `--use_liger_kernel` runs), measured last beside ``ours`` again,
   because it also replaces module-level functions of transformers that the stock model would then use.
 
@@ -63,13 +65,20 @@ def make_variant(base, name: str):
         kw = {}
         if name == "ours_no_lora":
             kw["lora_fusion"] = False
-        if name == "ours_compiled":
+        if name in ("ours_compiled", "ours_compiled_grad"):
             kw["compile_layers"] = True
         swift_liger.apply(model, **kw)
     elif name == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance  # lazy: optional peer, liger only
         _apply_liger_kernel_to_instance(model=model)
     model = train_ready(model, dropout=0.05, reentrant=REENTRANT, seed=1)   # the same adapters for every variant
+    if name == "ours_compiled_grad":   # a reentrant checkpoint's first pass (autograd off) runs eager: one graph
+        for layer in model.modules():  # to compile (recompute + backward) instead of two
+            compiled = layer.__dict__.get("_compiled_call_impl")
+            if compiled is not None:
+                layer.__dict__["_compiled_call_impl"] = (
+                    lambda *a, _c=compiled, _e=layer._call_impl, **k: _c(*a, **k) if torch.is_grad_enabled()
+                    else _e(*a, **k))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
     return model, opt
 
