@@ -4,6 +4,7 @@ On CPU a fake kernel stands in for Triton's JITFunction / CompiledKernel pair (t
 on the GPU (SWIFT_LIGER_TEST_GPU=1) the real kernels check that a hit launches the very kernel Triton would pick.
 """
 import inspect
+import os
 import types
 
 import pytest
@@ -76,6 +77,18 @@ def test_tritons_launch_is_the_call_fastlaunch_replays():
     assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
             "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())") in source
     assert "bound_args, specialization, options = binder(*args, **kwargs)" in source
+    # FastLaunch passes None for the launch metadata and both hooks: the launcher takes them by position (3.7-3.9
+    # name them; 3.6 passes them on in *args to a C launcher generated from driver.py) and skips a hook that is None
+    from triton.backends.nvidia import driver
+    params = list(inspect.signature(driver.CudaLauncher.__call__).parameters)
+    named = ["self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+             "launch_enter_hook", "launch_exit_hook", "args"]
+    assert params in (named, named[:6] + ["args"]), params
+    c_source = os.path.join(os.path.dirname(driver.__file__), "driver.c" if params == named else "driver.py")
+    with open(c_source) as f:
+        text = " ".join(f.read().split())
+    assert ("if (hook != Py_None) {" in text if params == named else
+            "if (launch_enter_hook != Py_None){{" in text and "if(launch_exit_hook != Py_None){{" in text)
 
 
 def _param(name, constexpr=False, default=inspect.Parameter.empty):
