@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -113,3 +114,20 @@ def start_swift(subcommand: str, argv: list, output_dir: str, env: dict = None) 
 
 def run_swift(subcommand, argv, output_dir, env=None, timeout=600) -> SwiftRun:
     return start_swift(subcommand, argv, output_dir, env).wait(timeout)
+
+
+def close(a, b, atol=1e-5, rtol=1e-4) -> bool:
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=atol) or (math.isnan(a) and math.isnan(b))
+
+
+def compare_metrics(base: list, liger: list, not_compared: set) -> set:
+    """Assert two runs logged the same numeric metrics at every step, equal within `close`, apart from
+    `not_compared`; returns the names compared."""
+    compared = set()
+    for a, b in zip(base, liger):
+        keys = {k for k, v in a.items() if isinstance(v, (int, float)) and k not in not_compared}
+        assert keys == {k for k, v in b.items() if isinstance(v, (int, float)) and k not in not_compared}, (a, b)
+        bad = {k: (a[k], b[k]) for k in keys if not close(a[k], b[k])}
+        assert not bad, f"step {a['step']}: {bad}"
+        compared |= keys
+    return compared
