@@ -463,21 +463,29 @@ def cross_entropy_fallback_reasons(args) -> list:
         reasons.append(f"loss_type={args.loss_type} (custom loss on logits)")
     if (getattr(args, "label_smoothing_factor", 0) or 0) > 0:
         reasons.append(f"label_smoothing_factor={args.label_smoothing_factor}")
-    if getattr(args, "enable_dft_loss", False):
-        reasons.append("enable_dft_loss")
-    if getattr(args, "enable_channel_loss", False):
-        reasons.append("enable_channel_loss")
     if (getattr(args, "sequence_parallel_size", 1) or 1) > 1:
         reasons.append(f"sequence_parallel_size={args.sequence_parallel_size}")
+    # enable_dft_loss, enable_channel_loss and a non-binary loss_scale keep fused_linear: their per-token losses come
+    # from hidden states (preference.SFTSeam), see weighted_sft()
+    return reasons
+
+
+def weighted_sft(args) -> list:
+    """The per-token weightings of this SFT / pt run that ms-swift applies to per-token losses it computes from
+    outputs.logits (Seq2SeqTrainer.compute_loss); with fused_linear, preference.SFTSeam computes those losses from
+    hidden states instead."""
+    if getattr(args, "rlhf_type", None):
+        return []
+    found = [name for name in ("enable_dft_loss", "enable_channel_loss") if getattr(args, name, False)]
     loss_scale = getattr(args, "loss_scale", None)
-    if loss_scale and not rlhf_type:
+    if loss_scale:
         try:
             from swift.loss_scale import get_loss_scale
             if not get_loss_scale(loss_scale).is_binary_loss_scale:
-                reasons.append(f"loss_scale={loss_scale} is not binary (per-token weights on logits)")
-        except Exception as e:  # an unknown loss_scale is ms-swift's error to raise, later
-            reasons.append(f"loss_scale={loss_scale} could not be checked ({type(e).__name__})")
-    return reasons
+                found.append(f"loss_scale={loss_scale}")
+        except Exception:   # an unknown loss_scale is ms-swift's error to raise, later
+            found.append(f"loss_scale={loss_scale}")
+    return found
 
 
 def finalize(args) -> None:
@@ -496,6 +504,9 @@ def finalize(args) -> None:
         elif reasons:
             state["config"] = dataclasses.replace(cfg, cross_entropy="fused")
             state["notes"].append("cross_entropy fused_linear -> fused: " + "; ".join(reasons))
+        elif weighted_sft(args):
+            state["notes"].append("cross_entropy=fused_linear: per-token losses for " + ", ".join(weighted_sft(args))
+                                  + " come from hidden states (ops.fused_linear_logprobs), not [tokens, vocab] logits")
         elif rlhf_type in PREFERENCE_RLHF:
             state["notes"].append(f"cross_entropy=fused_linear: the {rlhf_type} trainer takes its log-probs from "
                                   "hidden states (ops.fused_linear_logprobs), for the policy and the reference pass")

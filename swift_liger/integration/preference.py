@@ -15,6 +15,13 @@ odds ratio, CPO/SimPO's gamma and length normalisation, KTO's KL term) is ms-swi
   sequence log p (sum or mean), the chosen NLL, and, for the logits/chosen|rejected metrics, per-position logit
   means (their mean equals the mean over the full [rows, T, V] logits).
 
+* SFT / pt with per-token weights (a non-binary `--loss_scale`, `--enable_dft_loss`, `--enable_channel_loss`):
+  ms-swift's Seq2SeqTrainer pops the labels, calls the model and turns `outputs.logits` into per-token losses with
+  `per_token_loss_func`; `SFTSeam.compute_loss` runs that inside `emitting_hidden()` and `per_token_loss` (which
+  stands in for ms-swift's `per_token_loss_func` while a seam is active) returns the same per-token cross-entropy
+  (DFT's detached p(label) weight included) from ops.fused_linear_logprobs. The weighting, the channel metrics and
+  the sum over num_items_in_batch stay ms-swift's code; `outputs.logits` is then None, so no token_acc is logged.
+
 Applies to the policy and to the reference pass (the separate ref model of full fine-tuning, patched too; or the
 adapter-disabled policy of LoRA). Where it cannot apply (lm_head wrapped by LoRA / modules_to_save, sequence
 parallel, an unpatched model) the trainer's own code runs on real logits. Every pass is counted, by path, in
@@ -23,6 +30,7 @@ parallel, an unpatched model) the trainer's own code runs on real logits. Every 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from typing import Dict, Optional
 
@@ -196,7 +204,72 @@ class CPOSeam(_PairSeam):
         return None if self.cpo_alpha == 0 else mask
 
 
-SEAMS = {"DPOTrainer": DPOSeam, "KTOTrainer": KTOSeam, "ORPOTrainer": ORPOSeam, "CPOTrainer": CPOSeam}
+# (trainer, handle) of the SFTSeam.compute_loss call in progress
+_SFT_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("swift_liger_sft_seam", default=None)
+
+
+def per_token_loss(original):
+    """ms-swift's per_token_loss_func(outputs, labels, enable_dft_loss=False, **kw) -> [rows * T] fp32, computed from
+    the hidden states the model returned when an SFTSeam call is active; `original` otherwise."""
+
+    @functools.wraps(original)
+    def wrapper(outputs, labels, enable_dft_loss: bool = False, **kwargs):
+        active = _SFT_ACTIVE.get()
+        hidden = active[1].take(outputs.logits) if active is not None and active[1] is not None else None
+        if hidden is None:
+            if active is not None:
+                active[0]._liger_count("logits")
+            return original(outputs, labels, enable_dft_loss=enable_dft_loss, **kwargs)
+        trainer, handle = active
+        target = torch.roll(labels, shifts=-1, dims=-1)   # ms-swift's shift: position t predicts token t+1
+        if hidden.shape[:-1] != target.shape:
+            raise ValueError(f"swift_liger: hidden states {tuple(hidden.shape)} do not match labels "
+                             f"{tuple(target.shape)}")
+        loss = -handle.logprobs(hidden, target.to(hidden.device)).reshape(-1)   # 0 where the label is -100
+        if enable_dft_loss:
+            loss = loss * torch.exp(-loss).detach()
+        trainer._liger_count("fused_linear_logprobs")
+        outputs.logits = None   # they were hidden states: nothing downstream may read them as logits
+        return loss
+
+    wrapper._swift_liger_original = original
+    return wrapper
+
+
+def install_per_token_loss(module) -> None:
+    """Route `module.per_token_loss_func` (swift.trainers.seq2seq_trainer's name for it) through per_token_loss."""
+    current = getattr(module, "per_token_loss_func")
+    if getattr(current, "_swift_liger_original", None) is None:
+        module.per_token_loss_func = per_token_loss(current)
+
+
+class SFTSeam(_Seam):
+    """Seq2SeqTrainer (swift sft / pt) on the weighted-loss branch of its compute_loss."""
+
+    def _liger_weighted(self, model, inputs) -> bool:
+        """Training, and ms-swift's compute_loss pops the labels and calls per_token_loss_func on outputs.logits (no
+        label smoothing, no custom loss function, no sequence parallel: those read the logits some other way).
+        Evaluation keeps its logits, as the fused linear CE does."""
+        args = self.args
+        return (model.training and "labels" in inputs and self.label_smoother is None
+                and inputs.get("compute_loss_func") is None
+                and getattr(self.template, "sequence_parallel_size", 1) == 1
+                and (inputs.get("loss_scale") is not None or getattr(args, "enable_dft_loss", False)
+                     or getattr(args, "enable_channel_loss", False)))
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if not self._liger_weighted(model, inputs):
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        with self._liger_hidden(model) as handle:
+            token = _SFT_ACTIVE.set((self, handle))
+            try:
+                return super().compute_loss(model, inputs, *args, **kwargs)
+            finally:
+                _SFT_ACTIVE.reset(token)
+
+
+SEAMS = {"DPOTrainer": DPOSeam, "KTOTrainer": KTOSeam, "ORPOTrainer": ORPOSeam, "CPOTrainer": CPOSeam,
+         "Seq2SeqTrainer": SFTSeam}
 
 
 @functools.lru_cache(maxsize=None)

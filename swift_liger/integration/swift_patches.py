@@ -36,7 +36,7 @@ from typing import Optional
 
 from ..cache.settings import check_settings
 from .arguments import (FIELD_NAMES, check_argv, check_model, finalize, inject_fields, preference_fused, resolved,
-                        validate)
+                        validate, weighted_sft)
 from .record import records, write_record
 
 SUPPORTED_SWIFT = "4.6."
@@ -374,12 +374,20 @@ def patch_sft_pipeline(module) -> None:
     def get_trainer_cls(cls, args, *a, **kw):
         trainer_cls = orig_get(cls, args, *a, **kw)
         if getattr(args, "use_liger", False):
-            if preference_fused(args, _config_for(args, "policy")[0]):
+            cfg = _config_for(args, "policy")[0]
+            if preference_fused(args, cfg):
                 from .preference import SEAMS, trainer_class   # lazy: the seams import torch; rlhf only
                 if trainer_cls.__name__ not in SEAMS:
                     raise RuntimeError(f"swift_liger: rlhf_type={args.rlhf_type} runs {trainer_cls.__name__}, which "
                                        f"has no log-prob seam here (known: {', '.join(SEAMS)})")
                 trainer_cls = trainer_class(trainer_cls)
+            elif cfg.cross_entropy == "fused_linear" and weighted_sft(args):
+                from . import preference   # lazy: the seams import torch
+                if trainer_cls.__name__ != "Seq2SeqTrainer":
+                    raise RuntimeError(f"swift_liger: {', '.join(weighted_sft(args))} with cross_entropy=fused_linear "
+                                       f"needs ms-swift's Seq2SeqTrainer; this run uses {trainer_cls.__name__}")
+                preference.install_per_token_loss(sys.modules[trainer_cls.__module__])
+                trainer_cls = preference.trainer_class(trainer_cls)
         return trainer_cls
 
     factory.get_trainer_cls = classmethod(get_trainer_cls)

@@ -1,0 +1,91 @@
+"""End-to-end: `swift sft` with per-token loss weights (a non-binary `--loss_scale`, `--enable_dft_loss`,
+`--enable_channel_loss`) on the tiny offline model, patched (--use_liger: per-token losses from hidden states,
+preference.SFTSeam) against unpatched, 4 optimizer steps of 2 micro-batches. Every logged metric must agree except
+token_acc (it needs logits, which the patched run never makes) and timing; the probe (probe/sitecustomize.py) counts
+the [rows, V] logits any lm_head materialised. The loss_scale run executes the real Triton kernels in the
+interpreter, the other two the CPU reference backend.
+"""
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from swift_runner import CPU_FLAGS, compare_metrics, run_swift, swift_env
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+PROBE = os.path.join(os.path.dirname(__file__), "probe")
+NOT_COMPARED = {"step_time(s)", "tokens/s", "rss(GiB)", "elapsed_time", "remaining_time", "train_speed(s/it)",
+                "memory(GiB)", "global_step/max_steps", "token_acc"}
+CASES = {   # name: (flags, backend of the patched run)
+    "loss_scale": (["--loss_scale", "react"], "triton"),
+    "dft": (["--enable_dft_loss", "true"], "torch"),
+    "channel": (["--enable_channel_loss", "true"], "torch"),
+}
+
+
+def _react_rows(n: int) -> list:
+    """Chat rows whose answers carry ReAct keywords (loss_scale react weights "Action:" 2.0), in two channels."""
+    rows = []
+    for i in range(n):
+        answer = f"Thought: {i % 4}\nAction: go\nAction Input: {i % 7}\nFinal Answer: {i * 3 % 11}"
+        rows.append({"messages": [{"role": "user", "content": f"{i} + {i % 5}?"},
+                                  {"role": "assistant", "content": answer}],
+                     "channel": "math" if i % 2 else "chat"})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft_weight_runs")
+    data = root / "react.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _react_rows(64)))
+    with open(os.path.join(tiny_qwen3["model"], "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    base_argv = [*tiny_qwen3["swift_flags"], "--dataset", str(data), "--tuner_type", "lora", *CPU_FLAGS,
+                 "--per_device_train_batch_size", "1", "--max_length", "96", "--gradient_accumulation_steps", "2",
+                 "--max_steps", str(STEPS), "--report_to", "none", "--save_strategy", "no", "--learning_rate", "1e-3"]
+    specs = {}
+    for name, (flags, backend) in CASES.items():
+        for patched in (False, True):
+            run_name = f"{name}_{'liger' if patched else 'base'}"
+            env = swift_env(PYTHONPATH=os.pathsep.join(p for p in (PROBE, os.environ.get("PYTHONPATH")) if p),
+                            SWIFT_LIGER_PROBE_VOCAB=vocab, SWIFT_LIGER_PROBE_OUT=str(root / f"{run_name}.probe"))
+            if patched and backend == "torch":
+                env["SWIFT_LIGER_BACKEND"] = "torch"
+                env.pop("TRITON_INTERPRET", None)
+            specs[run_name] = (base_argv + flags + (["--use_liger"] if patched else []), env)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {n: pool.submit(run_swift, "sft", argv, str(root / n), env) for n, (argv, env) in specs.items()}
+        results = {n: f.result() for n, f in futures.items()}
+    for name, run in results.items():
+        seen = [json.loads(p.read_text()) for p in root.glob(f"{name}.probe.*.json")]
+        run.probe = {"lm_head_logits": sum(s["lm_head_logits"] for s in seen), "processes": len(seen)}
+    return results
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_metric_matches_unpatched(runs, case):
+    base, liger = runs[f"{case}_base"].check().steps(), runs[f"{case}_liger"].check().steps()
+    assert [r["step"] for r in base] == [r["step"] for r in liger] == list(range(1, STEPS + 1))
+    compared = compare_metrics(base, liger, NOT_COMPARED)
+    assert {"loss", "grad_norm"} <= compared
+    if case == "channel":   # ms-swift's per-channel losses, from our per-token losses
+        assert {"loss_math", "loss_chat"} <= compared, compared
+    assert base[0]["loss"] != base[-1]["loss"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_no_logits_materialised_and_the_record_says_so(runs, case):
+    base, liger = runs[f"{case}_base"].check(), runs[f"{case}_liger"].check()
+    assert base.probe["lm_head_logits"] > 0, base.probe
+    assert liger.probe["processes"] >= 1 and liger.probe["lm_head_logits"] == 0, liger.probe
+    record = liger.patch_record()
+    assert record["config"]["cross_entropy"] == "fused_linear"
+    passes = record["runtime"]["total"]["trainer"]["log_prob_passes"]
+    assert passes["fused_linear_logprobs"] == 2 * STEPS and passes["logits"] == 0, passes
+    assert "Seq2SeqTrainer took 2 log-prob passes from hidden states" in liger.log
