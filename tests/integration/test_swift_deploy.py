@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +52,27 @@ def _post(url, body, stream):
         return "".join(text)
 
 
+def _stop_group(proc) -> None:
+    """SIGTERM to the server's process group (the CLI and the server it started); SIGKILL to what is left after
+    30 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + 30
+    while True:
+        proc.poll()   # reap the CLI: a zombie would still count as a member of the group
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        if time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.5)
+    proc.wait()
+
+
 @pytest.fixture(scope="module")
 def served_chat(tiny_qwen3, tmp_path_factory):
     root = tmp_path_factory.mktemp("swift_deploy")
@@ -66,7 +88,9 @@ def served_chat(tiny_qwen3, tmp_path_factory):
            "--log_interval", "-1", "--use_liger", "--liger_rolling_cache", f"{WINDOW},{SINKS}"]
     log_path = root / "deploy.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=str(root), stdout=log, stderr=subprocess.STDOUT, text=True)
+        # its own process group: `swift deploy` serves from a child process, which terminate() alone would leave running
+        proc = subprocess.Popen(cmd, env=env, cwd=str(root), stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         try:
             base = f"http://127.0.0.1:{port}/v1"
             deadline = time.time() + 300
@@ -87,12 +111,7 @@ def served_chat(tiny_qwen3, tmp_path_factory):
                 answers.append(answer)
                 history.append({"role": "assistant", "content": answer})
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop_group(proc)
     rows = []
     for path in glob.glob(f"{out}.*.jsonl"):
         with open(path) as f:
