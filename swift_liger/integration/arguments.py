@@ -430,8 +430,9 @@ def validate(args) -> None:
 
 
 # rlhf types whose trainer takes its log-probs from hidden states with cross_entropy=fused_linear (preference.py);
-# simpo is in the list as written on the command line, ms-swift runs it as cpo
-PREFERENCE_RLHF = ("dpo", "orpo", "cpo", "simpo", "kto")
+# simpo is in the list as written on the command line, ms-swift runs it as cpo. GRPO's per-token log-probs come from
+# hidden states unless it asks for entropies (--log_entropy, --top_entropy_quantile < 1).
+PREFERENCE_RLHF = ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")
 
 
 def preference_fused(args, cfg) -> bool:

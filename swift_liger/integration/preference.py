@@ -1,4 +1,5 @@
-"""`swift rlhf --rlhf_type dpo|orpo|cpo|simpo|kto --use_liger`: the trainers' log-probs from hidden states.
+"""`swift rlhf --rlhf_type dpo|orpo|cpo|simpo|kto|grpo --use_liger` (and weighted `swift sft`): the trainers'
+log-probs from hidden states.
 
 ms-swift's preference trainers call the model without labels and log-softmax the [rows, V] logits it returns. With
 ``cross_entropy=fused_linear`` (the default) `TrainerFactory.get_trainer_cls` hands ms-swift a subclass of its own
@@ -15,6 +16,10 @@ odds ratio, CPO/SimPO's gamma and length normalisation, KTO's KL term) is ms-swi
   sequence log p (sum or mean), the chosen NLL, and, for the logits/chosen|rejected metrics, per-position logit
   means (their mean equals the mean over the full [rows, T, V] logits).
 
+* GRPO: `_get_logps_via_local_forward` (the policy's, the old policy's and the reference's per-token log-probs of the
+  completions, at the sampling temperature) from hidden states; a pass that asks for entropies (`--log_entropy`,
+  `--top_entropy_quantile` < 1) runs ms-swift's own code on logits and the record says why. Every loss_type, epsilon,
+  delta, beta, importance-sampling level and advantage estimator is ms-swift's code, unchanged.
 * SFT / pt with per-token weights (a non-binary `--loss_scale`, `--enable_dft_loss`, `--enable_channel_loss`):
   ms-swift's Seq2SeqTrainer pops the labels, calls the model and turns `outputs.logits` into per-token losses with
   `per_token_loss_func`; `SFTSeam.compute_loss` runs that inside `emitting_hidden()` and `per_token_loss` (which
@@ -40,8 +45,9 @@ import torch.nn.functional as F
 from ..fusions.loss_head.handle import HeadHandle, head_for, why_not
 
 # ms-swift rlhf_type (simpo runs as cpo) -> ms-swift trainer class name
-TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer", "cpo": "CPOTrainer"}
-RLHF_TYPES = ("dpo", "orpo", "cpo", "simpo", "kto")   # as the user writes --rlhf_type
+TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer", "cpo": "CPOTrainer",
+            "grpo": "GRPOTrainer"}
+RLHF_TYPES = ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")   # as the user writes --rlhf_type
 IGNORE = -100
 PATHS = ("fused_linear_logprobs", "logits")   # log-probs from hidden states / from materialised logits
 
@@ -204,6 +210,38 @@ class CPOSeam(_PairSeam):
         return None if self.cpo_alpha == 0 else mask
 
 
+class GRPOSeam(_Seam):
+    """ms-swift's GRPOTrainer: the per-token log-probs of the completions (policy, old policy, reference) from the
+    hidden states, at the trainer's temperature. Every loss formula stays ms-swift's. A pass that asks for entropies
+    runs the trainer's own code on logits (the head has no entropy output yet)."""
+
+    def _get_logps_via_local_forward(self, model, model_inputs, logits_to_keep, input_ids, compute_entropy=False):
+        handle = self._liger_handle(model)
+        if handle is not None and compute_entropy:
+            reasons = self._liger_state()["reasons"]
+            why = "entropies asked for (--log_entropy or --top_entropy_quantile < 1)"
+            reasons[why] = reasons.get(why, 0) + 1
+            handle = None
+        if handle is None:
+            self._liger_count("logits")
+            return super()._get_logps_via_local_forward(model, model_inputs, logits_to_keep, input_ids,
+                                                        compute_entropy=compute_entropy)
+        if "use_cache" in self.model_kwarg_keys:   # the model call of ms-swift's own method
+            model_inputs["use_cache"] = False
+        if "logits_to_keep" in self.model_kwarg_keys:
+            model_inputs["logits_to_keep"] = logits_to_keep + 1
+        with handle.emitting_hidden():
+            hidden = handle.take(model(**model_inputs).logits)
+        if hidden is None:   # the lm_head stood aside: the trainer's own code (it calls the model again)
+            self._liger_count("logits")
+            return super()._get_logps_via_local_forward(model, model_inputs, logits_to_keep, input_ids,
+                                                        compute_entropy=compute_entropy)
+        hidden = hidden[:, -(logits_to_keep + 1):-1]   # position t predicts token t+1
+        logps = handle.logprobs(hidden, input_ids[:, -logits_to_keep:], temperature=float(self.temperature))
+        self._liger_count("fused_linear_logprobs")
+        return logps, None
+
+
 # (trainer, handle) of the SFTSeam.compute_loss call in progress
 _SFT_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("swift_liger_sft_seam", default=None)
 
@@ -269,7 +307,7 @@ class SFTSeam(_Seam):
 
 
 SEAMS = {"DPOTrainer": DPOSeam, "KTOTrainer": KTOSeam, "ORPOTrainer": ORPOSeam, "CPOTrainer": CPOSeam,
-         "Seq2SeqTrainer": SFTSeam}
+         "GRPOTrainer": GRPOSeam, "Seq2SeqTrainer": SFTSeam}
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,7 @@
                                  for the transformers engine, before --adapters wrap it; with liger_rolling_cache
                                  every generate call of the engine then runs on a fresh RollingKVCache.
 * swift.pipelines.train.sft  -> SwiftSft.train attaches the per-step metrics and the runtime record (runtime.py) to
-                                 the trainer; TrainerFactory.get_trainer_cls hands dpo/orpo/cpo/simpo/kto runs the
+                                 the trainer; TrainerFactory.get_trainer_cls hands dpo/orpo/cpo/simpo/kto/grpo runs the
                                  same trainer with its log-prob seam on hidden states (preference.py).
 
 A missing ms-swift attribute is an ImportError naming it: silently skipping would hand `--use_liger` back to

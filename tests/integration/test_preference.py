@@ -102,8 +102,8 @@ def test_config_resolution_per_rlhf_type():
         assert preference_fused(args, cfg) and cross_entropy_fallback_reasons(args) == []
     sp = types.SimpleNamespace(rlhf_type="dpo", sequence_parallel_size=2, task_type="causal_lm")
     assert "sequence_parallel_size=2" in cross_entropy_fallback_reasons(sp)[0]
-    grpo = types.SimpleNamespace(rlhf_type="grpo", sequence_parallel_size=1, task_type="causal_lm")
-    assert not preference_fused(grpo, cfg) and "rlhf_type=grpo" in cross_entropy_fallback_reasons(grpo)[0]
+    gkd = types.SimpleNamespace(rlhf_type="gkd", sequence_parallel_size=1, task_type="causal_lm")
+    assert not preference_fused(gkd, cfg) and "rlhf_type=gkd" in cross_entropy_fallback_reasons(gkd)[0]
     assert not preference_fused(types.SimpleNamespace(rlhf_type="dpo"), LigerConfig(cross_entropy="fused"))
 
 

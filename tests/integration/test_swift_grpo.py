@@ -1,13 +1,18 @@
-"""End-to-end: `swift rlhf --rlhf_type grpo --use_liger` on the tiny offline model, generating through ms-swift's pt
-engine on CPU (no vLLM) with a length reward, 2 optimizer steps of 2 micro-batches. The step metrics count the
-tokens of the generated rows the loss trained on (GRPO's training_step gets prompts only) and the completion tokens
-among them. The CPU reference backend runs (SWIFT_LIGER_BACKEND=torch): the metrics, not the kernels, are the subject.
+"""End-to-end: `swift rlhf --rlhf_type grpo` on the tiny offline model, generating through ms-swift's pt engine on CPU
+(no vLLM) with a length reward, 2 optimizer steps of 2 micro-batches; the CPU reference backend runs the patched
+runs (SWIFT_LIGER_BACKEND=torch). With --use_liger the per-token log-probs of policy, old policy and reference come
+from hidden states (preference.GRPOSeam): every logged metric must equal the unpatched run's. The step metrics count
+the tokens of the generated rows the loss trained on (GRPO's training_step gets prompts only) and the completion
+tokens among them. A run with --log_entropy asks for entropies, which the head does not give: the trainer's own
+code runs on logits there and the record says why.
 """
 from __future__ import annotations
 
 import pytest
 
-from swift_runner import CPU_FLAGS, run_swift, swift_env
+from concurrent.futures import ThreadPoolExecutor
+
+from swift_runner import CPU_FLAGS, compare_metrics, run_swift, swift_env
 
 pytestmark = pytest.mark.slow
 
@@ -25,18 +30,56 @@ orms["length_reward"] = LengthReward
 GENERATIONS, COMPLETION, BATCH, ACCUM = 2, 8, 2, 2
 
 
-def test_grpo_logs_tokens_and_completion_tokens_per_second(tiny_qwen3, tmp_path):
-    plugin = tmp_path / "reward.py"
+NOT_COMPARED = {"step_time(s)", "tokens/s", "completion_tokens/s", "rss(GiB)", "elapsed_time", "remaining_time",
+                "train_speed(s/it)", "memory(GiB)", "global_step/max_steps", "step_time"}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_runs")
+    plugin = root / "reward.py"
     plugin.write_text(REWARD)
     argv = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *CPU_FLAGS, "--rlhf_type", "grpo",
             "--tuner_type", "lora", "--use_vllm", "false", "--external_plugins", str(plugin),
             "--reward_funcs", "length_reward", "--num_generations", str(GENERATIONS),
             "--per_device_train_batch_size", str(BATCH), "--gradient_accumulation_steps", str(ACCUM),
             "--max_completion_length", str(COMPLETION), "--max_length", "64", "--max_steps", "2",
-            "--report_to", "none", "--save_strategy", "no", "--use_liger"]
-    env = swift_env(SWIFT_LIGER_BACKEND="torch")
-    env.pop("TRITON_INTERPRET", None)
-    steps = run_swift("rlhf", argv, str(tmp_path / "grpo"), env).check().steps()
+            "--report_to", "none", "--save_strategy", "no"]
+    liger_env = swift_env(SWIFT_LIGER_BACKEND="torch")
+    liger_env.pop("TRITON_INTERPRET", None)
+    specs = {"base": (argv, swift_env()), "liger": (argv + ["--use_liger"], liger_env),
+             "entropy": (argv + ["--use_liger", "--log_entropy", "true"], liger_env)}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
+        return {n: f.result() for n, f in futures.items()}
+
+
+def test_every_metric_matches_unpatched(runs):
+    base, liger = runs["base"].check().steps(), runs["liger"].check().steps()
+    assert [s["step"] for s in base] == [s["step"] for s in liger] == [1, 2]
+    compared = compare_metrics(base, liger, NOT_COMPARED)
+    assert {"loss", "grad_norm", "reward", "kl", "completions/mean_length"} <= compared, compared
+
+
+def test_log_probs_from_hidden_states_and_the_record_says_so(runs):
+    liger = runs["liger"].check()
+    trainer = liger.patch_record()["runtime"]["total"]["trainer"]
+    passes = trainer["log_prob_passes"]
+    assert passes["fused_linear_logprobs"] + passes["fused_linear_logprobs_no_grad"] > 0, passes
+    assert passes["logits"] == passes["logits_no_grad"] == 0, passes
+    assert "GRPOTrainer took" in liger.log and "and 0 from materialised logits" in liger.log
+
+
+def test_entropies_run_the_trainers_own_code_and_say_why(runs):
+    entropy = runs["entropy"].check()
+    trainer = entropy.patch_record()["runtime"]["total"]["trainer"]
+    assert trainer["log_prob_passes"]["logits"] > 0, trainer
+    assert any("entropies asked for" in why for why in trainer["logits_fallback_reasons"]), trainer
+    assert all("entropy/mean" in s for s in entropy.steps()), entropy.steps()   # ms-swift computed them
+
+
+def test_grpo_logs_tokens_and_completion_tokens_per_second(runs):
+    steps = runs["liger"].check().steps()
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         seconds, tokens, completion = s["step_time(s)"], s["tokens/s"], s["completion_tokens/s"]

@@ -48,8 +48,8 @@ def _patch(ctx) -> None:
 
 
 FUSION = Fusion(key="cross_entropy", default="fused_linear", kind="choice", choices=MODES, off="off",
-                help="fused_linear (the loss, or for rlhf dpo/orpo/cpo/simpo/kto the log-probs, from hidden states: "
-                     "no logits), fused (Triton CE on logits) or off.",
+                help="fused_linear (the loss, or for rlhf dpo/orpo/cpo/simpo/kto/grpo the log-probs, from hidden "
+                     "states: no logits), fused (Triton CE on logits) or off.",
                 applies_to="the ...ForCausalLM's loss_function, lm_head (nn.Linear) and forward", order=40,
                 patch=_patch, normalize=normalize, parse_flag=parse_flag, counters=counters,
                 label=lambda count, report: f"cross_entropy={report.cross_entropy_mode}")
