@@ -497,6 +497,7 @@ def finalize(args) -> None:
     cfg = state["config"]
     if cfg.cross_entropy == "fused_linear":
         reasons = cross_entropy_fallback_reasons(args)
+        weighted = weighted_sft(args)
         rlhf_type = getattr(args, "rlhf_type", None)
         if reasons and rlhf_type in PREFERENCE_RLHF:   # its trainer never calls the model's loss: nothing to fuse
             state["config"] = dataclasses.replace(cfg, cross_entropy="off")
@@ -505,8 +506,8 @@ def finalize(args) -> None:
         elif reasons:
             state["config"] = dataclasses.replace(cfg, cross_entropy="fused")
             state["notes"].append("cross_entropy fused_linear -> fused: " + "; ".join(reasons))
-        elif weighted_sft(args):
-            state["notes"].append("cross_entropy=fused_linear: per-token losses for " + ", ".join(weighted_sft(args))
+        elif weighted:
+            state["notes"].append("cross_entropy=fused_linear: per-token losses for " + ", ".join(weighted)
                                   + " come from hidden states (ops.fused_linear_logprobs), not [tokens, vocab] logits")
         elif rlhf_type in PREFERENCE_RLHF:
             state["notes"].append(f"cross_entropy=fused_linear: the {rlhf_type} trainer takes its log-probs from "

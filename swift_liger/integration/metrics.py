@@ -85,22 +85,26 @@ def _rss_bytes():
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _model_batch(inputs):
-    """The mapping holding the model's input_ids: the batch itself, or the "model_inputs" of GRPO's prepared batch
-    ({"model_inputs": ..., "grpo_batch": ...}, possibly in a one-element list)."""
+def _batch(inputs):
+    """A micro-batch as a mapping (dict or transformers' BatchEncoding, a UserDict), unwrapped from the one-element
+    list GRPO may pass; None when it is not one."""
     if isinstance(inputs, list) and len(inputs) == 1:
         inputs = inputs[0]
-    if not isinstance(inputs, Mapping):  # dict or transformers' BatchEncoding (a UserDict)
-        return None
-    nested = inputs.get("model_inputs")
+    return inputs if isinstance(inputs, Mapping) else None
+
+
+def _model_batch(inputs):
+    """The mapping holding the model's input_ids: the batch itself, or the "model_inputs" of GRPO's prepared batch
+    ({"model_inputs": ..., "grpo_batch": ...})."""
+    inputs = _batch(inputs)
+    nested = inputs.get("model_inputs") if inputs is not None else None
     return nested if isinstance(nested, Mapping) else inputs
 
 
 def count_completion_tokens(inputs):
     """Completion tokens of a GRPO micro-batch (its grpo_batch.completion_mask), else 0."""
-    if isinstance(inputs, list) and len(inputs) == 1:
-        inputs = inputs[0]
-    mask = getattr(inputs.get("grpo_batch"), "completion_mask", None) if isinstance(inputs, Mapping) else None
+    inputs = _batch(inputs)
+    mask = getattr(inputs.get("grpo_batch"), "completion_mask", None) if inputs is not None else None
     return mask.sum() if mask is not None and hasattr(mask, "sum") else 0
 
 

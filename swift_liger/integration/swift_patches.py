@@ -381,10 +381,10 @@ def patch_sft_pipeline(module) -> None:
                     raise RuntimeError(f"swift_liger: rlhf_type={args.rlhf_type} runs {trainer_cls.__name__}, which "
                                        f"has no log-prob seam here (known: {', '.join(SEAMS)})")
                 trainer_cls = trainer_class(trainer_cls)
-            elif cfg.cross_entropy == "fused_linear" and weighted_sft(args):
+            elif cfg.cross_entropy == "fused_linear" and (weighted := weighted_sft(args)):
                 from . import preference   # lazy: the seams import torch
                 if trainer_cls.__name__ != "Seq2SeqTrainer":
-                    raise RuntimeError(f"swift_liger: {', '.join(weighted_sft(args))} with cross_entropy=fused_linear "
+                    raise RuntimeError(f"swift_liger: {', '.join(weighted)} with cross_entropy=fused_linear "
                                        f"needs ms-swift's Seq2SeqTrainer; this run uses {trainer_cls.__name__}")
                 preference.install_per_token_loss(sys.modules[trainer_cls.__module__])
                 trainer_cls = preference.trainer_class(trainer_cls)
