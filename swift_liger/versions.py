@@ -3,7 +3,8 @@ installed versions from package metadata and imports nothing of theirs.
 
 The ranges match pyproject.toml (tests/test_versions.py checks that) and what runs them:
   torch        2.11 (GPU suite on the H200) to 2.13 (both CPU CI legs)
-  triton       3.6 (GPU suite) to 3.9 (second CPU CI leg; 3.7 in the first)
+  triton       3.6 and 3.9 (GPU: tests/ops + tests/cache on the H200, FastLaunch's GPU tests included) to 3.9
+               (second CPU CI leg; 3.7 in the first)
   transformers 5.17 (GPU suite) to 5.19 (CPU CI legs); ms-swift 4.6.0 allows < 5.20
   ms-swift     4.6.x
 A version outside its range raises ImportError naming the package, the version and the range, before any kernel

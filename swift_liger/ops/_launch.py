@@ -16,8 +16,9 @@ if needed) and is remembered.
 Plain ``kernel[grid]`` is used instead: under ``TRITON_INTERPRET=1``; with ``SWIFT_LIGER_FAST_LAUNCH=0``; for Triton
 versions whose launcher call has not been read for this (3.6 to 3.9 have: their ``JITFunction.run`` ends in the same
 call made here; tests/ops/test_launch.py checks that, the launcher's parameters and that our key refines Triton's
-argument specialization against the installed Triton); while launch hooks or pre-run hooks are installed (e.g.
-Triton's proton profiler); and for a call site that passes a runtime argument by keyword.
+argument specialization against the installed Triton, and on the H200, under 3.6 and 3.9, that a hit launches the
+kernel Triton picks); while launch hooks or pre-run hooks are installed (e.g. Triton's proton profiler); and for a
+call site that passes a runtime argument by keyword.
 """
 from __future__ import annotations
 
