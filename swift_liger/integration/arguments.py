@@ -462,22 +462,22 @@ def cross_entropy_fallback_reasons(args) -> list:
         reasons.append(f"task_type={task_type} has no language-model loss")
     if getattr(args, "loss_type", None) and not rlhf_type:
         reasons.append(f"loss_type={args.loss_type} (custom loss on logits)")
-    if (getattr(args, "label_smoothing_factor", 0) or 0) > 0:
-        reasons.append(f"label_smoothing_factor={args.label_smoothing_factor}")
     if (getattr(args, "sequence_parallel_size", 1) or 1) > 1:
         reasons.append(f"sequence_parallel_size={args.sequence_parallel_size}")
-    # enable_dft_loss, enable_channel_loss and a non-binary loss_scale keep fused_linear: their per-token losses come
-    # from hidden states (preference.SFTSeam), see weighted_sft()
+    # enable_dft_loss, enable_channel_loss, a non-binary loss_scale and label_smoothing_factor keep fused_linear: their
+    # losses come from hidden states (preference.SFTSeam), see weighted_sft()
     return reasons
 
 
 def weighted_sft(args) -> list:
-    """The per-token weightings of this SFT / pt run that ms-swift applies to per-token losses it computes from
-    outputs.logits (Seq2SeqTrainer.compute_loss); with fused_linear, preference.SFTSeam computes those losses from
-    hidden states instead."""
+    """The per-token weightings (and label smoothing) of this SFT / pt run that ms-swift applies to a loss it computes
+    from outputs.logits (Seq2SeqTrainer.compute_loss); with fused_linear, preference.SFTSeam computes those losses
+    from hidden states instead."""
     if getattr(args, "rlhf_type", None):
         return []
     found = [name for name in ("enable_dft_loss", "enable_channel_loss") if getattr(args, name, False)]
+    if (getattr(args, "label_smoothing_factor", 0) or 0) > 0:
+        found.append(f"label_smoothing_factor={args.label_smoothing_factor}")
     loss_scale = getattr(args, "loss_scale", None)
     if loss_scale:
         try:
@@ -508,7 +508,7 @@ def finalize(args) -> None:
             state["notes"].append("cross_entropy fused_linear -> fused: " + "; ".join(reasons))
         elif weighted:
             state["notes"].append("cross_entropy=fused_linear: per-token losses for " + ", ".join(weighted)
-                                  + " come from hidden states (ops.fused_linear_logprobs), not [tokens, vocab] logits")
+                                  + " come from hidden states (the fused linear head), not [tokens, vocab] logits")
         elif rlhf_type in PREFERENCE_RLHF:
             state["notes"].append(f"cross_entropy=fused_linear: the {rlhf_type} trainer takes its log-probs from "
                                   "hidden states (ops.fused_linear_logprobs), for the policy and the reference pass")

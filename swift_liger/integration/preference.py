@@ -17,15 +17,17 @@ odds ratio, CPO/SimPO's gamma and length normalisation, KTO's KL term) is ms-swi
   means (their mean equals the mean over the full [rows, T, V] logits).
 
 * GRPO: `_get_logps_via_local_forward` (the policy's, the old policy's and the reference's per-token log-probs of the
-  completions, at the sampling temperature) from hidden states; a pass that asks for entropies (`--log_entropy`,
-  `--top_entropy_quantile` < 1) runs ms-swift's own code on logits and the record says why. Every loss_type, epsilon,
-  delta, beta, importance-sampling level and advantage estimator is ms-swift's code, unchanged.
-* SFT / pt with per-token weights (a non-binary `--loss_scale`, `--enable_dft_loss`, `--enable_channel_loss`):
-  ms-swift's Seq2SeqTrainer pops the labels, calls the model and turns `outputs.logits` into per-token losses with
-  `per_token_loss_func`; `SFTSeam.compute_loss` runs that inside `emitting_hidden()` and `per_token_loss` (which
-  stands in for ms-swift's `per_token_loss_func` while a seam is active) returns the same per-token cross-entropy
-  (DFT's detached p(label) weight included) from ops.fused_linear_logprobs. The weighting, the channel metrics and
-  the sum over num_items_in_batch stay ms-swift's code; `outputs.logits` is then None, so no token_acc is logged.
+  completions, at the sampling temperature, and their entropies when the trainer asks: `--log_entropy`,
+  `--top_entropy_quantile` < 1) from hidden states, in one pass of the head. Every loss_type, epsilon, delta, beta,
+  importance-sampling level, advantage estimator and entropy mask is ms-swift's code, unchanged.
+* SFT / pt with per-token weights (a non-binary `--loss_scale`, `--enable_dft_loss`, `--enable_channel_loss`) or
+  `--label_smoothing_factor`: ms-swift's Seq2SeqTrainer pops the labels, calls the model and turns `outputs.logits`
+  into the loss with `per_token_loss_func` or transformers' LabelSmoother; `SFTSeam.compute_loss` runs that inside
+  `emitting_hidden()`, where `per_token_loss` (standing in for ms-swift's `per_token_loss_func`) returns the same
+  per-token cross-entropy (DFT's detached p(label) weight included) from ops.fused_linear_logprobs and
+  `_FusedLabelSmoother` the same smoothed mean from ops.fused_linear_cross_entropy's label_smoothing. The weighting,
+  the channel metrics and the sum over num_items_in_batch stay ms-swift's code; `outputs.logits` is then None, so no
+  token_acc is logged.
 
 Applies to the policy and to the reference pass (the separate ref model of full fine-tuning, patched too; or the
 adapter-disabled policy of LoRA). Where it cannot apply (lm_head wrapped by LoRA / modules_to_save, sequence
@@ -212,16 +214,12 @@ class CPOSeam(_PairSeam):
 
 class GRPOSeam(_Seam):
     """ms-swift's GRPOTrainer: the per-token log-probs of the completions (policy, old policy, reference) from the
-    hidden states, at the trainer's temperature. Every loss formula stays ms-swift's. A pass that asks for entropies
-    runs the trainer's own code on logits (the head has no entropy output yet)."""
+    hidden states, at the trainer's temperature, and with ``compute_entropy`` their entropies from the same pass of
+    the head (no gradient: ms-swift uses them for the entropy mask and the entropy metrics only). Every loss formula
+    stays ms-swift's."""
 
     def _get_logps_via_local_forward(self, model, model_inputs, logits_to_keep, input_ids, compute_entropy=False):
         handle = self._liger_handle(model)
-        if handle is not None and compute_entropy:
-            reasons = self._liger_state()["reasons"]
-            why = "entropies asked for (--log_entropy or --top_entropy_quantile < 1)"
-            reasons[why] = reasons.get(why, 0) + 1
-            handle = None
         if handle is None:
             self._liger_count("logits")
             return super()._get_logps_via_local_forward(model, model_inputs, logits_to_keep, input_ids,
@@ -237,12 +235,25 @@ class GRPOSeam(_Seam):
             return super()._get_logps_via_local_forward(model, model_inputs, logits_to_keep, input_ids,
                                                         compute_entropy=compute_entropy)
         hidden = hidden[:, -(logits_to_keep + 1):-1]   # position t predicts token t+1
-        logps = handle.logprobs(hidden, input_ids[:, -logits_to_keep:], temperature=float(self.temperature))
+        res = handle.logprobs(hidden, input_ids[:, -logits_to_keep:], temperature=float(self.temperature),
+                              return_entropy=bool(compute_entropy))
         self._liger_count("fused_linear_logprobs")
-        return logps, None
+        return (res.logps, res.entropy) if compute_entropy else (res, None)
 
 
-# (trainer, handle) of the SFTSeam.compute_loss call in progress
+class _SFTCall:
+    """The SFTSeam.compute_loss call in progress: its trainer, head handle and the hidden states the model returned
+    (taken once; both the per-token loss and the label smoother read them)."""
+
+    def __init__(self, trainer, handle: Optional[HeadHandle]):
+        self.trainer, self.handle, self._hidden, self._taken = trainer, handle, None, False
+
+    def hidden(self, outputs) -> Optional[torch.Tensor]:
+        if not self._taken and self.handle is not None:
+            self._hidden, self._taken = self.handle.take(outputs.logits), True
+        return self._hidden
+
+
 _SFT_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("swift_liger_sft_seam", default=None)
 
 
@@ -252,21 +263,20 @@ def per_token_loss(original):
 
     @functools.wraps(original)
     def wrapper(outputs, labels, enable_dft_loss: bool = False, **kwargs):
-        active = _SFT_ACTIVE.get()
-        hidden = active[1].take(outputs.logits) if active is not None and active[1] is not None else None
+        call = _SFT_ACTIVE.get()
+        hidden = call.hidden(outputs) if call is not None else None
         if hidden is None:
-            if active is not None:
-                active[0]._liger_count("logits")
+            if call is not None:
+                call.trainer._liger_count("logits")
             return original(outputs, labels, enable_dft_loss=enable_dft_loss, **kwargs)
-        trainer, handle = active
         target = torch.roll(labels, shifts=-1, dims=-1)   # ms-swift's shift: position t predicts token t+1
         if hidden.shape[:-1] != target.shape:
             raise ValueError(f"swift_liger: hidden states {tuple(hidden.shape)} do not match labels "
                              f"{tuple(target.shape)}")
-        loss = -handle.logprobs(hidden, target.to(hidden.device)).reshape(-1)   # 0 where the label is -100
+        loss = -call.handle.logprobs(hidden, target.to(hidden.device)).reshape(-1)   # 0 where the label is -100
         if enable_dft_loss:
             loss = loss * torch.exp(-loss).detach()
-        trainer._liger_count("fused_linear_logprobs")
+        call.trainer._liger_count("fused_linear_logprobs")
         outputs.logits = None   # they were hidden states: nothing downstream may read them as logits
         return loss
 
@@ -281,28 +291,62 @@ def install_per_token_loss(module) -> None:
         module.per_token_loss_func = per_token_loss(current)
 
 
-class SFTSeam(_Seam):
-    """Seq2SeqTrainer (swift sft / pt) on the weighted-loss branch of its compute_loss."""
+class _FusedLabelSmoother:
+    """Stands in for the trainer's transformers LabelSmoother during an SFTSeam call: the same loss,
+    (1 - eps) * mean NLL + eps * mean over tokens and vocabulary of -log p (a mean over the micro-batch's counted
+    tokens, as LabelSmoother takes it), from the hidden states through ops.fused_linear_cross_entropy's
+    label_smoothing. Real logits go to the original."""
 
-    def _liger_weighted(self, model, inputs) -> bool:
-        """Training, and ms-swift's compute_loss pops the labels and calls per_token_loss_func on outputs.logits (no
-        label smoothing, no custom loss function, no sequence parallel: those read the logits some other way).
-        Evaluation keeps its logits, as the fused linear CE does."""
+    def __init__(self, original, call: _SFTCall):
+        self.original, self.call = original, call
+        self.epsilon, self.ignore_index = original.epsilon, original.ignore_index
+
+    def __call__(self, model_output, labels, shift_labels: bool = False):
+        hidden = self.call.hidden(model_output)
+        if hidden is None:
+            self.call.trainer._liger_count("logits")
+            return self.original(model_output, labels, shift_labels=shift_labels)
+        if shift_labels:
+            hidden, labels = hidden[..., :-1, :], labels[..., 1:]
+        if hidden.shape[:-1] != labels.shape:
+            raise ValueError(f"swift_liger: hidden states {tuple(hidden.shape)} do not match labels "
+                             f"{tuple(labels.shape)}")
+        loss = self.call.handle.cross_entropy(hidden.reshape(-1, hidden.shape[-1]),
+                                              labels.reshape(-1).to(hidden.device),
+                                              label_smoothing=float(self.epsilon), ignore_index=self.ignore_index,
+                                              reduction="mean")
+        self.call.trainer._liger_count("fused_linear_logprobs")
+        model_output["logits"] = None   # hidden states: no token_acc from them
+        return loss
+
+
+class SFTSeam(_Seam):
+    """Seq2SeqTrainer (swift sft / pt) on the branch of its compute_loss that pops the labels and reads
+    outputs.logits itself: per-token weights and label smoothing."""
+
+    def _liger_applies(self, model, inputs) -> bool:
+        """Training, and ms-swift's compute_loss pops the labels and turns outputs.logits into the loss with
+        per_token_loss_func or the label smoother (no custom loss function, no sequence parallel: those read the
+        logits some other way). Evaluation keeps its logits, as the fused linear CE does."""
         args = self.args
-        return (model.training and "labels" in inputs and self.label_smoother is None
-                and inputs.get("compute_loss_func") is None
+        return (model.training and "labels" in inputs and inputs.get("compute_loss_func") is None
                 and getattr(self.template, "sequence_parallel_size", 1) == 1
-                and (inputs.get("loss_scale") is not None or getattr(args, "enable_dft_loss", False)
-                     or getattr(args, "enable_channel_loss", False)))
+                and (self.label_smoother is not None or inputs.get("loss_scale") is not None
+                     or getattr(args, "enable_dft_loss", False) or getattr(args, "enable_channel_loss", False)))
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        if not self._liger_weighted(model, inputs):
+        if not self._liger_applies(model, inputs):
             return super().compute_loss(model, inputs, *args, **kwargs)
+        smoother = self.label_smoother
         with self._liger_hidden(model) as handle:
-            token = _SFT_ACTIVE.set((self, handle))
+            call = _SFTCall(self, handle)
+            token = _SFT_ACTIVE.set(call)
+            if smoother is not None:
+                self.label_smoother = _FusedLabelSmoother(smoother, call)
             try:
                 return super().compute_loss(model, inputs, *args, **kwargs)
             finally:
+                self.label_smoother = smoother
                 _SFT_ACTIVE.reset(token)
 
 

@@ -50,7 +50,7 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         fused, stock = p["fused_linear_logprobs"], p["logits"]
         fused_ng, stock_ng = p["fused_linear_logprobs_no_grad"], p["logits_no_grad"]
         line = (f"{when} {trainer['class']} took {fused + fused_ng} log-prob passes from hidden states "
-                f"(ops.fused_linear_logprobs, no [tokens, vocab] logits; {fused} with gradient, {fused_ng} "
+                f"(the fused linear head, no [tokens, vocab] logits; {fused} with gradient, {fused_ng} "
                 f"without) and {stock + stock_ng} from materialised logits")
         if trainer["logits_fallback_reasons"]:
             line += " because " + "; ".join(trainer["logits_fallback_reasons"])

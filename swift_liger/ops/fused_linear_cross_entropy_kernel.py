@@ -89,18 +89,20 @@ def _logit_transform(z, cap, inv_temp, HAS_CAP: tl.constexpr, HAS_TEMP: tl.const
 def _flce_rows_kernel(
     z_ptr, stride_z,            # [R, V] logits chunk (input dtype); overwritten with dlogits when WRITE_GRAD
     labels_ptr,                 # [R] int
-    loss_ptr, lse_ptr, sum_ptr,  # [R] fp32 outputs (sum_ptr written only when WRITE_SUM)
+    loss_ptr, lse_ptr, sum_ptr, ent_ptr,  # [R] fp32 outputs (sum_ptr / ent_ptr written only when WRITE_SUM / WRITE_ENT)
     V, ignore_index,
     eps, cap, z_loss, inv_temp,  # fp32 scalars: label smoothing, softcap, z-loss weight, 1/temperature
     HAS_CAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_TEMP: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, WRITE_SUM: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, WRITE_SUM: tl.constexpr, WRITE_ENT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One program per token row: online max/sum-exp over V, then (optionally) dlogits in place.
 
     dlogits (gradient of this row's loss, unit scale) = p*(1 + 2*z_loss*lse) - (1-eps)*onehot - eps/V,
     times the softcap / temperature chain. Ignored rows get zeros; out-of-range labels get loss NaN, zero grads.
-    WRITE_SUM stores the row's sum of (transformed) logits, for every row, ignored ones included.
+    WRITE_SUM stores the row's sum of (transformed) logits, WRITE_ENT its entropy -sum_v p_v log p_v = lse - sum_v p_v z_v
+    (the p-weighted sum kept online beside the sum of exponentials: no second read), for every row, ignored ones
+    included.
     """
     row = tl.program_id(0)
     base = z_ptr + tl.cast(row, tl.int64) * stride_z
@@ -113,16 +115,22 @@ def _flce_rows_kernel(
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.full((), 0.0, tl.float32)
     sum_z = tl.full((), 0.0, tl.float32)
+    sum_pz = tl.full((), 0.0, tl.float32)   # sum_v exp(z_v - m) * z_v, rescaled with s
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         mask = cols < V
         z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
         z, _ = _logit_transform(z, cap, inv_temp, HAS_CAP, HAS_TEMP)
+        z0 = tl.where(mask, z, 0.0)
         if HAS_EPS or WRITE_SUM:
-            sum_z += tl.sum(tl.where(mask, z, 0.0), 0)
+            sum_z += tl.sum(z0, 0)
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        e = tl.exp(z - m_new)
+        alpha = tl.exp(m - m_new)
+        s = s * alpha + tl.sum(e, 0)
+        if WRITE_ENT:
+            sum_pz = sum_pz * alpha + tl.sum(e * z0, 0)
         m = m_new
     lse = m + tl.log(s)
 
@@ -140,6 +148,8 @@ def _flce_rows_kernel(
     tl.store(lse_ptr + row, lse)
     if WRITE_SUM:
         tl.store(sum_ptr + row, sum_z)
+    if WRITE_ENT:
+        tl.store(ent_ptr + row, lse - sum_pz / s)
 
     if WRITE_GRAD:
         coef = 1.0
@@ -223,13 +233,14 @@ _ROWS = _launch.FastLaunch(_flce_rows_kernel)
 _SLICE = _launch.FastLaunch(_flce_slice_kernel)
 
 
-def _launch_rows(z, labels, loss, lse, logit_sum, V, ignore_index, eps, cap, z_loss, temperature, write_grad):
+def _launch_rows(z, labels, loss, lse, logit_sum, entropy, V, ignore_index, eps, cap, z_loss, temperature, write_grad):
     cfg = launch_config("rows", V, z.device)
     _ROWS.launch(
-        (z.shape[0],), z, z.stride(0), labels, loss, lse, logit_sum if logit_sum is not None else lse, V, ignore_index, float(eps),
+        (z.shape[0],), z, z.stride(0), labels, loss, lse, logit_sum if logit_sum is not None else lse,
+        entropy if entropy is not None else lse, V, ignore_index, float(eps),
         float(cap or 1.0), float(z_loss), 1.0 / float(temperature),
         HAS_CAP=cap is not None and cap > 0, HAS_EPS=eps > 0, HAS_ZLOSS=z_loss > 0, HAS_TEMP=temperature != 1.0,
-        WRITE_GRAD=write_grad, WRITE_SUM=logit_sum is not None,
+        WRITE_GRAD=write_grad, WRITE_SUM=logit_sum is not None, WRITE_ENT=entropy is not None,
         BLOCK_V=cfg.block_v, num_warps=cfg.num_warps)
 
 
@@ -358,14 +369,15 @@ def _resolve_dw_rows(strategy: str, v: int, h: int, reduction: str) -> int:
 def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                   ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, temperature: float,
                   chunk_size: int, dw_acc_rows: int, need_dh: bool, need_db: bool, write_grad: bool, need_sum: bool,
-                  dw_acc_lowp: bool = False):
+                  dw_acc_lowp: bool = False, need_entropy: bool = False):
     """Pass 1 over token chunks.
 
     hidden [N, H], weight [V, H], bias [V] or None, labels [N] int; softcap 0 means none, temperature 1.0 none.
     Returns token_loss [N] fp32, lse [N] fp32, dh [N, H] (input dtype, unit scale; [0] unless need_dh),
     dw_acc [dw_acc_rows, H] fp32 (unit scale, sum over all tokens; in the weight's dtype when dw_acc_lowp), db_acc
     [V] fp32 ([0] unless need_db),
-    logit_sum [N] fp32 (each row's sum of the logits the loss sees; [0] unless need_sum).
+    logit_sum [N] fp32 (each row's sum of the logits the loss sees; [0] unless need_sum), entropy [N] fp32 (of each
+    row's softmax over the logits the loss sees; [0] unless need_entropy).
     """
     n, h_dim = hidden.shape
     v = weight.shape[0]
@@ -380,10 +392,11 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     db = _common.new_empty((v,), dtype=torch.float32, device=dev) if (write_grad and need_db) \
         else hidden.new_empty((0,), dtype=torch.float32)
     logit_sum = _common.new_empty((n if need_sum else 0,), dtype=torch.float32, device=dev)
+    entropy = _common.new_empty((n if need_entropy else 0,), dtype=torch.float32, device=dev)
     if n == 0:
         acc.zero_()
         db.zero_()
-        return token_loss, lse, dh, acc, db, logit_sum
+        return token_loss, lse, dh, acc, db, logit_sum, entropy
 
     c = min(chunk_size, n)
     ws = _common.new_empty((c * v,), dtype=hidden.dtype, device=dev)
@@ -394,8 +407,8 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
             h = hidden[r0:r0 + rows]
             _gemm_logits(h, weight, bias, z)
             _launch_rows(z, labels[r0:r0 + rows], token_loss[r0:r0 + rows], lse[r0:r0 + rows],
-                         logit_sum[r0:r0 + rows] if need_sum else None, v, ignore_index, label_smoothing, cap, z_loss,
-                         temperature, write_grad)
+                         logit_sum[r0:r0 + rows] if need_sum else None, entropy[r0:r0 + rows] if need_entropy else None,
+                         v, ignore_index, label_smoothing, cap, z_loss, temperature, write_grad)
             if not write_grad:
                 continue
             if dh.numel():
@@ -407,7 +420,7 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                     torch.sum(z, 0, dtype=torch.float32, out=db)
                 else:
                     db.add_(z.sum(0, dtype=torch.float32))
-    return token_loss, lse, dh, acc, db, logit_sum
+    return token_loss, lse, dh, acc, db, logit_sum, entropy
 
 
 def _flce_backward(dh: torch.Tensor, dw_acc: torch.Tensor, db_acc: torch.Tensor, scale: torch.Tensor,
@@ -505,15 +518,16 @@ class _no_autocast:
 def _flce_forward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                      ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, temperature: float,
                      chunk_size: int, dw_acc_rows: int, need_dh: bool, need_db: bool, write_grad: bool,
-                     need_sum: bool, dw_acc_lowp: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     need_sum: bool, dw_acc_lowp: bool = False, need_entropy: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor]:
     return _flce_forward(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature,
-                         chunk_size, dw_acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp)
+                         chunk_size, dw_acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp, need_entropy)
 
 
 @_flce_forward_op.register_fake
 def _(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
-      dw_acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp=False):
+      dw_acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp=False, need_entropy=False):
     n, h_dim = hidden.shape
     v = weight.shape[0]
     f32 = torch.float32
@@ -521,7 +535,8 @@ def _(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_lo
     acc = hidden.new_empty((dw_acc_rows if write_grad else 0, h_dim), dtype=weight.dtype if dw_acc_lowp else f32)
     db = hidden.new_empty((v,) if (write_grad and need_db) else (0,), dtype=f32)
     logit_sum = hidden.new_empty((n if need_sum else 0,), dtype=f32)
-    return hidden.new_empty((n,), dtype=f32), hidden.new_empty((n,), dtype=f32), dh, acc, db, logit_sum
+    entropy = hidden.new_empty((n if need_entropy else 0,), dtype=f32)
+    return hidden.new_empty((n,), dtype=f32), hidden.new_empty((n,), dtype=f32), dh, acc, db, logit_sum, entropy
 
 
 @torch.library.custom_op("swift_liger::flce_backward", mutates_args=())
@@ -552,9 +567,10 @@ def _(dh, dw_acc, db_acc, scale, hidden, weight, bias, labels, lse, need_dh, nee
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V]|None, labels [N], options...)
-    -> (loss_sum 0-d, token_loss [N], lse [N], logit_sum [N] or [0] unless need_sum).
+    -> (loss_sum 0-d, token_loss [N], lse [N], logit_sum [N] or [0] unless need_sum, entropy [N] or [0] unless
+    need_entropy).
 
-    All outputs fp32. Gradients flow from loss_sum and token_loss (lse and logit_sum are non-differentiable);
+    All outputs fp32. Gradients flow from loss_sum and token_loss (lse, logit_sum and entropy are non-differentiable);
     ``row_grads`` says whether token_loss may receive one (then pass 2 may need hidden/weight in backward, so they
     are kept). swift_liger.ops.logprobs_op uses this Function with row_grads=True: log p = -token_loss.
     The gradients are formed in forward at unit scale and scaled by grad_output in backward, so the graph can be
@@ -565,16 +581,16 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, chunk_size,
-                dw_acc_rows, row_grads, temperature, need_sum, dw_acc_lowp=False):
+                dw_acc_rows, row_grads, temperature, need_sum, dw_acc_lowp=False, need_entropy=False):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
         write_grad = need_dh or need_dw or need_db
         v = weight.shape[0]
         acc_rows = dw_acc_rows if need_dw else 0
         fwd = _common.compiled_or_eager("swift_liger::flce_forward", _flce_forward)
-        token_loss, lse, dh, acc, db_acc, logit_sum = fwd(
+        token_loss, lse, dh, acc, db_acc, logit_sum, entropy = fwd(
             hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
-            acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp)
+            acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp, need_entropy)
         keep = (need_dw and (acc_rows < v or row_grads)) or (need_db and row_grads)
         kept = (hidden, weight, bias, labels, lse) if keep else (None,) * 5
         ctx.save_for_backward(dh, acc, db_acc, *kept)
@@ -582,14 +598,14 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     bias.dtype if bias is not None else weight.dtype)
         ctx.opts = (ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size)
         ctx.row_grads = row_grads
-        ctx.mark_non_differentiable(lse, logit_sum)
+        ctx.mark_non_differentiable(lse, logit_sum, entropy)
         ctx.set_materialize_grads(False)
-        return token_loss.sum(), token_loss, lse, logit_sum
+        return token_loss.sum(), token_loss, lse, logit_sum, entropy
 
     @staticmethod
-    def backward(ctx, grad_sum, grad_tok, grad_lse, grad_logit_sum):
+    def backward(ctx, grad_sum, grad_tok, grad_lse, grad_logit_sum, grad_entropy):
         need_dh, need_dw, need_db = ctx.meta[:3]
-        none = (None,) * 11
+        none = (None,) * 12
         if grad_sum is None and (grad_tok is None or not ctx.row_grads):
             return (None, None, None) + none
         saved = ctx.saved_tensors
@@ -728,7 +744,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     shape = labels.shape
     h2, y = flat_rows(hidden, labels)
     acc_rows = _resolve_dw_rows(dw_strategy, weight.shape[0], h2.shape[1], reduction)
-    loss_sum, token_loss, lse, _ = run_rows(h2, weight, bias, y, ignore_index=ignore_index,
+    loss_sum, token_loss, lse, _, _ = run_rows(h2, weight, bias, y, ignore_index=ignore_index,
                                             label_smoothing=float(label_smoothing), softcap=softcap,
                                             z_loss=float(z_loss), temperature=1.0, chunk_size=chunk_size,
                                             dw_acc_rows=acc_rows,
@@ -761,8 +777,9 @@ def flat_rows(hidden: torch.Tensor, labels: torch.Tensor):
 
 
 def run_rows(h2, weight, bias, y, *, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
-             dw_acc_rows, row_grads, need_sum, dw_acc_lowp=False):
-    """Pass 1 (and, when a gradient is wanted, the autograd Function): (loss_sum, token_loss, lse, logit_sum)."""
+             dw_acc_rows, row_grads, need_sum, dw_acc_lowp=False, need_entropy=False):
+    """Pass 1 (and, when a gradient is wanted, the autograd Function): (loss_sum, token_loss, lse, logit_sum,
+    entropy)."""
     n, v = h2.shape[0], weight.shape[0]
     c = chunk_size if chunk_size is not None else default_chunk_size(n, v, h2.element_size())
     cap = float(softcap) if softcap is not None else 0.0
@@ -770,8 +787,10 @@ def run_rows(h2, weight, bias, y, *, ignore_index, label_smoothing, softcap, z_l
                                         or (bias is not None and bias.requires_grad))
     if grad:
         return FusedLinearCrossEntropyFunction.apply(h2, weight, bias, y, ignore_index, label_smoothing, cap, z_loss,
-                                                     c, dw_acc_rows, row_grads, temperature, need_sum, dw_acc_lowp)
+                                                     c, dw_acc_rows, row_grads, temperature, need_sum, dw_acc_lowp,
+                                                     need_entropy)
     fwd = _common.compiled_or_eager("swift_liger::flce_forward", _flce_forward)
-    token_loss, lse, _, _, _, logit_sum = fwd(h2, weight, bias, y, ignore_index, label_smoothing, cap, z_loss,
-                                              temperature, c, 0, False, False, False, need_sum)
-    return token_loss.sum(), token_loss, lse, logit_sum
+    token_loss, lse, _, _, _, logit_sum, entropy = fwd(h2, weight, bias, y, ignore_index, label_smoothing, cap,
+                                                       z_loss, temperature, c, 0, False, False, False, need_sum,
+                                                       False, need_entropy)
+    return token_loss.sum(), token_loss, lse, logit_sum, entropy

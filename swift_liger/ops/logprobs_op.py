@@ -28,9 +28,12 @@ from .fused_linear_cross_entropy_kernel import autocast_inputs, check_args, flat
 class LogprobsOutput(NamedTuple):
     """logps: [...] fp32 log p of each label (0 at ignored positions), differentiable.
     logit_sum: [...] fp32 sum over the vocabulary of the logits the log-softmax sees, at every position (ignored
-    ones included), no gradient; ``logit_sum / V`` is ``logits.mean(-1)``."""
+    ones included), no gradient; ``logit_sum / V`` is ``logits.mean(-1)``. None unless asked for.
+    entropy: [...] fp32 entropy -sum_v p_v log p_v of the softmax the log-probs come from, at every position
+    (ignored ones included), no gradient. None unless asked for."""
     logps: torch.Tensor
     logit_sum: Optional[torch.Tensor]
+    entropy: Optional[torch.Tensor] = None
 
 
 def _check(hidden, weight, labels, bias, ignore_index, softcap, temperature, chunk_size, validate_labels):
@@ -42,7 +45,7 @@ def _check(hidden, weight, labels, bias, ignore_index, softcap, temperature, chu
 
 
 def fused_linear_logprobs_reference(hidden, weight, labels, bias=None, *, ignore_index=-100, softcap=None,
-                                    temperature=1.0, return_logit_sum=False, **_unused):
+                                    temperature=1.0, return_logit_sum=False, return_entropy=False, **_unused):
     """PyTorch reference, the way trainers compute it: logits = hidden @ W^T (+ b) in the input dtype, ``.float()``,
     log-softmax, gather. Same arguments and returns as :func:`fused_linear_logprobs` (chunking options ignored);
     materialises [N, V] logits: the memory-hungry baseline, and the CPU fallback."""
@@ -57,21 +60,28 @@ def fused_linear_logprobs_reference(hidden, weight, labels, bias=None, *, ignore
     valid = y != ignore_index
     picked = logits.gather(-1, torch.where(valid, y, 0)[:, None]).squeeze(-1)
     logps = torch.where(valid, picked - torch.logsumexp(logits, dim=-1), 0.0).view(shape)
-    if not return_logit_sum:
+    if not (return_logit_sum or return_entropy):
         return logps
-    return LogprobsOutput(logps, logits.detach().sum(-1).view(shape))
+    z = logits.detach()
+    entropy = None
+    if return_entropy:
+        logp = torch.log_softmax(z, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1).view(shape)
+    return LogprobsOutput(logps, z.sum(-1).view(shape) if return_logit_sum else None, entropy)
 
 
 def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           bias: Optional[torch.Tensor] = None, *, ignore_index: int = -100,
                           softcap: Optional[float] = None, temperature: float = 1.0, return_logit_sum: bool = False,
-                          chunk_size: Optional[int] = None, validate_labels: Optional[bool] = None):
+                          return_entropy: bool = False, chunk_size: Optional[int] = None,
+                          validate_labels: Optional[bool] = None):
     """log p(labels | hidden) under the head ``weight`` [V, H] (+ ``bias`` [V]), per token, logits never whole.
 
     hidden [..., H] (fp32/fp16/bf16; weight and bias in the same dtype, or all cast to the autocast dtype under
     autocast like nn.Linear), labels [...] int (already aligned with hidden: labels[t] is the token predicted at t).
-    Returns logps [...] fp32 (0 where labels == ignore_index) or, with ``return_logit_sum``, a
-    :class:`LogprobsOutput` that adds each position's sum of logits (no gradient).
+    Returns logps [...] fp32 (0 where labels == ignore_index) or, with ``return_logit_sum`` / ``return_entropy``, a
+    :class:`LogprobsOutput` that adds each position's sum of logits / entropy (no gradient; the entropy is kept
+    online in the same pass over the workspace row as the logsumexp: no extra read, no [N, V] tensor).
       * backward takes any gradient per token (sequence sums, length-normalised means, masks, several uses);
         frozen weight/bias do no dW work; a trainable weight gets dW recomputed over vocab slices (fp32 GEMM
         accumulation, one rounding to its dtype).
@@ -86,14 +96,15 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if not _common.use_triton(hidden):
         return fused_linear_logprobs_reference(hidden, weight, labels, bias, ignore_index=ignore_index,
                                                softcap=softcap, temperature=float(temperature),
-                                               return_logit_sum=return_logit_sum)
+                                               return_logit_sum=return_logit_sum, return_entropy=return_entropy)
     shape = labels.shape
     h2, y = flat_rows(hidden, labels)
-    _, token_loss, _, logit_sum = run_rows(h2, weight, bias, y, ignore_index=ignore_index, label_smoothing=0.0,
-                                           softcap=softcap, z_loss=0.0, temperature=float(temperature),
-                                           chunk_size=chunk_size, dw_acc_rows=0, row_grads=True,
-                                           need_sum=bool(return_logit_sum))
+    _, token_loss, _, logit_sum, entropy = run_rows(
+        h2, weight, bias, y, ignore_index=ignore_index, label_smoothing=0.0, softcap=softcap, z_loss=0.0,
+        temperature=float(temperature), chunk_size=chunk_size, dw_acc_rows=0, row_grads=True,
+        need_sum=bool(return_logit_sum), need_entropy=bool(return_entropy))
     logps = torch.neg(token_loss.view(shape))   # a fresh tensor, not a view (FSDP2 output hooks warn on views)
-    if not return_logit_sum:
+    if not (return_logit_sum or return_entropy):
         return logps
-    return LogprobsOutput(logps, logit_sum.view(shape))
+    return LogprobsOutput(logps, logit_sum.view(shape) if return_logit_sum else None,
+                          entropy.view(shape) if return_entropy else None)

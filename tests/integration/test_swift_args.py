@@ -174,21 +174,22 @@ def test_each_toggle_switches_exactly_its_fusion(prepared):
 
 
 def test_labels_popped_falls_back_to_fused(prepared):
-    # ms-swift's label smoother reads outputs.logits itself (Seq2SeqTrainer.compute_loss): fused, on logits
-    record = prepared("--loss_scale", "react", "--label_smoothing_factor", "0.1")
+    # a custom loss function reads outputs.logits itself (Seq2SeqTrainer.compute_loss): fused, on logits
+    record = prepared("--loss_type", "cross_entropy")
     assert record["config"]["cross_entropy"] == "fused"
     assert record["models"]["policy"]["report"]["cross_entropy_mode"] == "fused"
     (note,) = record["notes"]
-    assert note.startswith("cross_entropy fused_linear -> fused") and "label_smoothing_factor=0.1" in note
+    assert note.startswith("cross_entropy fused_linear -> fused") and "loss_type=cross_entropy" in note
     assert prepared("--loss_scale", "ignore_empty_think")["config"]["cross_entropy"] == "fused_linear"
 
 
 def test_per_token_weights_keep_fused_linear(prepared):
-    # a non-binary loss_scale, DFT and channel loss: per-token losses from hidden states (preference.SFTSeam)
-    record = prepared("--loss_scale", "react", "--enable_dft_loss", "true")
+    # a non-binary loss_scale, DFT, channel loss and label smoothing: losses from hidden states (preference.SFTSeam)
+    record = prepared("--loss_scale", "react", "--enable_dft_loss", "true", "--label_smoothing_factor", "0.1")
     assert record["config"]["cross_entropy"] == "fused_linear"
     (note,) = record["notes"]
-    assert "per-token losses for enable_dft_loss, loss_scale=react" in note and "come from hidden states" in note
+    assert ("per-token losses for enable_dft_loss, label_smoothing_factor=0.1, loss_scale=react" in note
+            and "come from hidden states" in note), note
 
 
 def test_readme_flags_table_is_the_generated_one(monkeypatch):

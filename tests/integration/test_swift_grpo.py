@@ -3,8 +3,9 @@
 runs (SWIFT_LIGER_BACKEND=torch). With --use_liger the per-token log-probs of policy, old policy and reference come
 from hidden states (preference.GRPOSeam): every logged metric must equal the unpatched run's. The step metrics count
 the tokens of the generated rows the loss trained on (GRPO's training_step gets prompts only) and the completion
-tokens among them. A run with --log_entropy asks for entropies, which the head does not give: the trainer's own
-code runs on logits there and the record says why.
+tokens among them. A pair of runs with --log_entropy and --top_entropy_quantile 0.5 asks for entropies too: the
+patched one takes them from the same pass of the head (entropy metrics, threshold and the masked loss equal the
+unpatched run's).
 """
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ def runs(tiny_qwen3, tmp_path_factory):
             "--report_to", "none", "--save_strategy", "no"]
     liger_env = swift_env(SWIFT_LIGER_BACKEND="torch")
     liger_env.pop("TRITON_INTERPRET", None)
+    entropy = ["--log_entropy", "true", "--top_entropy_quantile", "0.5"]
     specs = {"base": (argv, swift_env()), "liger": (argv + ["--use_liger"], liger_env),
-             "entropy": (argv + ["--use_liger", "--log_entropy", "true"], liger_env)}
+             "entropy_base": (argv + entropy, swift_env()),
+             "entropy_liger": (argv + entropy + ["--use_liger"], liger_env)}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
         return {n: f.result() for n, f in futures.items()}
@@ -70,12 +73,15 @@ def test_log_probs_from_hidden_states_and_the_record_says_so(runs):
     assert "GRPOTrainer took" in liger.log and "and 0 from materialised logits" in liger.log
 
 
-def test_entropies_run_the_trainers_own_code_and_say_why(runs):
-    entropy = runs["entropy"].check()
-    trainer = entropy.patch_record()["runtime"]["total"]["trainer"]
-    assert trainer["log_prob_passes"]["logits"] > 0, trainer
-    assert any("entropies asked for" in why for why in trainer["logits_fallback_reasons"]), trainer
-    assert all("entropy/mean" in s for s in entropy.steps()), entropy.steps()   # ms-swift computed them
+def test_entropies_from_hidden_states_match_unpatched(runs):
+    base, liger = runs["entropy_base"].check(), runs["entropy_liger"].check()
+    compared = compare_metrics(base.steps(), liger.steps(), NOT_COMPARED)
+    assert {"loss", "grad_norm", "entropy/mean", "entropy/max", "entropy/min", "entropy/threshold"} <= compared, \
+        compared
+    trainer = liger.patch_record()["runtime"]["total"]["trainer"]
+    passes = trainer["log_prob_passes"]
+    assert passes["fused_linear_logprobs"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
+    assert not trainer["logits_fallback_reasons"], trainer
 
 
 def test_grpo_logs_tokens_and_completion_tokens_per_second(runs):

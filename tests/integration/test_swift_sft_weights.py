@@ -1,9 +1,9 @@
 """End-to-end: `swift sft` with per-token loss weights (a non-binary `--loss_scale`, `--enable_dft_loss`,
-`--enable_channel_loss`) on the tiny offline model, patched (--use_liger: per-token losses from hidden states,
-preference.SFTSeam) against unpatched, 4 optimizer steps of 2 micro-batches. Every logged metric must agree except
-token_acc (it needs logits, which the patched run never makes) and timing; the probe (probe/sitecustomize.py) counts
-the [rows, V] logits any lm_head materialised. The loss_scale run executes the real Triton kernels in the
-interpreter, the other two the CPU reference backend.
+`--enable_channel_loss`) or `--label_smoothing_factor` on the tiny offline model, patched (--use_liger: losses from
+hidden states, preference.SFTSeam) against unpatched, 4 optimizer steps of 2 micro-batches. Every logged metric must
+agree except token_acc (it needs logits, which the patched run never makes) and timing; the probe
+(probe/sitecustomize.py) counts the [rows, V] logits any lm_head materialised. The loss_scale and smoothing runs
+execute the real Triton kernels in the interpreter, the other two the CPU reference backend.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ CASES = {   # name: (flags, backend of the patched run)
     "loss_scale": (["--loss_scale", "react"], "triton"),
     "dft": (["--enable_dft_loss", "true"], "torch"),
     "channel": (["--enable_channel_loss", "true"], "torch"),
+    "smoothing": (["--label_smoothing_factor", "0.1"], "triton"),
 }
 
 

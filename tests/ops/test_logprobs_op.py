@@ -78,6 +78,46 @@ def test_reference_backend(device, monkeypatch):
     assert isinstance(out, LogprobsOutput)
 
 
+def float64_entropy(hidden, weight, b, softcap=None, temperature=1.0):
+    z = f64(hidden).detach() @ f64(weight).detach().t()
+    if b is not None:
+        z = z + f64(b).detach()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    logp = torch.log_softmax(z / temperature, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("opts", [dict(), dict(softcap=4.0, temperature=0.7), dict(h_scale=40.0, temperature=1.5)],
+                         ids=["plain", "softcap_temp", "peaked"])
+def test_entropy(device, monkeypatch, backend, opts):
+    """return_entropy: every position's entropy of the softmax the log-probs come from (ignored labels included),
+    no gradient, beside unchanged log-probs and their gradient. "peaked": logits in the hundreds, most rows near
+    one-hot (entropy ~0) where lse - E_p[z] cancels."""
+    if backend == "torch":
+        monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
+    h_scale = opts.pop("h_scale", 1.0)
+    hidden, weight, b, labels = make(device, bias=True, h_scale=h_scale)
+    g = randn(N, device=device)
+    with inputs_unchanged(hidden, weight, b, labels):
+        out = fused_linear_logprobs(hidden, weight, labels, b, return_entropy=True, chunk_size=CHUNK, **opts)
+        (out.logps * g).sum().backward()
+    assert isinstance(out, LogprobsOutput) and out.logit_sum is None
+    assert out.entropy.shape == labels.shape and out.entropy.dtype == torch.float32 and not out.entropy.requires_grad
+    ref_ent = float64_entropy(hidden, weight, b, **opts)
+    assert_close(out.entropy, ref_ent, torch.float32, slack=SLACK, name="entropy")
+    ref, _, leaves = float64_logprobs(hidden, weight, b, labels, **opts)
+    assert_close(out.logps, ref, torch.float32, name="logps")
+    (ref * g.cpu().double()).sum().backward()
+    assert_close(hidden.grad, leaves[0].grad, torch.float32, name="grad_hidden")
+    with torch.no_grad():   # the forward-only launch (old policy / reference passes)
+        both = fused_linear_logprobs(hidden, weight, labels, b, return_entropy=True, return_logit_sum=True,
+                                     chunk_size=CHUNK, **opts)
+    assert_close(both.entropy, ref_ent, torch.float32, slack=SLACK, name="entropy_no_grad")
+    assert both.logit_sum is not None
+
+
 def test_no_grad_and_plain_return(device):
     hidden, weight, _, labels = make(device)
     with torch.no_grad():

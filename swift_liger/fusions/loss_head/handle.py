@@ -22,7 +22,7 @@ import torch
 
 from ...patching.state import find_states
 from .forward import head_is_ours
-from .sharding import lm_head_logprobs
+from .sharding import lm_head_cross_entropy, lm_head_logprobs
 from .state import KEY, HeadState
 
 
@@ -113,14 +113,25 @@ class HeadHandle:
                            f"but the log-prob computation got a tensor of shape {tuple(logits.shape)}; refusing to "
                            "treat it as logits")
 
-    def logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, **options):
-        """ops.fused_linear_logprobs(hidden, lm_head.weight, labels, lm_head.bias, **options), with the
-        head gathered when ZeRO-3 / FSDP2 shard it."""
+    def _with_softcap(self, options: dict) -> dict:
         st = self.state
         cap = getattr(self.root.config, st.softcap_attr, None) if st.softcap_attr else None
         if cap:   # the forward skipped its softcap along with the lm_head (Gemma-2/3)
             if options.get("softcap") not in (None, cap):
                 raise ValueError(f"softcap={options['softcap']} differs from the model's {st.softcap_attr}={cap}")
             options["softcap"] = float(cap)
-        st.calls["fused_linear_logprobs"] += 1
-        return lm_head_logprobs(st.lm_head, hidden, labels, **options)
+        return options
+
+    def logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, **options):
+        """ops.fused_linear_logprobs(hidden, lm_head.weight, labels, lm_head.bias, **options), with the
+        head gathered when ZeRO-3 / FSDP2 shard it."""
+        options = self._with_softcap(options)
+        self.state.calls["fused_linear_logprobs"] += 1
+        return lm_head_logprobs(self.state.lm_head, hidden, labels, **options)
+
+    def cross_entropy(self, hidden: torch.Tensor, labels: torch.Tensor, **options):
+        """ops.fused_linear_cross_entropy(hidden, lm_head.weight, labels, lm_head.bias, **options) (labels already
+        aligned with hidden), with the head gathered when ZeRO-3 / FSDP2 shard it."""
+        options = self._with_softcap(options)
+        self.state.calls["fused_linear_cross_entropy"] += 1
+        return lm_head_cross_entropy(self.state.lm_head, hidden, labels, **options)
