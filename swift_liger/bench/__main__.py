@@ -13,7 +13,8 @@ from .kernels import SUITES
 
 TITLES = {"kernels": "Kernel benchmarks: RMSNorm, SwiGLU/GeGLU, RoPE, cross-entropy",
           "loss_head": "Loss head: fused linear cross-entropy (Llama-3-8B head)",
-          "logprobs": "Preference-loss head: per-token log-probs from hidden states (DPO pair, 2 x 4096 tokens)",
+          "logprobs": ("Preference-loss head: per-token log-probs from hidden states (DPO pair, 2 x 4096 tokens); "
+                       "GRPO's log-probs + entropies (8 x 2048 completion tokens)"),
           "attention": "Fused QK-RMSNorm + RoPE (Qwen3-8B shapes)"}
 
 

@@ -298,7 +298,8 @@ def _fwd_bwd(fn, inputs, grads_cache, pristine=None):
             grads_cache[key] = [torch.randn_like(o) if o.dim() > 0 else torch.ones_like(o) for o in outs]
             if pristine is not None:
                 pristine[key] = [g.clone() for g in grads_cache[key]]
-    torch.autograd.backward(outs, grads_cache[key])
+    pairs = [(o, g) for o, g in zip(outs, grads_cache[key]) if o.requires_grad]   # e.g. an entropy: compared only
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     return outs
 
 

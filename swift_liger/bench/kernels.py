@@ -266,10 +266,53 @@ def logprobs_cases() -> List[Case]:
     return cases
 
 
+def grpo_logprobs_cases() -> List[Case]:
+    """GRPO's pass over the completions: per-token log p at the sampling temperature plus the entropies the trainer
+    asks for with --log_entropy / --top_entropy_quantile, W frozen (LoRA). eager = ms-swift's
+    _get_logps_via_local_forward: the logits as the trainer sees them (accelerate's fp32 copy), div_(temperature),
+    trl's selective_log_softmax and entropy_from_logits (row by row); torch.compile = our fp32 reference compiled;
+    swift_liger = fused_linear_logprobs(return_entropy=True). Outputs: log p (differentiated) and entropy (compared)."""
+    selective = _try_import("trl.trainer.utils.selective_log_softmax")
+    entropy_from_logits = _try_import("trl.trainer.utils.entropy_from_logits")
+    temp = 0.9
+    cases = []
+    for (h, v), (b, t) in [((1536, 151936), (8, 2048)), ((3584, 152064), (8, 2048))]:
+
+        def make(h=h, v=v, b=b, t=t):
+            hid = (torch.randn(b, t, h, device="cuda", dtype=BF16) * 0.5).requires_grad_()
+            w = torch.randn(v, h, device="cuda", dtype=BF16) * 0.02
+            return {"h": hid, "w": w, "labels": torch.randint(0, v, (b, t), device="cuda")}
+
+        def stock(i):
+            logits = torch.nn.functional.linear(i["h"], i["w"]).float()
+            logits.div_(temp)
+            logps = selective(logits, i["labels"])
+            with torch.no_grad():   # ms-swift keeps its graph alive until the loss is formed, never backpropagates it
+                ent = entropy_from_logits(logits)
+            return logps, ent
+
+        def reference(i):
+            out = logprobs_ops.fused_linear_logprobs_reference(i["h"], i["w"], i["labels"], temperature=temp,
+                                                               return_entropy=True)
+            return out.logps, out.entropy
+
+        def ours(i):
+            out = logprobs_ops.fused_linear_logprobs(i["h"], i["w"], i["labels"], temperature=temp,
+                                                     return_entropy=True)
+            return out.logps, out.entropy
+
+        impls = {"eager": stock if selective is not None and entropy_from_logits is not None else reference,
+                 "torch.compile": lambda i, f=reference: _compiled(f)(i), "swift_liger": ours}
+        n = b * t
+        cases.append(Case("grpo_logprobs", f"{b}x{t} H{h} V{v} T{temp} +entropy", make, impls,
+                          min_flops=2 * 2 * n * h * v, grad_bytes=n * h * E))
+    return cases
+
+
 SUITES = {
     "kernels": [rms_norm_cases, swiglu_cases, rope_cases, cross_entropy_cases],
     "loss_head": [flce_cases],
-    "logprobs": [logprobs_cases],
+    "logprobs": [logprobs_cases, grpo_logprobs_cases],
     "attention": [qk_norm_rope_cases],
 }
 
