@@ -148,7 +148,8 @@ def main(argv=None) -> int:
             record = json.load(f)
         patched = patched_fusions(record)
         print(f"patched ({patch_file}): {patched}")
-        print("note: cross_entropy=fused_linear returns no logits in training, so the liger run logs no token_acc")
+        print("note: cross_entropy=fused_linear returns no logits in training; token_acc comes from the fused head's "
+              "arg max")
     with open(runs["liger"] + ".log", errors="replace") as f:   # what ran, counted (integration/runtime.py)
         for line in (ln.split("swift_liger: ", 1)[1].strip() for ln in f
                      if "swift_liger: " in ln and "in the first step" in ln):

@@ -334,9 +334,48 @@ class SFTSeam(_Seam):
                 and (self.label_smoother is not None or inputs.get("loss_scale") is not None
                      or getattr(args, "enable_dft_loss", False) or getattr(args, "enable_channel_loss", False)))
 
+    def _liger_acc_handle(self, model, inputs) -> Optional[HeadHandle]:
+        """The head whose fused loss will leave ms-swift without logits for token_acc in this training call (labels
+        reach the model, causal LM, no sequence parallel, logits not kept), or None."""
+        if not (model.training and "labels" in inputs and getattr(self, "task_type", "causal_lm") == "causal_lm"
+                and getattr(self.template, "sequence_parallel_size", 1) == 1
+                and getattr(self.args, "tuner_backend", None) != "unsloth"):
+            return None
+        handles = self.__dict__.setdefault("_liger_acc_handles", {})   # not _liger_state: no log-prob record
+        entry = handles.get(id(model))
+        if entry is None or entry[0] is not model:
+            entry = handles[id(model)] = (model, head_for(model))
+        handle = entry[1]
+        if handle is None or not handle.usable() or handle.state.keep_logits:
+            return None
+        return handle
+
+    def _liger_token_acc(self, preds, labels, position_ids, logits_to_keep) -> None:
+        """ms-swift's token_acc / seq_acc (Seq2SeqTrainer._compute_acc) from the fused head's predictions."""
+        from swift.metrics.acc import compute_acc
+        cu_seqlens = None
+        if self.template.padding_free and self.args.acc_strategy == "seq":
+            cu_seqlens = self.get_cu_seqlens(position_ids, logits_to_keep)
+        metrics = compute_acc(preds.view(labels.shape), labels, acc_strategy=self.args.acc_strategy,
+                              is_encoder_decoder=self.template.is_encoder_decoder, cu_seqlens=cu_seqlens)
+        mode = "train" if self.model.training else "eval"
+        for key, value in (metrics or {}).items():
+            self.custom_metrics[mode][key].update(value)
+
     def compute_loss(self, model, inputs, *args, **kwargs):
         if not self._liger_applies(model, inputs):
-            return super().compute_loss(model, inputs, *args, **kwargs)
+            handle = self._liger_acc_handle(model, inputs)
+            if handle is None:
+                return super().compute_loss(model, inputs, *args, **kwargs)
+            labels = inputs["labels"]
+            position_ids = inputs.get("text_position_ids")
+            position_ids = inputs.get("position_ids") if position_ids is None else position_ids
+            logits_to_keep = inputs.get("logits_to_keep")
+            with handle.predicting() as preds:
+                out = super().compute_loss(model, inputs, *args, **kwargs)
+            if preds and preds[0].numel() == labels.numel():
+                self._liger_token_acc(preds[0], labels, position_ids, logits_to_keep)
+            return out
         smoother = self.label_smoother
         with self._liger_hidden(model) as handle:
             call = _SFTCall(self, handle)

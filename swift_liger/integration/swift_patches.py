@@ -261,8 +261,9 @@ def _lm_head_note(args, role, report) -> Optional[str]:
     if getattr(args, "rlhf_type", None):
         return None
     return ("cross_entropy=fused_linear computes the loss from hidden states, so the model returns no logits in "
-            "training and ms-swift logs no token_acc (use --liger_cross_entropy fused or --liger_config keep_logits "
-            "to keep it)")
+            "training; ms-swift's token_acc comes from the fused head's arg max of each position (same pass), except "
+            "with per-token loss weights or label smoothing (no token_acc there; --liger_config keep_logits keeps "
+            "the logits)")
 
 
 def _gather_ranks(report):
@@ -381,13 +382,16 @@ def patch_sft_pipeline(module) -> None:
                     raise RuntimeError(f"swift_liger: rlhf_type={args.rlhf_type} runs {trainer_cls.__name__}, which "
                                        f"has no log-prob seam here (known: {', '.join(SEAMS)})")
                 trainer_cls = trainer_class(trainer_cls)
-            elif cfg.cross_entropy == "fused_linear" and (weighted := weighted_sft(args)):
+            elif cfg.cross_entropy == "fused_linear" and not getattr(args, "rlhf_type", None):
+                # SFTSeam: weighted losses and label smoothing from hidden states, token_acc from the head's arg max
                 from . import preference   # lazy: the seams import torch
-                if trainer_cls.__name__ != "Seq2SeqTrainer":
+                weighted = weighted_sft(args)
+                if trainer_cls.__name__ == "Seq2SeqTrainer":
+                    preference.install_per_token_loss(sys.modules[trainer_cls.__module__])
+                    trainer_cls = preference.trainer_class(trainer_cls)
+                elif weighted:
                     raise RuntimeError(f"swift_liger: {', '.join(weighted)} with cross_entropy=fused_linear "
                                        f"needs ms-swift's Seq2SeqTrainer; this run uses {trainer_cls.__name__}")
-                preference.install_per_token_loss(sys.modules[trainer_cls.__module__])
-                trainer_cls = preference.trainer_class(trainer_cls)
         return trainer_cls
 
     factory.get_trainer_cls = classmethod(get_trainer_cls)

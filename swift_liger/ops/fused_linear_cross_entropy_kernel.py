@@ -60,10 +60,12 @@ DW_STRATEGIES = ("auto", "accumulate", "accumulate_lowp", "recompute")
 class FLCEOutput(NamedTuple):
     """loss: the reduced loss (0-d fp32), or [*labels.shape] fp32 for reduction="none".
     token_loss: [*labels.shape] fp32 per-token loss before the divisor (0 at ignored tokens), or None.
-    lse: [*labels.shape] fp32 logsumexp of the (softcapped) fp32 logits (no gradient), or None."""
+    lse: [*labels.shape] fp32 logsumexp of the (softcapped) fp32 logits (no gradient), or None.
+    argmax: [*labels.shape] int64 arg max of each position's logits (every position; no gradient), or None."""
     loss: torch.Tensor
     token_loss: Optional[torch.Tensor]
     lse: Optional[torch.Tensor]
+    argmax: Optional[torch.Tensor] = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,19 +92,20 @@ def _flce_rows_kernel(
     z_ptr, stride_z,            # [R, V] logits chunk (input dtype); overwritten with dlogits when WRITE_GRAD
     labels_ptr,                 # [R] int
     loss_ptr, lse_ptr, sum_ptr, ent_ptr,  # [R] fp32 outputs (sum_ptr / ent_ptr written only when WRITE_SUM / WRITE_ENT)
+    am_ptr,                     # [R] int32 output, written only when WRITE_ARGMAX
     V, ignore_index,
     eps, cap, z_loss, inv_temp,  # fp32 scalars: label smoothing, softcap, z-loss weight, 1/temperature
     HAS_CAP: tl.constexpr, HAS_EPS: tl.constexpr, HAS_ZLOSS: tl.constexpr, HAS_TEMP: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, WRITE_SUM: tl.constexpr, WRITE_ENT: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, WRITE_SUM: tl.constexpr, WRITE_ENT: tl.constexpr, WRITE_ARGMAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One program per token row: online max/sum-exp over V, then (optionally) dlogits in place.
 
     dlogits (gradient of this row's loss, unit scale) = p*(1 + 2*z_loss*lse) - (1-eps)*onehot - eps/V,
     times the softcap / temperature chain. Ignored rows get zeros; out-of-range labels get loss NaN, zero grads.
-    WRITE_SUM stores the row's sum of (transformed) logits, WRITE_ENT its entropy -sum_v p_v log p_v = lse - sum_v p_v z_v
-    (the p-weighted sum kept online beside the sum of exponentials: no second read), for every row, ignored ones
-    included.
+    For every row, ignored ones included: WRITE_SUM stores its sum of (transformed) logits; WRITE_ENT its entropy
+    -sum_v p_v log p_v = lse - sum_v p_v z_v (the p-weighted sum kept online beside the sum of exponentials: no
+    second read); WRITE_ARGMAX the column of its largest logit (the first on ties, as torch.argmax).
     """
     row = tl.program_id(0)
     base = z_ptr + tl.cast(row, tl.int64) * stride_z
@@ -116,6 +119,7 @@ def _flce_rows_kernel(
     s = tl.full((), 0.0, tl.float32)
     sum_z = tl.full((), 0.0, tl.float32)
     sum_pz = tl.full((), 0.0, tl.float32)   # sum_v exp(z_v - m) * z_v, rescaled with s
+    arg = tl.full((), 0, tl.int32)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         mask = cols < V
@@ -125,7 +129,10 @@ def _flce_rows_kernel(
         if HAS_EPS or WRITE_SUM:
             sum_z += tl.sum(z0, 0)
         z = tl.where(mask, z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, 0))
+        block_max = tl.max(z, 0)
+        if WRITE_ARGMAX:   # strictly greater: an earlier block keeps a tie
+            arg = tl.where(block_max > m, start + tl.argmax(z, 0), arg)
+        m_new = tl.maximum(m, block_max)
         e = tl.exp(z - m_new)
         alpha = tl.exp(m - m_new)
         s = s * alpha + tl.sum(e, 0)
@@ -150,6 +157,8 @@ def _flce_rows_kernel(
         tl.store(sum_ptr + row, sum_z)
     if WRITE_ENT:
         tl.store(ent_ptr + row, lse - sum_pz / s)
+    if WRITE_ARGMAX:
+        tl.store(am_ptr + row, arg)
 
     if WRITE_GRAD:
         coef = 1.0
@@ -233,14 +242,16 @@ _ROWS = _launch.FastLaunch(_flce_rows_kernel)
 _SLICE = _launch.FastLaunch(_flce_slice_kernel)
 
 
-def _launch_rows(z, labels, loss, lse, logit_sum, entropy, V, ignore_index, eps, cap, z_loss, temperature, write_grad):
+def _launch_rows(z, labels, loss, lse, logit_sum, entropy, argmax, V, ignore_index, eps, cap, z_loss, temperature,
+                 write_grad):
     cfg = launch_config("rows", V, z.device)
     _ROWS.launch(
         (z.shape[0],), z, z.stride(0), labels, loss, lse, logit_sum if logit_sum is not None else lse,
-        entropy if entropy is not None else lse, V, ignore_index, float(eps),
+        entropy if entropy is not None else lse, argmax if argmax is not None else labels, V, ignore_index, float(eps),
         float(cap or 1.0), float(z_loss), 1.0 / float(temperature),
         HAS_CAP=cap is not None and cap > 0, HAS_EPS=eps > 0, HAS_ZLOSS=z_loss > 0, HAS_TEMP=temperature != 1.0,
         WRITE_GRAD=write_grad, WRITE_SUM=logit_sum is not None, WRITE_ENT=entropy is not None,
+        WRITE_ARGMAX=argmax is not None,
         BLOCK_V=cfg.block_v, num_warps=cfg.num_warps)
 
 
@@ -369,7 +380,7 @@ def _resolve_dw_rows(strategy: str, v: int, h: int, reduction: str) -> int:
 def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                   ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, temperature: float,
                   chunk_size: int, dw_acc_rows: int, need_dh: bool, need_db: bool, write_grad: bool, need_sum: bool,
-                  dw_acc_lowp: bool = False, need_entropy: bool = False):
+                  dw_acc_lowp: bool = False, need_entropy: bool = False, need_argmax: bool = False):
     """Pass 1 over token chunks.
 
     hidden [N, H], weight [V, H], bias [V] or None, labels [N] int; softcap 0 means none, temperature 1.0 none.
@@ -377,7 +388,8 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     dw_acc [dw_acc_rows, H] fp32 (unit scale, sum over all tokens; in the weight's dtype when dw_acc_lowp), db_acc
     [V] fp32 ([0] unless need_db),
     logit_sum [N] fp32 (each row's sum of the logits the loss sees; [0] unless need_sum), entropy [N] fp32 (of each
-    row's softmax over the logits the loss sees; [0] unless need_entropy).
+    row's softmax over the logits the loss sees; [0] unless need_entropy), argmax [N] int32 (each row's arg max;
+    [0] unless need_argmax).
     """
     n, h_dim = hidden.shape
     v = weight.shape[0]
@@ -393,10 +405,11 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         else hidden.new_empty((0,), dtype=torch.float32)
     logit_sum = _common.new_empty((n if need_sum else 0,), dtype=torch.float32, device=dev)
     entropy = _common.new_empty((n if need_entropy else 0,), dtype=torch.float32, device=dev)
+    argmax = _common.new_empty((n if need_argmax else 0,), dtype=torch.int32, device=dev)
     if n == 0:
         acc.zero_()
         db.zero_()
-        return token_loss, lse, dh, acc, db, logit_sum, entropy
+        return token_loss, lse, dh, acc, db, logit_sum, entropy, argmax
 
     c = min(chunk_size, n)
     ws = _common.new_empty((c * v,), dtype=hidden.dtype, device=dev)
@@ -408,7 +421,8 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
             _gemm_logits(h, weight, bias, z)
             _launch_rows(z, labels[r0:r0 + rows], token_loss[r0:r0 + rows], lse[r0:r0 + rows],
                          logit_sum[r0:r0 + rows] if need_sum else None, entropy[r0:r0 + rows] if need_entropy else None,
-                         v, ignore_index, label_smoothing, cap, z_loss, temperature, write_grad)
+                         argmax[r0:r0 + rows] if need_argmax else None, v, ignore_index, label_smoothing, cap,
+                         z_loss, temperature, write_grad)
             if not write_grad:
                 continue
             if dh.numel():
@@ -420,7 +434,7 @@ def _flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                     torch.sum(z, 0, dtype=torch.float32, out=db)
                 else:
                     db.add_(z.sum(0, dtype=torch.float32))
-    return token_loss, lse, dh, acc, db, logit_sum, entropy
+    return token_loss, lse, dh, acc, db, logit_sum, entropy, argmax
 
 
 def _flce_backward(dh: torch.Tensor, dw_acc: torch.Tensor, db_acc: torch.Tensor, scale: torch.Tensor,
@@ -518,16 +532,17 @@ class _no_autocast:
 def _flce_forward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                      ignore_index: int, label_smoothing: float, softcap: float, z_loss: float, temperature: float,
                      chunk_size: int, dw_acc_rows: int, need_dh: bool, need_db: bool, write_grad: bool,
-                     need_sum: bool, dw_acc_lowp: bool = False, need_entropy: bool = False
+                     need_sum: bool, dw_acc_lowp: bool = False, need_entropy: bool = False, need_argmax: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                torch.Tensor]:
+                                torch.Tensor, torch.Tensor]:
     return _flce_forward(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature,
-                         chunk_size, dw_acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp, need_entropy)
+                         chunk_size, dw_acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp, need_entropy,
+                         need_argmax)
 
 
 @_flce_forward_op.register_fake
 def _(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
-      dw_acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp=False, need_entropy=False):
+      dw_acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp=False, need_entropy=False, need_argmax=False):
     n, h_dim = hidden.shape
     v = weight.shape[0]
     f32 = torch.float32
@@ -536,7 +551,9 @@ def _(hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_lo
     db = hidden.new_empty((v,) if (write_grad and need_db) else (0,), dtype=f32)
     logit_sum = hidden.new_empty((n if need_sum else 0,), dtype=f32)
     entropy = hidden.new_empty((n if need_entropy else 0,), dtype=f32)
-    return hidden.new_empty((n,), dtype=f32), hidden.new_empty((n,), dtype=f32), dh, acc, db, logit_sum, entropy
+    argmax = hidden.new_empty((n if need_argmax else 0,), dtype=torch.int32)
+    return (hidden.new_empty((n,), dtype=f32), hidden.new_empty((n,), dtype=f32), dh, acc, db, logit_sum, entropy,
+            argmax)
 
 
 @torch.library.custom_op("swift_liger::flce_backward", mutates_args=())
@@ -568,9 +585,9 @@ def _(dh, dw_acc, db_acc, scale, hidden, weight, bias, labels, lse, need_dh, nee
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V]|None, labels [N], options...)
     -> (loss_sum 0-d, token_loss [N], lse [N], logit_sum [N] or [0] unless need_sum, entropy [N] or [0] unless
-    need_entropy).
+    need_entropy, argmax [N] int32 or [0] unless need_argmax).
 
-    All outputs fp32. Gradients flow from loss_sum and token_loss (lse, logit_sum and entropy are non-differentiable);
+    Outputs fp32 but argmax. Gradients flow from loss_sum and token_loss (the others are non-differentiable);
     ``row_grads`` says whether token_loss may receive one (then pass 2 may need hidden/weight in backward, so they
     are kept). swift_liger.ops.logprobs_op uses this Function with row_grads=True: log p = -token_loss.
     The gradients are formed in forward at unit scale and scaled by grad_output in backward, so the graph can be
@@ -581,16 +598,17 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, chunk_size,
-                dw_acc_rows, row_grads, temperature, need_sum, dw_acc_lowp=False, need_entropy=False):
+                dw_acc_rows, row_grads, temperature, need_sum, dw_acc_lowp=False, need_entropy=False,
+                need_argmax=False):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
         write_grad = need_dh or need_dw or need_db
         v = weight.shape[0]
         acc_rows = dw_acc_rows if need_dw else 0
         fwd = _common.compiled_or_eager("swift_liger::flce_forward", _flce_forward)
-        token_loss, lse, dh, acc, db_acc, logit_sum, entropy = fwd(
+        token_loss, lse, dh, acc, db_acc, logit_sum, entropy, argmax = fwd(
             hidden, weight, bias, labels, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
-            acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp, need_entropy)
+            acc_rows, need_dh, need_db, write_grad, need_sum, dw_acc_lowp, need_entropy, need_argmax)
         keep = (need_dw and (acc_rows < v or row_grads)) or (need_db and row_grads)
         kept = (hidden, weight, bias, labels, lse) if keep else (None,) * 5
         ctx.save_for_backward(dh, acc, db_acc, *kept)
@@ -598,14 +616,14 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     bias.dtype if bias is not None else weight.dtype)
         ctx.opts = (ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size)
         ctx.row_grads = row_grads
-        ctx.mark_non_differentiable(lse, logit_sum, entropy)
+        ctx.mark_non_differentiable(lse, logit_sum, entropy, argmax)
         ctx.set_materialize_grads(False)
-        return token_loss.sum(), token_loss, lse, logit_sum, entropy
+        return token_loss.sum(), token_loss, lse, logit_sum, entropy, argmax
 
     @staticmethod
-    def backward(ctx, grad_sum, grad_tok, grad_lse, grad_logit_sum, grad_entropy):
+    def backward(ctx, grad_sum, grad_tok, grad_lse, grad_logit_sum, grad_entropy, grad_argmax):
         need_dh, need_dw, need_db = ctx.meta[:3]
-        none = (None,) * 12
+        none = (None,) * 13
         if grad_sum is None and (grad_tok is None or not ctx.row_grads):
             return (None, None, None) + none
         saved = ctx.saved_tensors
@@ -635,16 +653,16 @@ def _reduce(loss_sum, token_loss, labels, ignore_index, reduction, num_items_in_
     return reduce(loss_sum, token_loss, valid, reduction, num_items_in_batch)
 
 
-def _pack(loss, token_loss, lse, return_token_loss, return_lse):
-    if not (return_token_loss or return_lse):
+def _pack(loss, token_loss, lse, return_token_loss, return_lse, argmax=None):
+    if not (return_token_loss or return_lse or argmax is not None):
         return loss
-    return FLCEOutput(loss, token_loss if return_token_loss else None, lse if return_lse else None)
+    return FLCEOutput(loss, token_loss if return_token_loss else None, lse if return_lse else None, argmax)
 
 
 def fused_linear_cross_entropy_reference(hidden, weight, labels, bias=None, *, ignore_index=-100,
                                          label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean",
                                          num_items_in_batch=None, return_token_loss=False, return_lse=False,
-                                         **_unused):
+                                         return_argmax=False, **_unused):
     """PyTorch reference, written like HF eager: logits = hidden @ W^T (+ b) in the input dtype, ``.float()``, CE.
 
     Same arguments, shapes and return values as :func:`fused_linear_cross_entropy` (chunking options ignored).
@@ -664,7 +682,8 @@ def fused_linear_cross_entropy_reference(hidden, weight, labels, bias=None, *, i
     loss = _reduce(token_loss.sum(), token_loss, y, ignore_index, reduction, num_items_in_batch)
     if reduction == "none":
         loss = loss.view(shape)
-    return _pack(loss, token_loss.view(shape), lse.detach().view(shape), return_token_loss, return_lse)
+    return _pack(loss, token_loss.view(shape), lse.detach().view(shape), return_token_loss, return_lse,
+                 logits.detach().argmax(-1).view(shape) if return_argmax else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -704,7 +723,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                label_smoothing: float = 0.0, softcap: Optional[float] = None, z_loss: float = 0.0,
                                reduction: str = "mean",
                                num_items_in_batch: Optional[Union[int, float, torch.Tensor]] = None,
-                               return_token_loss: bool = False, return_lse: bool = False,
+                               return_token_loss: bool = False, return_lse: bool = False, return_argmax: bool = False,
                                chunk_size: Optional[int] = None, dw_strategy: str = "auto",
                                validate_labels: Optional[bool] = None):
     """Cross-entropy of ``hidden @ weight^T + bias`` against ``labels`` without materialising the logits.
@@ -713,7 +732,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     are cast to the autocast dtype like nn.Linear), labels [...] int (already shifted; ``ignore_index`` skipped).
 
     Returns the loss (fp32; 0-d for "mean"/"sum", [...] for "none") or, when ``return_token_loss`` /
-    ``return_lse``, an :class:`FLCEOutput` (loss, token_loss [...] fp32, lse [...] fp32).
+    ``return_lse`` / ``return_argmax``, an :class:`FLCEOutput` (loss, token_loss [...] fp32, lse [...] fp32, argmax
+    [...] int64: each position's predicted token, e.g. for token accuracy, from the same pass over the workspace).
       * mean: sum / #valid tokens (0 when none are valid); sum: sum; none: per-token loss.
       * num_items_in_batch (int or one-element tensor, reduction "mean"): sum / num_items_in_batch, for exact
         gradient accumulation over micro-batches (clamped to >= 1).
@@ -737,23 +757,25 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     _common.check_same_dtype(hidden=hidden, weight=weight, bias=bias)
     opts = dict(ignore_index=ignore_index, label_smoothing=float(label_smoothing), softcap=softcap,
                 z_loss=float(z_loss), reduction=reduction, num_items_in_batch=num_items_in_batch,
-                return_token_loss=return_token_loss, return_lse=return_lse)
+                return_token_loss=return_token_loss, return_lse=return_lse, return_argmax=return_argmax)
     if not _common.use_triton(hidden):
         return fused_linear_cross_entropy_reference(hidden, weight, labels, bias, **opts)
 
     shape = labels.shape
     h2, y = flat_rows(hidden, labels)
     acc_rows = _resolve_dw_rows(dw_strategy, weight.shape[0], h2.shape[1], reduction)
-    loss_sum, token_loss, lse, _, _ = run_rows(h2, weight, bias, y, ignore_index=ignore_index,
+    loss_sum, token_loss, lse, _, _, argmax = run_rows(h2, weight, bias, y, ignore_index=ignore_index,
                                             label_smoothing=float(label_smoothing), softcap=softcap,
                                             z_loss=float(z_loss), temperature=1.0, chunk_size=chunk_size,
                                             dw_acc_rows=acc_rows,
                                             row_grads=bool(return_token_loss or reduction == "none"),
-                                            need_sum=False, dw_acc_lowp=dw_strategy == "accumulate_lowp")
+                                            need_sum=False, dw_acc_lowp=dw_strategy == "accumulate_lowp",
+                                            need_argmax=bool(return_argmax))
     loss = _reduce(loss_sum, token_loss, y, ignore_index, reduction, num_items_in_batch)
     if reduction == "none":
         loss = loss.view(shape)
-    return _pack(loss, token_loss.view(shape), lse.view(shape), return_token_loss, return_lse)
+    return _pack(loss, token_loss.view(shape), lse.view(shape), return_token_loss, return_lse,
+                 argmax.view(shape).long() if return_argmax else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -777,9 +799,9 @@ def flat_rows(hidden: torch.Tensor, labels: torch.Tensor):
 
 
 def run_rows(h2, weight, bias, y, *, ignore_index, label_smoothing, softcap, z_loss, temperature, chunk_size,
-             dw_acc_rows, row_grads, need_sum, dw_acc_lowp=False, need_entropy=False):
+             dw_acc_rows, row_grads, need_sum, dw_acc_lowp=False, need_entropy=False, need_argmax=False):
     """Pass 1 (and, when a gradient is wanted, the autograd Function): (loss_sum, token_loss, lse, logit_sum,
-    entropy)."""
+    entropy, argmax)."""
     n, v = h2.shape[0], weight.shape[0]
     c = chunk_size if chunk_size is not None else default_chunk_size(n, v, h2.element_size())
     cap = float(softcap) if softcap is not None else 0.0
@@ -788,9 +810,9 @@ def run_rows(h2, weight, bias, y, *, ignore_index, label_smoothing, softcap, z_l
     if grad:
         return FusedLinearCrossEntropyFunction.apply(h2, weight, bias, y, ignore_index, label_smoothing, cap, z_loss,
                                                      c, dw_acc_rows, row_grads, temperature, need_sum, dw_acc_lowp,
-                                                     need_entropy)
+                                                     need_entropy, need_argmax)
     fwd = _common.compiled_or_eager("swift_liger::flce_forward", _flce_forward)
-    token_loss, lse, _, _, _, logit_sum, entropy = fwd(h2, weight, bias, y, ignore_index, label_smoothing, cap,
-                                                       z_loss, temperature, c, 0, False, False, False, need_sum,
-                                                       False, need_entropy)
-    return token_loss.sum(), token_loss, lse, logit_sum, entropy
+    token_loss, lse, _, _, _, logit_sum, entropy, argmax = fwd(h2, weight, bias, y, ignore_index, label_smoothing,
+                                                               cap, z_loss, temperature, c, 0, False, False, False,
+                                                               need_sum, False, need_entropy, need_argmax)
+    return token_loss.sum(), token_loss, lse, logit_sum, entropy, argmax

@@ -99,7 +99,7 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
                                                return_logit_sum=return_logit_sum, return_entropy=return_entropy)
     shape = labels.shape
     h2, y = flat_rows(hidden, labels)
-    _, token_loss, _, logit_sum, entropy = run_rows(
+    _, token_loss, _, logit_sum, entropy, _ = run_rows(
         h2, weight, bias, y, ignore_index=ignore_index, label_smoothing=0.0, softcap=softcap, z_loss=0.0,
         temperature=float(temperature), chunk_size=chunk_size, dw_acc_rows=0, row_grads=True,
         need_sum=bool(return_logit_sum), need_entropy=bool(return_entropy))

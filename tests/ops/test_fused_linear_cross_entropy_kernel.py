@@ -1,10 +1,13 @@
 """Fused linear cross-entropy: Triton (interpreter on CPU) vs a float64 HF-style reference."""
 
+import contextlib
+
 import pytest
 import torch
 
 import helpers
 from helpers import assert_close, f64, inputs_unchanged, randn
+from swift_liger.ops import _common
 from swift_liger.ops import fused_linear_cross_entropy_kernel as flce_mod
 from swift_liger.ops.fused_linear_cross_entropy_kernel import (FLCEOutput, fused_linear_cross_entropy,
                                                                 fused_linear_cross_entropy_reference)
@@ -355,3 +358,36 @@ def test_torch_compile_fullgraph(device, trainable):
     assert_close(loss, ref.detach().double(), torch.float32)
     for g, t in zip(got, leaves):
         assert_close(g, t.grad.double(), torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("block_v", [None, 128], ids=["one_block", "8_blocks"])
+def test_return_argmax(device, monkeypatch, backend, block_v):
+    """return_argmax: every position's arg max over the logits (ignored labels included), as torch.argmax of the
+    float64 logits, from the same pass; the loss and gradients are unchanged. Ties (duplicated weight rows, in
+    the same block and across blocks) take the first column, as torch does. 8_blocks: BLOCK_V 128 over V=1001."""
+    if backend == "torch":
+        monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
+    hidden, weight, b, labels = make(device, bias=True, w_grad=False)
+    with torch.no_grad():
+        best = (hidden @ weight.t() + b).argmax(-1)
+        for k, col in enumerate(best[:6].tolist()):   # copy each winner to a later column: an exact tie
+            other = (col + 1 + 300 * (k % 3)) % V
+            weight[other] = weight[col]
+            b[other] = b[col]
+    ctx = (_common.launch_override(flce_mod, "rows", block_v=block_v) if block_v else contextlib.nullcontext())
+    with ctx, inputs_unchanged(hidden, weight, b, labels):
+        out = fused_linear_cross_entropy(hidden, weight, labels, b, return_argmax=True, chunk_size=CHUNK)
+        out.loss.backward()
+    ref, leaves = reference(hidden, weight, b, labels)
+    z = leaves[0].detach() @ leaves[1].t() + leaves[2]
+    assert isinstance(out, FLCEOutput) and out.token_loss is None and out.lse is None
+    assert out.argmax.dtype == torch.int64 and out.argmax.shape == labels.shape
+    if hidden.is_cuda:   # a GPU GEMM may round two equal columns apart: ties only need the maximal value there
+        picked = z.gather(-1, out.argmax.cpu()[:, None]).squeeze(-1)
+        assert bool(((z.max(-1).values - picked) <= 1e-5).all()), (out.argmax, z.argmax(-1))
+    else:
+        assert torch.equal(out.argmax.cpu(), z.argmax(-1)), (out.argmax, z.argmax(-1))
+    assert_close(out.loss, ref, torch.float32, slack=SLACK, name="loss")
+    ref.backward()
+    check_grads((hidden, weight, b), leaves, torch.float32)

@@ -194,8 +194,8 @@ def _enumerate():
         for f in _both(["HAS_SMOOTHING", "HAS_SOFTCAP", "HAS_Z_LOSS"]):
             add("cross_entropy_kernel", "_ce_bwd_kernel", dict(f, BLOCK_V=c.block_v), c.num_warps)
         c = fl.launch_config("rows", V, cuda)
-        for f in _both(["HAS_CAP", "HAS_EPS", "HAS_ZLOSS", "HAS_TEMP", "WRITE_ENT"], WRITE_GRAD=[False, True],
-                       WRITE_SUM=[False, True]):
+        for f in _both(["HAS_CAP", "HAS_EPS", "HAS_ZLOSS", "HAS_TEMP", "WRITE_ENT", "WRITE_ARGMAX"],
+                       WRITE_GRAD=[False, True], WRITE_SUM=[False, True]):
             add("fused_linear_cross_entropy_kernel", "_flce_rows_kernel", dict(f, BLOCK_V=c.block_v), c.num_warps)
         for n, elt in itertools.product(ROWS, (2, 4)):
             chunk = fl.default_chunk_size(n, V, elt)

@@ -109,8 +109,14 @@ def causal_lm_loss(self, logits, labels, vocab_size=None, num_items_in_batch=Non
             options["softcap"] = head.softcap
         hidden = logits.reshape(-1, logits.shape[-1])
         head.calls["fused_linear_cross_entropy"] += 1
+        if head.want_argmax:   # the predictions a trainer's token accuracy needs, from the same pass
+            options["return_argmax"] = True
         if head.head_loss is not None:
-            return head.head_loss(module, hidden, target, **options)
-        return head.ops["fused_linear_cross_entropy"](hidden, module.weight, target, module.bias, **options)
+            out = head.head_loss(module, hidden, target, **options)
+        else:
+            out = head.ops["fused_linear_cross_entropy"](hidden, module.weight, target, module.bias, **options)
+        if head.want_argmax:
+            head.argmax, out = out.argmax, out.loss
+        return out
     head.calls["cross_entropy"] += 1
     return head.ops["cross_entropy"](logits.reshape(-1, logits.shape[-1]), target, **options)

@@ -95,6 +95,22 @@ class HeadHandle:
         finally:
             st.hidden_mode = before
 
+    @contextlib.contextmanager
+    def predicting(self) -> Iterator[list]:
+        """Inside this block the model's fused loss (training with labels, no logits returned) also keeps each
+        position's arg max over the vocabulary; the yielded list receives it ([N] int64 over the shifted positions,
+        the last of each row included) when the block ends. Empty when the loss did not run fused."""
+        st, got = self.state, []
+        before = st.want_argmax
+        st.want_argmax, st.argmax = True, None
+        try:
+            yield got
+        finally:
+            st.want_argmax = before
+            if st.argmax is not None:
+                got.append(st.argmax)
+            st.argmax = None
+
     def take(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
         """The hidden states the model returned as ``logits``, or None when they are real logits.
 

@@ -29,6 +29,8 @@ class HeadState:
         self.keep_logits = False                      # keep_logits(): materialise logits in training too
         self.hidden_mode = False                      # handle.emitting_hidden(): hidden states returned as logits
         self.emitted: Any = None                      # the last hidden states returned that way
+        self.want_argmax = False                      # handle.predicting(): the loss also keeps each position's arg max
+        self.argmax: Any = None                       # [N] int64 predictions of the last fused loss under want_argmax
         self.calls: Dict[str, int] = dict.fromkeys(CALLS, 0)
 
 

@@ -149,3 +149,26 @@ def test_every_label_ignored_gives_what_transformers_gives(num_items):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         if q.grad is not None:
             assert p.grad is not None and not p.grad.isnan().any() and torch.equal(p.grad == 0, q.grad == 0), name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_predicting_gives_the_stock_logits_arg_max(family):
+    """handle.predicting(): the fused loss of a training forward with labels (no logits returned) also yields each
+    position's arg max, aligned with the stock model's logits (position t's prediction at t), the last position of
+    each row included; the loss is unchanged. Outside the block nothing is kept."""
+    ref = build(family)
+    model = copy.deepcopy(ref)
+    swift_liger.apply(model, **{**ALL_OFF, "cross_entropy": "fused_linear"})
+    ids, labels = batch()
+    for m in (ref, model):
+        m.train()
+    stock = ref(input_ids=ids, labels=labels)
+    handle = H.head_for(model)
+    with handle.predicting() as preds:
+        out = model(input_ids=ids, labels=labels)
+    assert out.logits is None and len(preds) == 1
+    assert preds[0].dtype == torch.int64 and preds[0].numel() == labels.numel()
+    assert torch.equal(preds[0].view(labels.shape), stock.logits.argmax(-1))
+    close(out.loss, stock.loss, "loss")
+    out = model(input_ids=ids, labels=labels)
+    assert model.__dict__[STATE_ATTR].parts["cross_entropy"].argmax is None
