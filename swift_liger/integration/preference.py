@@ -26,8 +26,10 @@ odds ratio, CPO/SimPO's gamma and length normalisation, KTO's KL term) is ms-swi
   `emitting_hidden()`, where `per_token_loss` (standing in for ms-swift's `per_token_loss_func`) returns the same
   per-token cross-entropy (DFT's detached p(label) weight included) from ops.fused_linear_logprobs and
   `_FusedLabelSmoother` the same smoothed mean from ops.fused_linear_cross_entropy's label_smoothing. The weighting,
-  the channel metrics and the sum over num_items_in_batch stay ms-swift's code; `outputs.logits` is then None, so no
-  token_acc is logged.
+  the channel metrics and the sum over num_items_in_batch stay ms-swift's code.
+* token_acc / seq_acc of every SFT / pt training step (ms-swift computes them from `outputs.logits`, which the fused
+  head never returns): from each position's arg max, kept by the same head pass (the model's fused loss under
+  `HeadHandle.predicting()`, or the weighted / smoothed losses above), through ms-swift's own compute_acc.
 
 Applies to the policy and to the reference pass (the separate ref model of full fine-tuning, patched too; or the
 adapter-disabled policy of LoRA). Where it cannot apply (lm_head wrapped by LoRA / modules_to_save, sequence
@@ -243,10 +245,12 @@ class GRPOSeam(_Seam):
 
 class _SFTCall:
     """The SFTSeam.compute_loss call in progress: its trainer, head handle and the hidden states the model returned
-    (taken once; both the per-token loss and the label smoother read them)."""
+    (taken once; both the per-token loss and the label smoother read them), and the head's arg max per position for
+    token_acc."""
 
     def __init__(self, trainer, handle: Optional[HeadHandle]):
         self.trainer, self.handle, self._hidden, self._taken = trainer, handle, None, False
+        self.preds: Optional[torch.Tensor] = None
 
     def hidden(self, outputs) -> Optional[torch.Tensor]:
         if not self._taken and self.handle is not None:
@@ -273,7 +277,9 @@ def per_token_loss(original):
         if hidden.shape[:-1] != target.shape:
             raise ValueError(f"swift_liger: hidden states {tuple(hidden.shape)} do not match labels "
                              f"{tuple(target.shape)}")
-        loss = -call.handle.logprobs(hidden, target.to(hidden.device)).reshape(-1)   # 0 where the label is -100
+        res = call.handle.logprobs(hidden, target.to(hidden.device), return_argmax=True)
+        call.preds = res.argmax
+        loss = -res.logps.reshape(-1)   # 0 where the label is -100
         if enable_dft_loss:
             loss = loss * torch.exp(-loss).detach()
         call.trainer._liger_count("fused_linear_logprobs")
@@ -311,10 +317,14 @@ class _FusedLabelSmoother:
         if hidden.shape[:-1] != labels.shape:
             raise ValueError(f"swift_liger: hidden states {tuple(hidden.shape)} do not match labels "
                              f"{tuple(labels.shape)}")
-        loss = self.call.handle.cross_entropy(hidden.reshape(-1, hidden.shape[-1]),
-                                              labels.reshape(-1).to(hidden.device),
-                                              label_smoothing=float(self.epsilon), ignore_index=self.ignore_index,
-                                              reduction="mean")
+        out = self.call.handle.cross_entropy(hidden.reshape(-1, hidden.shape[-1]),
+                                             labels.reshape(-1).to(hidden.device),
+                                             label_smoothing=float(self.epsilon), ignore_index=self.ignore_index,
+                                             reduction="mean", return_argmax=True)
+        if self.call.preds is None:   # position t's prediction at t; the last position (never scored) gets 0
+            preds = out.argmax.view(labels.shape)
+            self.call.preds = F.pad(preds, (0, 1)) if shift_labels else preds
+        loss = out.loss
         self.call.trainer._liger_count("fused_linear_logprobs")
         model_output["logits"] = None   # hidden states: no token_acc from them
         return loss
@@ -377,16 +387,24 @@ class SFTSeam(_Seam):
                 self._liger_token_acc(preds[0], labels, position_ids, logits_to_keep)
             return out
         smoother = self.label_smoother
+        labels = inputs["labels"]
+        position_ids = inputs.get("text_position_ids")
+        position_ids = inputs.get("position_ids") if position_ids is None else position_ids
+        logits_to_keep = inputs.get("logits_to_keep")
         with self._liger_hidden(model) as handle:
             call = _SFTCall(self, handle)
             token = _SFT_ACTIVE.set(call)
             if smoother is not None:
                 self.label_smoother = _FusedLabelSmoother(smoother, call)
             try:
-                return super().compute_loss(model, inputs, *args, **kwargs)
+                out = super().compute_loss(model, inputs, *args, **kwargs)
             finally:
                 self.label_smoother = smoother
                 _SFT_ACTIVE.reset(token)
+        if (call.preds is not None and call.preds.numel() == labels.numel()
+                and self._liger_acc_handle(model, {"labels": labels}) is not None):
+            self._liger_token_acc(call.preds, labels, position_ids, logits_to_keep)
+        return out
 
 
 SEAMS = {"DPOTrainer": DPOSeam, "KTOTrainer": KTOSeam, "ORPOTrainer": ORPOSeam, "CPOTrainer": CPOSeam,

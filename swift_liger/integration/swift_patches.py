@@ -261,9 +261,8 @@ def _lm_head_note(args, role, report) -> Optional[str]:
     if getattr(args, "rlhf_type", None):
         return None
     return ("cross_entropy=fused_linear computes the loss from hidden states, so the model returns no logits in "
-            "training; ms-swift's token_acc comes from the fused head's arg max of each position (same pass), except "
-            "with per-token loss weights or label smoothing (no token_acc there; --liger_config keep_logits keeps "
-            "the logits)")
+            "training; ms-swift's token_acc comes from the fused head's arg max of each position (same pass); "
+            "--liger_config keep_logits keeps the logits")
 
 
 def _gather_ranks(report):

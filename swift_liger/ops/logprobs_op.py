@@ -30,10 +30,12 @@ class LogprobsOutput(NamedTuple):
     logit_sum: [...] fp32 sum over the vocabulary of the logits the log-softmax sees, at every position (ignored
     ones included), no gradient; ``logit_sum / V`` is ``logits.mean(-1)``. None unless asked for.
     entropy: [...] fp32 entropy -sum_v p_v log p_v of the softmax the log-probs come from, at every position
-    (ignored ones included), no gradient. None unless asked for."""
+    (ignored ones included), no gradient. None unless asked for.
+    argmax: [...] int64 arg max of the logits at every position (ignored ones included). None unless asked for."""
     logps: torch.Tensor
     logit_sum: Optional[torch.Tensor]
     entropy: Optional[torch.Tensor] = None
+    argmax: Optional[torch.Tensor] = None
 
 
 def _check(hidden, weight, labels, bias, ignore_index, softcap, temperature, chunk_size, validate_labels):
@@ -45,7 +47,8 @@ def _check(hidden, weight, labels, bias, ignore_index, softcap, temperature, chu
 
 
 def fused_linear_logprobs_reference(hidden, weight, labels, bias=None, *, ignore_index=-100, softcap=None,
-                                    temperature=1.0, return_logit_sum=False, return_entropy=False, **_unused):
+                                    temperature=1.0, return_logit_sum=False, return_entropy=False,
+                                    return_argmax=False, **_unused):
     """PyTorch reference, the way trainers compute it: logits = hidden @ W^T (+ b) in the input dtype, ``.float()``,
     log-softmax, gather. Same arguments and returns as :func:`fused_linear_logprobs` (chunking options ignored);
     materialises [N, V] logits: the memory-hungry baseline, and the CPU fallback."""
@@ -60,28 +63,30 @@ def fused_linear_logprobs_reference(hidden, weight, labels, bias=None, *, ignore
     valid = y != ignore_index
     picked = logits.gather(-1, torch.where(valid, y, 0)[:, None]).squeeze(-1)
     logps = torch.where(valid, picked - torch.logsumexp(logits, dim=-1), 0.0).view(shape)
-    if not (return_logit_sum or return_entropy):
+    if not (return_logit_sum or return_entropy or return_argmax):
         return logps
     z = logits.detach()
     entropy = None
     if return_entropy:
         logp = torch.log_softmax(z, dim=-1)
         entropy = -(logp.exp() * logp).sum(-1).view(shape)
-    return LogprobsOutput(logps, z.sum(-1).view(shape) if return_logit_sum else None, entropy)
+    return LogprobsOutput(logps, z.sum(-1).view(shape) if return_logit_sum else None, entropy,
+                          z.argmax(-1).view(shape) if return_argmax else None)
 
 
 def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           bias: Optional[torch.Tensor] = None, *, ignore_index: int = -100,
                           softcap: Optional[float] = None, temperature: float = 1.0, return_logit_sum: bool = False,
-                          return_entropy: bool = False, chunk_size: Optional[int] = None,
+                          return_entropy: bool = False, return_argmax: bool = False, chunk_size: Optional[int] = None,
                           validate_labels: Optional[bool] = None):
     """log p(labels | hidden) under the head ``weight`` [V, H] (+ ``bias`` [V]), per token, logits never whole.
 
     hidden [..., H] (fp32/fp16/bf16; weight and bias in the same dtype, or all cast to the autocast dtype under
     autocast like nn.Linear), labels [...] int (already aligned with hidden: labels[t] is the token predicted at t).
-    Returns logps [...] fp32 (0 where labels == ignore_index) or, with ``return_logit_sum`` / ``return_entropy``, a
-    :class:`LogprobsOutput` that adds each position's sum of logits / entropy (no gradient; the entropy is kept
-    online in the same pass over the workspace row as the logsumexp: no extra read, no [N, V] tensor).
+    Returns logps [...] fp32 (0 where labels == ignore_index) or, with ``return_logit_sum`` / ``return_entropy`` /
+    ``return_argmax``, a :class:`LogprobsOutput` that adds each position's sum of logits / entropy / arg max (no
+    gradient; kept online in the same pass over the workspace row as the logsumexp: no extra read, no [N, V]
+    tensor).
       * backward takes any gradient per token (sequence sums, length-normalised means, masks, several uses);
         frozen weight/bias do no dW work; a trainable weight gets dW recomputed over vocab slices (fp32 GEMM
         accumulation, one rounding to its dtype).
@@ -96,15 +101,17 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if not _common.use_triton(hidden):
         return fused_linear_logprobs_reference(hidden, weight, labels, bias, ignore_index=ignore_index,
                                                softcap=softcap, temperature=float(temperature),
-                                               return_logit_sum=return_logit_sum, return_entropy=return_entropy)
+                                               return_logit_sum=return_logit_sum, return_entropy=return_entropy,
+                                               return_argmax=return_argmax)
     shape = labels.shape
     h2, y = flat_rows(hidden, labels)
-    _, token_loss, _, logit_sum, entropy, _ = run_rows(
+    _, token_loss, _, logit_sum, entropy, argmax = run_rows(
         h2, weight, bias, y, ignore_index=ignore_index, label_smoothing=0.0, softcap=softcap, z_loss=0.0,
         temperature=float(temperature), chunk_size=chunk_size, dw_acc_rows=0, row_grads=True,
-        need_sum=bool(return_logit_sum), need_entropy=bool(return_entropy))
+        need_sum=bool(return_logit_sum), need_entropy=bool(return_entropy), need_argmax=bool(return_argmax))
     logps = torch.neg(token_loss.view(shape))   # a fresh tensor, not a view (FSDP2 output hooks warn on views)
-    if not (return_logit_sum or return_entropy):
+    if not (return_logit_sum or return_entropy or return_argmax):
         return logps
     return LogprobsOutput(logps, logit_sum.view(shape) if return_logit_sum else None,
-                          entropy.view(shape) if return_entropy else None)
+                          entropy.view(shape) if return_entropy else None,
+                          argmax.view(shape).long() if return_argmax else None)

@@ -111,11 +111,13 @@ def test_entropy(device, monkeypatch, backend, opts):
     assert_close(out.logps, ref, torch.float32, name="logps")
     (ref * g.cpu().double()).sum().backward()
     assert_close(hidden.grad, leaves[0].grad, torch.float32, name="grad_hidden")
-    with torch.no_grad():   # the forward-only launch (old policy / reference passes)
+    with torch.no_grad():   # the forward-only launch (old policy / reference passes); arg max from the same pass
         both = fused_linear_logprobs(hidden, weight, labels, b, return_entropy=True, return_logit_sum=True,
-                                     chunk_size=CHUNK, **opts)
+                                     return_argmax=True, chunk_size=CHUNK, **opts)
     assert_close(both.entropy, ref_ent, torch.float32, slack=SLACK, name="entropy_no_grad")
-    assert both.logit_sum is not None
+    assert both.logit_sum is not None and both.argmax.dtype == torch.int64
+    z = f64(hidden).detach() @ f64(weight).t() + f64(b)
+    assert torch.equal(both.argmax.cpu(), z.argmax(-1))
 
 
 def test_no_grad_and_plain_return(device):
