@@ -5,7 +5,8 @@ from hidden states (preference.GRPOSeam): every logged metric must equal the unp
 the tokens of the generated rows the loss trained on (GRPO's training_step gets prompts only) and the completion
 tokens among them. A pair of runs with --log_entropy and --top_entropy_quantile 0.5 asks for entropies too: the
 patched one takes them from the same pass of the head (entropy metrics, threshold and the masked loss equal the
-unpatched run's).
+unpatched run's). Another pair changes the loss settings ms-swift owns (dr_grpo, epsilon_high, two-sided delta,
+sequence-level importance sampling): every metric equal again, since only the log-probs come from us.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ orms["length_reward"] = LengthReward
 GENERATIONS, COMPLETION, BATCH, ACCUM = 2, 8, 2, 2
 
 
+SETTINGS = ["--loss_type", "dr_grpo", "--epsilon_high", "0.28", "--delta", "3.0", "--importance_sampling_level",
+            "sequence"]
 NOT_COMPARED = {"step_time(s)", "tokens/s", "completion_tokens/s", "rss(GiB)", "elapsed_time", "remaining_time",
                 "train_speed(s/it)", "memory(GiB)", "global_step/max_steps", "step_time"}
 
@@ -51,7 +54,9 @@ def runs(tiny_qwen3, tmp_path_factory):
     entropy = ["--log_entropy", "true", "--top_entropy_quantile", "0.5"]
     specs = {"base": (argv, swift_env()), "liger": (argv + ["--use_liger"], liger_env),
              "entropy_base": (argv + entropy, swift_env()),
-             "entropy_liger": (argv + entropy + ["--use_liger"], liger_env)}
+             "entropy_liger": (argv + entropy + ["--use_liger"], liger_env),
+             "settings_base": (argv + SETTINGS, swift_env()),
+             "settings_liger": (argv + SETTINGS + ["--use_liger"], liger_env)}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
         return {n: f.result() for n, f in futures.items()}
@@ -82,6 +87,14 @@ def test_entropies_from_hidden_states_match_unpatched(runs):
     passes = trainer["log_prob_passes"]
     assert passes["fused_linear_logprobs"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
     assert not trainer["logits_fallback_reasons"], trainer
+
+
+def test_loss_settings_stay_ms_swifts(runs):
+    base, liger = runs["settings_base"].check(), runs["settings_liger"].check()
+    compared = compare_metrics(base.steps(), liger.steps(), NOT_COMPARED)
+    assert {"loss", "grad_norm", "kl"} <= compared, compared
+    passes = liger.patch_record()["runtime"]["total"]["trainer"]["log_prob_passes"]
+    assert passes["logits"] == passes["logits_no_grad"] == 0, passes
 
 
 def test_grpo_logs_tokens_and_completion_tokens_per_second(runs):
