@@ -240,7 +240,9 @@ class GRPOSeam(_Seam):
         res = handle.logprobs(hidden, input_ids[:, -logits_to_keep:], temperature=float(self.temperature),
                               return_entropy=bool(compute_entropy))
         self._liger_count("fused_linear_logprobs")
-        return (res.logps, res.entropy) if compute_entropy else (res, None)
+        if not compute_entropy:
+            return res, None   # a plain logps tensor
+        return res.logps, res.entropy
 
 
 class _SFTCall:
@@ -373,38 +375,36 @@ class SFTSeam(_Seam):
             self.custom_metrics[mode][key].update(value)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        if not self._liger_applies(model, inputs):
-            handle = self._liger_acc_handle(model, inputs)
-            if handle is None:
-                return super().compute_loss(model, inputs, *args, **kwargs)
-            labels = inputs["labels"]
+        acc = self._liger_acc_handle(model, inputs)
+        if acc is not None:   # read before ms-swift's compute_loss pops them from inputs
             position_ids = inputs.get("text_position_ids")
-            position_ids = inputs.get("position_ids") if position_ids is None else position_ids
-            logits_to_keep = inputs.get("logits_to_keep")
-            with handle.predicting() as preds:
+            where = (inputs["labels"], inputs.get("position_ids") if position_ids is None else position_ids,
+                     inputs.get("logits_to_keep"))
+        if self._liger_applies(model, inputs):
+            out, preds = self._liger_hidden_loss(model, inputs, *args, **kwargs)
+        elif acc is not None:
+            with acc.predicting() as got:
                 out = super().compute_loss(model, inputs, *args, **kwargs)
-            if preds and preds[0].numel() == labels.numel():
-                self._liger_token_acc(preds[0], labels, position_ids, logits_to_keep)
-            return out
+            preds = got[0] if got else None
+        else:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        if acc is not None and preds is not None and preds.numel() == where[0].numel():
+            self._liger_token_acc(preds, *where)
+        return out
+
+    def _liger_hidden_loss(self, model, inputs, *args, **kwargs):
+        """ms-swift's compute_loss with per_token_loss and the label smoother on hidden states: (loss, arg max)."""
         smoother = self.label_smoother
-        labels = inputs["labels"]
-        position_ids = inputs.get("text_position_ids")
-        position_ids = inputs.get("position_ids") if position_ids is None else position_ids
-        logits_to_keep = inputs.get("logits_to_keep")
         with self._liger_hidden(model) as handle:
             call = _SFTCall(self, handle)
             token = _SFT_ACTIVE.set(call)
             if smoother is not None:
                 self.label_smoother = _FusedLabelSmoother(smoother, call)
             try:
-                out = super().compute_loss(model, inputs, *args, **kwargs)
+                return super().compute_loss(model, inputs, *args, **kwargs), call.preds
             finally:
                 self.label_smoother = smoother
                 _SFT_ACTIVE.reset(token)
-        if (call.preds is not None and call.preds.numel() == labels.numel()
-                and self._liger_acc_handle(model, {"labels": labels}) is not None):
-            self._liger_token_acc(call.preds, labels, position_ids, logits_to_keep)
-        return out
 
 
 SEAMS = {"DPOTrainer": DPOSeam, "KTOTrainer": KTOSeam, "ORPOTrainer": ORPOSeam, "CPOTrainer": CPOSeam,
