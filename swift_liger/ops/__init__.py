@@ -23,6 +23,8 @@ from .qk_norm_rope_kernel import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_
 from .rms_norm_kernel import RMSNormFunction, rms_norm, rms_norm_reference
 from .rope_kernel import RoPEFunction, apply_rope, apply_rope_reference
 from .swiglu_kernel import GeGLUFunction, SwiGLUFunction, geglu, geglu_reference, swiglu, swiglu_reference
+from .varlen_attention_kernel import (VarlenAttentionFunction, doc_bounds, seq_ids_from_positions, varlen_attention,
+                                      varlen_attention_reference)
 
 __all__ = [
     "rms_norm", "rms_norm_reference", "RMSNormFunction",
@@ -35,4 +37,6 @@ __all__ = [
     "lora_linear", "lora_linear_reference",
     "decode_attention", "decode_attention_reference",
     "kv_ring_write", "kv_ring_write_reference", "kv_sink_rotate", "kv_sink_rotate_reference",
+    "varlen_attention", "varlen_attention_reference", "VarlenAttentionFunction", "doc_bounds",
+    "seq_ids_from_positions",
 ]

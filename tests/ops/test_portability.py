@@ -66,6 +66,7 @@ FIXED_PTRS = {
     "RSTD": "*fp32", "DW_PART": "*fp32", "labels_ptr": "*i64", "loss_ptr": "*fp32", "lse_ptr": "*fp32",
     "grad_ptr": "*fp32", "sum_ptr": "*fp32", "scale_ptr": "*fp32", "part_ptr": "*fp32", "pos_ptr": "*i64",
     "end_ptr": "*i64", "start_ptr": "*i64", "mask_ptr": "*u8", "bits_ptr": "*u8",
+    "delta_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32",
 }
 KERNEL_FIXED_PTRS = {  # per kernel overrides
     "_decode_split_kernel": {"o_ptr": "*fp32"},
@@ -84,11 +85,15 @@ TRIP_COUNT_ONLY = {
     "_qk_norm_rope_fwd_kernel": {"HQ", "HK", "HALF", "D"},
     "_qk_norm_rope_bwd_kernel": {"HQ", "HK", "HALF", "D"},
     "_decode_split_kernel": {"G", "S_PAD"},
+    "_varlen_fwd_kernel": {"G", "D"},
+    "_varlen_dkdv_kernel": {"G", "HPP", "D"},
+    "_varlen_dq_kernel": {"G", "D"},
+    "_varlen_delta_kernel": {"D"},
 }
 # Boolean feature flags: a configuration with all of its flags off (the lightest variant) compiles for sm_90 only.
 FEATURE_FLAGS = {"HAS_W", "HAS_RES", "STORE_RSTD", "HAS_DS", "COMPUTE_DX", "COMPUTE_DW", "BACKWARD", "INTERLEAVED",
                  "GEMMA", "ROUND_Y", "HAS_SMOOTHING", "HAS_SOFTCAP", "HAS_Z_LOSS", "HAS_CAP", "HAS_EPS", "HAS_ZLOSS",
-                 "HAS_TEMP", "UNIFORM", "SPLIT_SINKS"}
+                 "HAS_TEMP", "UNIFORM", "SPLIT_SINKS", "SOFTCAP", "WINDOW"}
 
 
 def _both(flags, **modes):
@@ -114,7 +119,7 @@ def _enumerate():
                                  dropout_mask_kernel as dm,
                                  fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
                                  qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope_kernel as rope,
-                                 swiglu_kernel as sw)
+                                 swiglu_kernel as sw, varlen_attention_kernel as va)
     from swift_liger.ops import _targets
     # Per architecture: its SM count and shared memory (decode attention, qk_norm_rope's backward grid); the other
     # modules' choices depend on the device type only, so they are enumerated once for sm_90.
@@ -222,6 +227,23 @@ def _enumerate():
                     add("decode_attention_kernel", "_decode_merge_kernel", dict(D=D, BLOCK_D=block_d, S_PAD=s_pad),
                         4, archs=(arch,))
 
+    # packed-row attention: tiles per device (shared memory), head dim and dtype (G and D: trip counts and masks).
+    for arch, t in targets.items():
+        for (HQ, HKV), D in itertools.product(HEADS, HEAD_DIMS):
+            block_d = max(16, _common.next_pow2(D))
+            for ieee in (False, True):
+                elt = 4 if ieee else 2
+                for kind, fn in (("fwd", "_varlen_fwd_kernel"), ("dkdv", "_varlen_dkdv_kernel"),
+                                 ("dq", "_varlen_dq_kernel")):
+                    cfg = va.launch_config(kind, block_d, elt, t)
+                    for f in _both(["SOFTCAP", "WINDOW"]):
+                        extra = dict(HPP=1) if kind == "dkdv" else {}
+                        add("varlen_attention_kernel", fn,
+                            dict(f, **extra, G=HQ // HKV, D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                 UPCAST=False, IEEE=ieee), cfg.num_warps, cfg.num_stages, archs=(arch,))
+            add("varlen_attention_kernel", "_varlen_delta_kernel",
+                dict(D=D, BLOCK_D=block_d, BLOCK_M=64, UPCAST=False), 4)
+
     # kv ring write (+ sink refresh / rotate).
     for D, n_rows in itertools.product(HEAD_DIMS, (1, 2, 8, 16, 32, 64, 512, 4096)):
         c = kv.launch_config("write", n_rows, D, cuda)
@@ -247,7 +269,8 @@ def _enumerate():
 def _dtypes_for(fn_name, consts, arch, first=False):
     if fn_name == "_pack_kernel":
         return ("u8",)
-    if fn_name == "_decode_split_kernel":   # IEEE is True exactly for fp32 inputs
+    if fn_name in ("_decode_split_kernel", "_varlen_fwd_kernel", "_varlen_dkdv_kernel",
+                   "_varlen_dq_kernel"):   # IEEE is True exactly for fp32 inputs
         if consts["IEEE"]:
             return ("fp32",)
         return ("fp16", "bf16") if arch in ("sm_75", "sm_90") else ("bf16",)
