@@ -59,7 +59,7 @@ CANDIDATES = {
 }
 
 
-def shared_estimate(kind: str, cfg: AttnConfig, block_d: int, elt_bytes: int) -> int:
+def shared_estimate(kind: str, cfg: AttnConfig, block_d: int, elt_bytes: int, cc: int = 90) -> int:
     """Upper estimate of shared memory, bytes: the resident tiles (fwd: Q; dkdv: K, V; dq: Q, dO) plus the streamed
     pair per pipeline stage, plus one fp32 score tile. Against the compiled kernels (tests/ops/test_portability.py
     checks the chosen ones on every target) it was at or above the real figure."""
@@ -67,6 +67,8 @@ def shared_estimate(kind: str, cfg: AttnConfig, block_d: int, elt_bytes: int) ->
         rows = cfg.block_m + 2 * cfg.block_n * cfg.num_stages
     elif kind == "dkdv":
         rows = 2 * cfg.block_n + 2 * cfg.block_m * cfg.num_stages
+        if cc < 80:   # pre-Ampere: operand layout changes go through shared memory (98304 B real, sm_75 bf16 D=256 16x32)
+            rows *= 2
     else:
         rows = 2 * cfg.block_m + 2 * cfg.block_n * cfg.num_stages
     return rows * block_d * elt_bytes + cfg.block_m * cfg.block_n * 4
@@ -82,7 +84,7 @@ def config_for(kind: str, block_d: int, elt_bytes: int, device) -> AttnConfig:
     if elt_bytes >= 4:
         cands = cands[1:]
     for cfg in cands:
-        if shared_estimate(kind, cfg, block_d, elt_bytes) <= t.max_shared:
+        if shared_estimate(kind, cfg, block_d, elt_bytes, t.cc) <= t.max_shared:
             return cfg
     return cands[-1]
 

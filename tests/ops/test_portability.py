@@ -48,8 +48,10 @@ UNSUPPORTED: dict = {}
 
 # (kernel, arch, dtype, D) -> what: configurations a launcher selects today that exceed the architecture's shared
 # memory (they would raise OutOfResources at launch). Asserted exactly, so a fix shows up as a failure to update.
-# Empty: decode attention picks its tiles and pipeline depth per device (decode_attention_kernel.split_config).
-KNOWN_OVER_LIMIT: set = set()
+# Decode attention picks its tiles and pipeline depth per device (decode_attention_kernel.split_config). Packed-row
+# attention's dK/dV kernel in fp32 at head dim 256 on sm_75 needs 66560 B at its smallest tiles (16 x 16, 1 stage)
+# against T4's 65536: fp32 training of a head-256 model (Gemma) on a T4 would fail at launch.
+KNOWN_OVER_LIMIT: set = {("_varlen_dkdv_kernel", "sm_75", "fp32", 256)}
 
 HIDDEN = (1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)
 INTERMEDIATE = (4864, 8960, 11008, 13824, 14336, 18944, 22016, 28672)
