@@ -104,32 +104,89 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, k, m, n, doc_q, doc_k, qk_scale, softcap, window,
-            SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
-    """Masked scores in the log2 domain [BM, BN] and, under SOFTCAP, tanh(raw / softcap) (for the backward)."""
+def _dot(a, b, IEEE: tl.constexpr):
     if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _scores(q, k, m, n, doc_q, doc_k, qk_scale, softcap, window,
+            MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
+    """Scores in the log2 domain [BM, BN] (masked to -inf under MASK) and, under SOFTCAP, tanh(raw / softcap) (for
+    the backward)."""
+    s = _dot(q, tl.trans(k), IEEE)
     if SOFTCAP:
         t = _tanh(s * (qk_scale / softcap))          # qk_scale here is the natural-log scale
         s = (softcap * LOG2E) * t
     else:
         t = s
         s = s * (qk_scale * LOG2E)
-    valid = (doc_q[:, None] == doc_k[None, :]) & (n[None, :] <= m[:, None])
-    if WINDOW:
-        valid = valid & (m[:, None] - n[None, :] < window)
-    s = tl.where(valid, s, float("-inf"))
+    if MASK:
+        valid = (doc_q[:, None] == doc_k[None, :]) & (n[None, :] <= m[:, None])
+        if WINDOW:
+            valid = valid & (m[:, None] - n[None, :] < window)
+        s = tl.where(valid, s, float("-inf"))
     return s, t
 
 
 @triton.jit
+def _key_range(lo_ptr, m0, T, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """Key blocks a query block visits, [start, end) in BLOCK_N steps, and within it [mid_lo, mid_hi): the blocks
+    every row of the query block sees whole (one document, below the diagonal, inside the window), which need no
+    mask."""
+    m_last = tl.minimum(m0 + BLOCK_M, T) - 1
+    doc_first = tl.load(lo_ptr + m0)
+    doc_last = tl.load(lo_ptr + m_last)
+    start = doc_first
+    full_lo = (doc_first + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if WINDOW:
+        start = tl.maximum(start, m0 - window + 1)
+        full_lo = tl.maximum(full_lo, (tl.maximum(m_last - window + 1, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+    start = (start // BLOCK_N) * BLOCK_N
+    end = m_last + 1
+    full_hi = (m0 + 1) // BLOCK_N * BLOCK_N
+    mid_lo = tl.minimum(tl.maximum(full_lo, start), end)
+    mid_hi = tl.maximum(tl.minimum(full_hi, end), mid_lo)
+    one = doc_first == doc_last
+    mid_lo = tl.where(one, mid_lo, start)
+    mid_hi = tl.where(one, mid_hi, start)
+    return start, mid_lo, mid_hi, end
+
+
+@triton.jit
+def _fwd_step(q, k_base, v_base, lo_ptr, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t, scale, softcap,
+              window, BLOCK_N: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+              UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    n = n0 + tl.arange(0, BLOCK_N)
+    if MASK:
+        nmask = n < T
+        kvm = nmask[:, None] & dmask[None, :]
+        doc_k = tl.load(lo_ptr + n, mask=nmask, other=-2)
+    else:
+        kvm = dmask[None, :]
+        doc_k = n
+    k = tl.load(k_base + n[:, None] * sk_t + d[None, :], mask=kvm, other=0.0)
+    v = tl.load(v_base + n[:, None] * sv_t + d[None, :], mask=kvm, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s, _t = _scores(q, k, m, n, doc_q, doc_k, scale, softcap, window, MASK, SOFTCAP, WINDOW, IEEE)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with no visible key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, T, HQ, scale, softcap, window,
-                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_t, so_h, sd_b,
-                G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-                IEEE: tl.constexpr):
+                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_t, so_h, sd_b,
+                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+                       IEEE: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M), B * HQ). o rows and lse (log2 domain, [B, HQ, T] fp32)."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)    # most keys first (causal): less tail at the end
     pid_bh = tl.program_id(1)
@@ -145,38 +202,23 @@ def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, T, HQ, scale
                 mask=mmask[:, None] & dmask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    doc_q = tl.load(lo_ptr + b * sd_b + m, mask=mmask, other=-1)
-    start = tl.load(lo_ptr + b * sd_b + m0)
-    if WINDOW:
-        start = tl.maximum(start, m0 - window + 1)
-    start = (start // BLOCK_N) * BLOCK_N
-    end = tl.minimum(m0 + BLOCK_M, T)
+    lo_b = lo_ptr + b * sd_b
+    doc_q = tl.load(lo_b + m, mask=mmask, other=-1)
+    start, mid_lo, mid_hi, end = _key_range(lo_b, m0, T, window, BLOCK_M, BLOCK_N, WINDOW)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = k_ptr + b * sk_b + hk * sk_h
     v_base = v_ptr + b * sv_b + hk * sv_h
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < T
-        kvm = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + n[:, None] * sk_t + d[None, :], mask=kvm, other=0.0)
-        v = tl.load(v_base + n[:, None] * sv_t + d[None, :], mask=kvm, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        doc_k = tl.load(lo_ptr + b * sd_b + n, mask=nmask, other=-2)
-        s, _t = _scores(q, k, m, n, doc_q, doc_k, scale, softcap, window, SOFTCAP, WINDOW, IEEE)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with no visible key in this block yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for n0 in range(start, mid_lo, BLOCK_N):
+        m_i, l_i, acc = _fwd_step(q, k_base, v_base, lo_b, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t,
+                                  scale, softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE)
+    for n0 in range(mid_lo, mid_hi, BLOCK_N):
+        m_i, l_i, acc = _fwd_step(q, k_base, v_base, lo_b, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t,
+                                  scale, softcap, window, BLOCK_N, False, SOFTCAP, WINDOW, UPCAST, IEEE)
+    for n0 in range(mid_hi, end, BLOCK_N):
+        m_i, l_i, acc = _fwd_step(q, k_base, v_base, lo_b, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t,
+                                  scale, softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     tl.store(o_ptr + b * so_b + h * so_h + m[:, None] * so_t + d[None, :], o.to(o_ptr.dtype.element_ty),
@@ -186,7 +228,7 @@ def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, T, HQ, scale
 
 @triton.jit
 def _varlen_delta_kernel(o_ptr, do_ptr, delta_ptr, T, HQ, so_b, so_t, so_h, sg_b, sg_t, sg_h,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M), B * HQ). delta[b, h, i] = sum_d o * dO (fp32): the softmax backward's row term."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -201,13 +243,45 @@ def _varlen_delta_kernel(o_ptr, do_ptr, delta_ptr, T, HQ, so_b, so_t, so_h, sg_b
 
 
 @triton.jit
+def _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_ptr, m0, n, doc_k, d, dmask, T, sq_t, sg_t,
+               scale, softcap, window, BLOCK_M: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+               WINDOW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    m = m0 + tl.arange(0, BLOCK_M)
+    if MASK:
+        mmask = m < T
+        qm = mmask[:, None] & dmask[None, :]
+        lse = tl.load(lse_base + m, mask=mmask, other=0.0)
+        delta = tl.load(delta_base + m, mask=mmask, other=0.0)
+        doc_q = tl.load(lo_ptr + m, mask=mmask, other=-1)
+    else:
+        qm = dmask[None, :]
+        lse = tl.load(lse_base + m)
+        delta = tl.load(delta_base + m)
+        doc_q = m
+    q = tl.load(q_base + m[:, None] * sq_t + d[None, :], mask=qm, other=0.0)
+    do = tl.load(do_base + m[:, None] * sg_t + d[None, :], mask=qm, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    s, t = _scores(q, k, m, n, doc_q, doc_k, scale, softcap, window, MASK, SOFTCAP, WINDOW, IEEE)
+    p = tl.exp2(s - lse[:, None])                         # [BM, BN], 0 where masked
+    dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
+    dp = _dot(do, tl.trans(v), IEEE)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
+    return dk, dv
+
+
+@triton.jit
 def _varlen_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, hi_ptr, dk_ptr, dv_ptr,
-                 T, HQ, HKV, scale, softcap, window,
-                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sg_b, sg_t, sg_h,
-                 sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, sd_b,
-                 G: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                 UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                        T, HQ, HKV, scale, softcap, window,
+                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sg_b, sg_t, sg_h,
+                        sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, sd_b,
+                        G: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Grid (cdiv(T, BLOCK_N), B * HKV, G // HPP). dK and dV of one key block, summed over HPP of the G query heads
     that share it; with HPP < G, dk/dv are fp32 partials [B, HKV * G // HPP, T, D] that the launcher sums."""
     pid_n = tl.program_id(0)
@@ -226,46 +300,40 @@ def _varlen_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr,
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    doc_k = tl.load(lo_ptr + b * sd_b + n, mask=nmask, other=-2)
+    lo_b = lo_ptr + b * sd_b
+    doc_k = tl.load(lo_b + n, mask=nmask, other=-2)
     last = tl.minimum(n0 + BLOCK_N, T) - 1
-    q_end = tl.load(hi_ptr + b * sd_b + last)             # end of the last key's document
+    doc_end = tl.load(hi_ptr + b * sd_b + last)           # end of the last key's document
+    q_end = doc_end
+    full_hi = doc_end // BLOCK_M * BLOCK_M
     if WINDOW:
         q_end = tl.minimum(q_end, last + window)
+        full_hi = tl.minimum(full_hi, (n0 + window) // BLOCK_M * BLOCK_M)
     q_start = (n0 // BLOCK_M) * BLOCK_M
+    # query blocks that see every key of this block (all rows after its last key, in its one document, in window)
+    full_lo = (n0 + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    mid_lo = tl.minimum(tl.maximum(full_lo, q_start), q_end)
+    mid_hi = tl.maximum(tl.minimum(full_hi, q_end), mid_lo)
+    one = (tl.load(lo_b + n0) == tl.load(lo_b + last)) & (last == n0 + BLOCK_N - 1)
+    mid_lo = tl.where(one, mid_lo, q_start)
+    mid_hi = tl.where(one, mid_hi, q_start)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(HPP):
         h = hk * G + split * HPP + g
         q_base = q_ptr + b * sq_b + h * sq_h
         do_base = do_ptr + b * sg_b + h * sg_h
-        row_base = (b * HQ + h) * T
-        for m0 in range(q_start, q_end, BLOCK_M):
-            m = m0 + tl.arange(0, BLOCK_M)
-            mmask = m < T
-            qm = mmask[:, None] & dmask[None, :]
-            q = tl.load(q_base + m[:, None] * sq_t + d[None, :], mask=qm, other=0.0)
-            do = tl.load(do_base + m[:, None] * sg_t + d[None, :], mask=qm, other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(lse_ptr + row_base + m, mask=mmask, other=0.0)
-            delta = tl.load(delta_ptr + row_base + m, mask=mmask, other=0.0)
-            doc_q = tl.load(lo_ptr + b * sd_b + m, mask=mmask, other=-1)
-            s, t = _scores(q, k, m, n, doc_q, doc_k, scale, softcap, window, SOFTCAP, WINDOW, IEEE)
-            p = tl.exp2(s - lse[:, None])                         # [BM, BN], 0 where masked
-            if IEEE:
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
-                dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-            else:
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-                dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            if SOFTCAP:
-                ds = ds * (1.0 - t * t)
-            if IEEE:
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
-            else:
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        lse_base = lse_ptr + (b * HQ + h) * T
+        delta_base = delta_ptr + (b * HQ + h) * T
+        for m0 in range(q_start, mid_lo, BLOCK_M):
+            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_b, m0, n, doc_k, d, dmask,
+                                T, sq_t, sg_t, scale, softcap, window, BLOCK_M, True, SOFTCAP, WINDOW, UPCAST, IEEE)
+        for m0 in range(mid_lo, mid_hi, BLOCK_M):
+            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_b, m0, n, doc_k, d, dmask,
+                                T, sq_t, sg_t, scale, softcap, window, BLOCK_M, False, SOFTCAP, WINDOW, UPCAST, IEEE)
+        for m0 in range(mid_hi, q_end, BLOCK_M):
+            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_b, m0, n, doc_k, d, dmask,
+                                T, sq_t, sg_t, scale, softcap, window, BLOCK_M, True, SOFTCAP, WINDOW, UPCAST, IEEE)
     dk = dk * scale
     ho = hk * (G // HPP) + split
     tl.store(dk_ptr + b * sdk_b + ho * sdk_h + n[:, None] * sdk_t + d[None, :], dk.to(dk_ptr.dtype.element_ty),
@@ -275,11 +343,39 @@ def _varlen_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr,
 
 
 @triton.jit
-def _varlen_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, dq_ptr, T, HQ, scale, softcap, window,
-               sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sg_b, sg_t, sg_h, sdq_b, sdq_h, sdq_t, sd_b,
-               G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-               IEEE: tl.constexpr):
+def _dq_step(q, do, lse, delta, dq, k_base, v_base, lo_ptr, n0, m, doc_q, d, dmask, T, sk_t, sv_t, scale, softcap,
+             window, BLOCK_N: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+             UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    n = n0 + tl.arange(0, BLOCK_N)
+    if MASK:
+        nmask = n < T
+        kvm = nmask[:, None] & dmask[None, :]
+        doc_k = tl.load(lo_ptr + n, mask=nmask, other=-2)
+    else:
+        kvm = dmask[None, :]
+        doc_k = n
+    k = tl.load(k_base + n[:, None] * sk_t + d[None, :], mask=kvm, other=0.0)
+    v = tl.load(v_base + n[:, None] * sv_t + d[None, :], mask=kvm, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s, t = _scores(q, k, m, n, doc_q, doc_k, scale, softcap, window, MASK, SOFTCAP, WINDOW, IEEE)
+    p = tl.exp2(s - lse[:, None])
+    dp = _dot(do, tl.trans(v), IEEE)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    dq += _dot(ds.to(k.dtype), k, IEEE)
+    return dq
+
+
+@triton.jit
+def _varlen_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, dq_ptr, T, HQ, scale, softcap,
+                      window, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sg_b, sg_t, sg_h,
+                      sdq_b, sdq_h, sdq_t, sd_b,
+                      G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+                      IEEE: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M), B * HQ). dQ of one query block over the keys the forward visited."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)    # most keys first (causal): less tail at the end
     pid_bh = tl.program_id(1)
@@ -299,38 +395,21 @@ def _varlen_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, d
         do = do.to(tl.float32)
     lse = tl.load(lse_ptr + pid_bh * T + m, mask=mmask, other=0.0)
     delta = tl.load(delta_ptr + pid_bh * T + m, mask=mmask, other=0.0)
-    doc_q = tl.load(lo_ptr + b * sd_b + m, mask=mmask, other=-1)
-    start = tl.load(lo_ptr + b * sd_b + m0)
-    if WINDOW:
-        start = tl.maximum(start, m0 - window + 1)
-    start = (start // BLOCK_N) * BLOCK_N
-    end = tl.minimum(m0 + BLOCK_M, T)
+    lo_b = lo_ptr + b * sd_b
+    doc_q = tl.load(lo_b + m, mask=mmask, other=-1)
+    start, mid_lo, mid_hi, end = _key_range(lo_b, m0, T, window, BLOCK_M, BLOCK_N, WINDOW)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = k_ptr + b * sk_b + hk * sk_h
     v_base = v_ptr + b * sv_b + hk * sv_h
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < T
-        kvm = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + n[:, None] * sk_t + d[None, :], mask=kvm, other=0.0)
-        v = tl.load(v_base + n[:, None] * sv_t + d[None, :], mask=kvm, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        doc_k = tl.load(lo_ptr + b * sd_b + n, mask=nmask, other=-2)
-        s, t = _scores(q, k, m, n, doc_q, doc_k, scale, softcap, window, SOFTCAP, WINDOW, IEEE)
-        p = tl.exp2(s - lse[:, None])
-        if IEEE:
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        if IEEE:
-            dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
-        else:
-            dq += tl.dot(ds.to(k.dtype), k)
+    for n0 in range(start, mid_lo, BLOCK_N):
+        dq = _dq_step(q, do, lse, delta, dq, k_base, v_base, lo_b, n0, m, doc_q, d, dmask, T, sk_t, sv_t, scale,
+                      softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE)
+    for n0 in range(mid_lo, mid_hi, BLOCK_N):
+        dq = _dq_step(q, do, lse, delta, dq, k_base, v_base, lo_b, n0, m, doc_q, d, dmask, T, sk_t, sv_t, scale,
+                      softcap, window, BLOCK_N, False, SOFTCAP, WINDOW, UPCAST, IEEE)
+    for n0 in range(mid_hi, end, BLOCK_N):
+        dq = _dq_step(q, do, lse, delta, dq, k_base, v_base, lo_b, n0, m, doc_q, d, dmask, T, sk_t, sv_t, scale,
+                      softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE)
     dq = dq * scale
     tl.store(dq_ptr + b * sdq_b + h * sdq_h + m[:, None] * sdq_t + d[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=qm)

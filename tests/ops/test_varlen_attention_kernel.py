@@ -16,6 +16,8 @@ CASES = [
     (2, 2, 1, 16, [[10, 23], [33]], None, 7),                     # sliding window inside documents
     (1, 4, 2, 16, [[17, 2, 19]], 5.0, None),                      # Gemma-2 style softcap
     (1, 2, 1, 16, [[25, 11]], 3.0, 5),                            # both
+    (1, 4, 2, 16, [[70, 9]], None, 37),                           # window wider than a block: unmasked blocks in it
+    (1, 2, 1, 16, [[3, 61, 16]], 2.0, None),                      # blocks wholly inside a document, not aligned
 ]
 
 
