@@ -25,8 +25,10 @@ import argparse
 import dataclasses
 import glob
 import json
+import math
 import os
 import platform
+import random
 import shlex
 import shutil
 import statistics
@@ -42,18 +44,22 @@ from . import shapes
 from .harness import fmt, gpu_name, run_child, tail, utc_now, versions, versions_line, write_json, write_report
 
 VARIANTS = ("plain", "swift_liger", "swift_liger_no_lora_fusion", "swift_liger_compiled", "swift_liger_long_context",
-            "swift_liger_save_attention", "liger_kernel")
+            "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_no_lora_fusion": ["--use_liger", "--liger_lora_fusion", "false"],
                  "swift_liger_compiled": ["--use_liger", "--liger_compile_layers", "true"],
                  "swift_liger_long_context": ["--use_liger", "--liger_config", "long_context"],
                  "swift_liger_save_attention": ["--use_liger", "--liger_save_attention", "true"],
+                 "swift_liger_packing": ["--use_liger", "--packing", "true", "--attn_impl", "swift_liger"],
+                 "packing_attention_only": ["--packing", "true", "--attn_impl", "swift_liger"],
                  "liger_kernel": ["--use_liger_kernel", "true"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
                   "swift_liger_no_lora_fusion": "`--use_liger --liger_lora_fusion false`",
                   "swift_liger_compiled": "`--use_liger --liger_compile_layers true`",
                   "swift_liger_long_context": "`--use_liger --liger_config long_context`",
                   "swift_liger_save_attention": "`--use_liger --liger_save_attention true`",
+                  "swift_liger_packing": "`--use_liger --packing true --attn_impl swift_liger`",
+                  "packing_attention_only": "`--packing true --attn_impl swift_liger` (no other fusion)",
                   "liger_kernel": "`--use_liger_kernel true` (liger-kernel)"}
 SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
                      "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
@@ -133,9 +139,13 @@ def build(args) -> dict:
     overhead = _row_lengths(tokenizer, [{"messages": tiny._chat("", "")}])[0]
     budget = args.seq - SEQ_MARGIN - overhead
     rows = []
+    rng = random.Random(args.seed + 3)
     for _ in range(args.rows):
-        q = _fill(text, tokenizer, budget // 4)
-        a = _fill(text, tokenizer, budget - len(tokenizer.encode(q, add_special_tokens=False)))
+        target = budget
+        if args.lengths == "longtail":   # log-uniform between 64 tokens and the full budget (mean ~budget / ln)
+            target = int(math.exp(rng.uniform(math.log(64), math.log(budget))))
+        q = _fill(text, tokenizer, target // 4)
+        a = _fill(text, tokenizer, target - len(tokenizer.encode(q, add_special_tokens=False)))
         rows.append({"messages": tiny._chat(q, a)})
     lengths = _row_lengths(tokenizer, rows)
     if max(lengths) > args.seq - 8:
@@ -420,6 +430,8 @@ def main(argv=None):
     b.add_argument("--tok-vocab", type=int, default=2048, help="BPE vocab of the tokenizer (ids < --vocab)")
     b.add_argument("--seq", type=int, default=8192)
     b.add_argument("--rows", type=int, default=64)
+    b.add_argument("--lengths", default="full", choices=("full", "longtail"),
+                   help="full: every sft row just under --seq tokens; longtail: log-uniform 64..--seq (packing)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default="cuda")
     r = sub.add_parser("run", help="one `swift sft` run; writes OUT/<variant>.json")

@@ -22,6 +22,7 @@ from ..env import backend_from_env
 from ..fusions import BY_KEY, REGISTRY
 from ..patching.families import FAMILIES
 from ..versions import require as require_versions
+from .attention import check_arguments as check_attention
 
 _BOOL_FLAG = {"nargs": "?", "const": True}  # `--liger_rope` alone means true; default None means "from the preset"
 
@@ -158,11 +159,13 @@ def inject_fields(cls) -> None:
     cls.__post_init__ = __post_init__
 
     # ms-swift resolves the model's config in __post_init__ and creates the run directory at its end
-    # (_add_version): the model-type check goes right before that, so a refused run leaves no directory behind.
+    # (_add_version): the model-type check goes right before that, so a refused run leaves no directory behind;
+    # so does the --attn_impl swift_liger check (with or without --use_liger).
     orig_add_version = cls.__dict__.get("_add_version")
     if orig_add_version is not None:
         @functools.wraps(orig_add_version)
         def _add_version(self, *args, **kwargs):
+            check_attention(self)
             check_model(self)
             return orig_add_version(self, *args, **kwargs)
 

@@ -14,6 +14,7 @@ import sys
 # module name -> function name in swift_liger.integration.swift_patches
 TARGETS = {
     "swift.arguments.sft_args": "patch_sft_args",
+    "swift.model.utils": "patch_model_utils",
     "swift.pipelines.base": "patch_pipeline_base",
     "swift.cli.utils": "patch_cli_utils",
     "swift.pipelines.train.tuner": "patch_tuner",

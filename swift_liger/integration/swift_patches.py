@@ -1,6 +1,10 @@
 """What the import hook does to each ms-swift module, right after its body has run.
 
-* swift.arguments.sft_args   -> SftArguments gains the --use_liger / --liger_* fields (arguments.py).
+* swift.arguments.sft_args   -> SftArguments gains the --use_liger / --liger_* fields (arguments.py), and its
+                                 _check_padding_free takes --attn_impl swift_liger for --packing / --padding_free
+                                 (chosen by itself under --use_liger; attention.py).
+* swift.model.utils          -> AttnImpl.update_attn_impl registers the swift_liger attention implementation with
+                                 transformers before a model with --attn_impl swift_liger is built.
 * swift.pipelines.base       -> parse_args first refuses unknown or abbreviated --liger_* flags (before the run
                                  directory exists).
 * swift.cli.utils            -> `swift sft --help` prints every flag, ours included (ms-swift's sft entry point
@@ -35,6 +39,7 @@ import weakref
 from typing import Optional
 
 from ..cache.settings import check_settings
+from . import attention
 from .arguments import (FIELD_NAMES, check_argv, check_model, finalize, inject_fields, preference_fused, resolved,
                         validate, weighted_sft)
 from .record import records, write_record
@@ -93,7 +98,41 @@ def _is_master():
 
 def patch_sft_args(module) -> None:
     _check_version()
-    inject_fields(_require(module, "SftArguments", "swift.arguments.sft_args"))
+    cls = _require(module, "SftArguments", "swift.arguments.sft_args")
+    inject_fields(cls)
+    orig = _require(cls, "_check_padding_free", "swift.arguments.sft_args.SftArguments")
+    if getattr(orig, "_swift_liger", False):
+        return
+
+    @functools.wraps(orig)
+    def _check_padding_free(self):
+        attention.check_padding_free(self, orig, log=_log_info_on_master)
+
+    _check_padding_free._swift_liger = True
+    cls._check_padding_free = _check_padding_free   # RLHFArguments' override calls it first (super())
+
+
+def _log_info_on_master(message: str) -> None:
+    if _is_master():
+        _logger().info(message)
+
+
+def patch_model_utils(module) -> None:
+    """AttnImpl.update_attn_impl writes --attn_impl into the config of every model ms-swift loads (ModelLoader, before
+    from_pretrained): the swift_liger implementation is registered with transformers there."""
+    cls = _require(module, "AttnImpl", "swift.model.utils")
+    raw = cls.__dict__.get("update_attn_impl")
+    if not isinstance(raw, staticmethod):
+        raise ImportError(f"swift_liger: swift.model.utils.AttnImpl.update_attn_impl is not a staticmethod; "
+                          f"unsupported ms-swift {_swift_version()} (set SWIFT_LIGER_DISABLE_HOOK=1 to bypass)")
+    orig = raw.__func__
+
+    @functools.wraps(orig)
+    def update_attn_impl(config, attn_impl, *a, **kw):
+        attention.register_if_requested(attn_impl)
+        return orig(config, attn_impl, *a, **kw)
+
+    cls.update_attn_impl = staticmethod(update_attn_impl)
 
 
 def patch_pipeline_base(module) -> None:

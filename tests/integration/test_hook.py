@@ -90,6 +90,8 @@ FAKE_SWIFT = {
         class SftArguments:
             model: Optional[str] = None
             use_liger_kernel: bool = False
+            def _check_padding_free(self):
+                pass
             def __post_init__(self):
                 EVENTS.append(("post_init", self.use_liger))
     """),
@@ -188,7 +190,7 @@ def test_late_install_is_an_error_for_arguments(fake_swift):
 
 
 def test_targets_are_the_documented_modules():
-    assert set(hook.TARGETS) == {"swift.arguments.sft_args", "swift.pipelines.train.tuner",
+    assert set(hook.TARGETS) == {"swift.arguments.sft_args", "swift.model.utils", "swift.pipelines.train.tuner",
                                  "swift.pipelines.train.sft", "swift.pipelines.train.rlhf", "swift.pipelines.base",
                                  "swift.cli.utils", "swift.arguments.infer_args", "swift.pipelines.infer.infer",
                                  "swift.cli._megatron.main"}

@@ -1,0 +1,219 @@
+"""`--attn_impl swift_liger`: packing / padding-free training in ms-swift without flash-attn.
+
+In-process (real ms-swift arguments, no training): ms-swift's flash-only check takes swift_liger; --use_liger picks
+it for packed rows when attn_impl is unset, sdpa or eager (an explicit flash choice is kept); without --use_liger
+sdpa still gets ms-swift's error (plus our hint); the rlhf types ms-swift allows; refusals before the run directory
+exists; ms-swift's AttnImpl.update_attn_impl registers the implementation before a model is built.
+
+The real `swift sft` CLI (slow): padding-free runs (one packed row per step, position ids restarting, no mask) log
+the same per-step losses and token counts as the stock padded run over the same rows, with and without --use_liger;
+a --packing run trains over exactly the dataset's tokens; `swift rlhf --rlhf_type dpo --padding_free true
+--use_liger` logs stock padded DPO's metrics. The run without --use_liger executes the varlen kernel in
+Triton's interpreter; the two --use_liger runs use the PyTorch references (SWIFT_LIGER_BACKEND=torch) to stay fast
+on CPU (every fusion's kernels through the interpreter cost ~30 s a step at these lengths).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from swift_liger.integration import attention, swift_patches
+
+from swift_runner import CPU_FLAGS, run_swift, swift_env
+
+FLASH_ERROR = 'feature requires a flash attention implementation'
+
+
+@pytest.fixture(scope="module")
+def swift_mod():
+    from swift.arguments import RLHFArguments, SftArguments
+    from swift.utils import parse_args
+    return dict(sft=SftArguments, rlhf=RLHFArguments, parse=parse_args)
+
+
+@pytest.fixture
+def base_argv(tiny_qwen3, tmp_path):
+    return [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], "--check_model", "false",
+            "--tuner_type", "lora", "--output_dir", str(tmp_path / "out")]
+
+
+@pytest.fixture
+def logged(monkeypatch):
+    lines = []
+    monkeypatch.setattr(swift_patches, "_log_info_on_master", lines.append)
+    return lines
+
+
+def parse(swift_mod, argv, kind="sft"):
+    args, remaining = swift_mod["parse"](swift_mod[kind], argv)
+    assert remaining == []
+    return args
+
+
+def test_padding_free_with_sdpa_and_no_use_liger_keeps_ms_swifts_error(swift_mod, base_argv):
+    for flag in ("--padding_free", "--packing"):
+        with pytest.raises(ValueError, match=FLASH_ERROR) as exc:
+            parse(swift_mod, base_argv + [flag, "true", "--attn_impl", "sdpa"])
+        assert "--attn_impl swift_liger" in str(exc.value)   # our hint after ms-swift's message
+
+
+@pytest.mark.parametrize("given", [None, "sdpa", "eager"])
+@pytest.mark.parametrize("flag", ["--padding_free", "--packing"])
+def test_use_liger_switches_packed_runs_to_swift_liger(swift_mod, base_argv, logged, flag, given):
+    extra = [] if given is None else ["--attn_impl", given]
+    args = parse(swift_mod, base_argv + [flag, "true", "--use_liger", *extra])
+    assert args.attn_impl == "swift_liger" and args.padding_free is True
+    assert args.packing is (flag == "--packing")
+    assert len(logged) == 1 and f"{flag} with --use_liger" in logged[0] and "swift_liger" in logged[0], logged
+
+
+def test_explicit_choices_are_kept(swift_mod, base_argv, logged):
+    args = parse(swift_mod, base_argv + ["--packing", "true", "--use_liger", "--attn_impl", "flash_attn"])
+    assert args.attn_impl == "flash_attn" and args.padding_free is True
+    args = parse(swift_mod, base_argv + ["--use_liger"])                   # not packed: attention untouched
+    assert args.attn_impl is None
+    args = parse(swift_mod, base_argv + ["--packing", "true", "--attn_impl", "swift_liger"])   # no --use_liger
+    assert args.attn_impl == "swift_liger" and args.padding_free is True and args.use_liger is False
+    assert logged == []
+
+
+def test_rlhf_types(swift_mod, base_argv):
+    argv = base_argv + ["--padding_free", "true", "--attn_impl", "swift_liger"]
+    for rlhf_type in ("dpo", "kto"):
+        args = parse(swift_mod, argv + ["--rlhf_type", rlhf_type], kind="rlhf")
+        assert args.attn_impl == "swift_liger" and args.padding_free is True
+    with pytest.raises(NotImplementedError, match="does not support padding_free/packing"):   # ms-swift's own
+        parse(swift_mod, argv + ["--rlhf_type", "orpo"], kind="rlhf")
+
+
+def test_refusals_come_before_the_run_directory(swift_mod, base_argv, tiny_qwen3, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="sequence_parallel_size 2"):
+        parse(swift_mod, base_argv + ["--attn_impl", "swift_liger", "--sequence_parallel_size", "2"])
+    model = tmp_path / "dropout_model"
+    shutil.copytree(tiny_qwen3["model"], model)
+    with open(model / "config.json") as f:
+        config = json.load(f)
+    config["attention_dropout"] = 0.1
+    with open(model / "config.json", "w") as f:
+        json.dump(config, f)
+    argv = ["--model", str(model), *base_argv[2:]]
+    with pytest.raises(ValueError, match="attention_dropout=0.1"):
+        parse(swift_mod, argv + ["--padding_free", "true", "--attn_impl", "swift_liger"])
+    assert not glob.glob(str(out / "v*-*"))
+    parse(swift_mod, argv + ["--padding_free", "true", "--attn_impl", "flash_attn"])   # not ours to refuse
+
+
+def test_update_attn_impl_registers_before_the_model_is_built(monkeypatch, tiny_qwen3):
+    from swift.model.utils import AttnImpl
+    from transformers import AttentionInterface, AutoConfig
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from swift_liger.fusions import varlen_attention as va
+    monkeypatch.delitem(AttentionInterface._global_mapping, va.NAME, raising=False)
+    monkeypatch.delitem(AttentionMaskInterface._global_mapping, va.NAME, raising=False)
+    assert not va.registered()
+    config = AutoConfig.from_pretrained(tiny_qwen3["model"])
+    AttnImpl.update_attn_impl(config, "sdpa")
+    assert not va.registered()
+    AttnImpl.update_attn_impl(config, attention.ATTN_IMPL)
+    assert va.registered() and config._attn_implementation == "swift_liger"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real CLI
+# ---------------------------------------------------------------------------------------------------------------
+
+ROWS = 24   # of the tiny SFT set; ms-swift keeps those within max_length 64 (14 of them): 4 steps of 4 rows
+DPO_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tiny_qwen3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("packing_runs")
+    data = root / "sft.jsonl"
+    with open(tiny_qwen3["sft"]) as f:
+        data.write_text("".join(f.readlines()[:ROWS]))
+    # --lora_dropout 0: dropout draws depend on the batch's shape, which padding-free changes
+    common = [*tiny_qwen3["swift_flags"], "--dataset", str(data), "--tuner_type", "lora", *CPU_FLAGS,
+              "--max_length", "64", "--per_device_train_batch_size", "4", "--learning_rate", "2e-3",
+              "--lora_dropout", "0", "--num_train_epochs", "1", "--save_strategy", "no", "--report_to", "none"]
+    torch_env = swift_env(SWIFT_LIGER_BACKEND="torch")
+    specs = {  # name: (argv, env)
+        "padding_free": (common + ["--padding_free", "true", "--attn_impl", "swift_liger"], None),
+        "base": (common, None),
+        "padding_free_liger": (common + ["--padding_free", "true", "--attn_impl", "sdpa", "--use_liger"], torch_env),
+        "packing": (common + ["--packing", "true", "--packing_length", "128", "--use_liger",
+                              "--per_device_train_batch_size", "1"], torch_env),
+    }
+    dpo = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["pref"], "--rlhf_type", "dpo", "--tuner_type", "lora",
+           *CPU_FLAGS, "--max_length", "64", "--per_device_train_batch_size", "2", "--learning_rate", "2e-3",
+           "--lora_dropout", "0", "--max_steps", str(DPO_STEPS), "--save_strategy", "no", "--report_to", "none"]
+    rlhf = {"dpo_base": (dpo, None), "dpo_padding_free_liger": (dpo + ["--padding_free", "true", "--use_liger"],
+                                                                  torch_env)}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run_swift, "sft", argv, str(root / name), env)
+                   for name, (argv, env) in specs.items()}
+        futures.update({name: pool.submit(run_swift, "rlhf", argv, str(root / name), env)
+                        for name, (argv, env) in rlhf.items()})
+        return {name: f.result() for name, f in futures.items()}
+
+
+def _tokens(row) -> int:
+    return round(row["tokens/s"] * row["step_time(s)"])
+
+
+def _close(a, b, atol=1e-5, rtol=1e-5) -> bool:
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["padding_free", "padding_free_liger"])
+def test_padding_free_logs_the_padded_runs_losses(cli_runs, name):
+    base, run = cli_runs["base"].check().steps(), cli_runs[name].check().steps()
+    assert len(base) == len(run) >= 3, (base, run)
+    for a, b in zip(base, run):   # the same rows per step, one packed row instead of a padded batch
+        assert a["step"] == b["step"] and _tokens(a) == _tokens(b), (a, b)
+        assert _close(a["loss"], b["loss"]) and _close(a["grad_norm"], b["grad_norm"], rtol=1e-4), (a, b)
+    assert base[0]["loss"] != base[-1]["loss"]
+    with open(os.path.join(cli_runs[name].run_dir, "args.json")) as f:
+        args = json.load(f)
+    assert args["attn_impl"] == "swift_liger" and args["padding_free"] is True
+
+
+@pytest.mark.slow
+def test_use_liger_says_it_switched_the_attention(cli_runs):
+    log = cli_runs["padding_free_liger"].check().log
+    assert log.count("--padding_free with --use_liger and --attn_impl sdpa: using --attn_impl swift_liger") == 1
+    assert "swift_liger: patched the policy model" in log
+    assert "using --attn_impl swift_liger" not in cli_runs["padding_free"].log
+
+
+@pytest.mark.slow
+def test_packing_trains_over_the_datasets_tokens(cli_runs):
+    base, packed = cli_runs["base"].check().steps(), cli_runs["packing"].check().steps()
+    assert packed and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in packed), packed
+    assert len(packed) < 14   # 14 rows of <= 64 tokens in bins of 128: several rows per step
+    assert sum(_tokens(r) for r in packed) == sum(_tokens(r) for r in base), (packed, base)
+    log = cli_runs["packing"].log
+    assert "--packing with --use_liger and no --attn_impl: using --attn_impl swift_liger" in log
+
+
+@pytest.mark.slow
+def test_dpo_padding_free_logs_the_padded_runs_metrics(cli_runs):
+    """swift rlhf --rlhf_type dpo --padding_free true --use_liger (swift_liger attention chosen by itself; the
+    trainer's log-probs from hidden states over the packed chosen + rejected rows) against stock padded DPO."""
+    base, run = cli_runs["dpo_base"].check().steps(), cli_runs["dpo_padding_free_liger"].check().steps()
+    assert [r["step"] for r in base] == [r["step"] for r in run] == list(range(1, DPO_STEPS + 1))
+    keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+    for a, b in zip(base, run):
+        bad = {k: (a[k], b[k]) for k in keys if not _close(a[k], b[k], atol=1e-5, rtol=1e-4)}
+        assert not bad, (a["step"], bad)
+    assert "--padding_free with --use_liger and no --attn_impl: using --attn_impl swift_liger" in \
+        cli_runs["dpo_padding_free_liger"].log
