@@ -155,9 +155,10 @@ def _key_range(lo_ptr, m0, T, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _fwd_step(q, k_base, v_base, lo_ptr, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t, scale, softcap,
-              window, BLOCK_N: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-              UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _load_keys(k_base, v_base, lo_ptr, n0, d, dmask, T, sk_t, sv_t, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """One key block: positions n, K and V tiles, and (under MASK) each key's document; unmasked blocks lie wholly
+    inside T and one document, so only the head-dim padding is masked."""
     n = n0 + tl.arange(0, BLOCK_N)
     if MASK:
         nmask = n < T
@@ -171,6 +172,14 @@ def _fwd_step(q, k_base, v_base, lo_ptr, n0, m, doc_q, m_i, l_i, acc, d, dmask, 
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    return n, k, v, doc_k
+
+
+@triton.jit
+def _fwd_step(q, k_base, v_base, lo_ptr, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t, scale, softcap,
+              window, BLOCK_N: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+              UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    n, k, v, doc_k = _load_keys(k_base, v_base, lo_ptr, n0, d, dmask, T, sk_t, sv_t, BLOCK_N, MASK, UPCAST)
     s, _t = _scores(q, k, m, n, doc_q, doc_k, scale, softcap, window, MASK, SOFTCAP, WINDOW, IEEE)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with no visible key yet
@@ -346,19 +355,7 @@ def _varlen_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr,
 def _dq_step(q, do, lse, delta, dq, k_base, v_base, lo_ptr, n0, m, doc_q, d, dmask, T, sk_t, sv_t, scale, softcap,
              window, BLOCK_N: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
              UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    n = n0 + tl.arange(0, BLOCK_N)
-    if MASK:
-        nmask = n < T
-        kvm = nmask[:, None] & dmask[None, :]
-        doc_k = tl.load(lo_ptr + n, mask=nmask, other=-2)
-    else:
-        kvm = dmask[None, :]
-        doc_k = n
-    k = tl.load(k_base + n[:, None] * sk_t + d[None, :], mask=kvm, other=0.0)
-    v = tl.load(v_base + n[:, None] * sv_t + d[None, :], mask=kvm, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    n, k, v, doc_k = _load_keys(k_base, v_base, lo_ptr, n0, d, dmask, T, sk_t, sv_t, BLOCK_N, MASK, UPCAST)
     s, t = _scores(q, k, m, n, doc_q, doc_k, scale, softcap, window, MASK, SOFTCAP, WINDOW, IEEE)
     p = tl.exp2(s - lse[:, None])
     dp = _dot(do, tl.trans(v), IEEE)
