@@ -100,6 +100,16 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
 
 
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Attention inputs: 4-D float tensors on one device, one dtype, contiguous last dim (shapes: the op's own)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4)
+    check_same_device(q=q, k=k, v=v)
+    check_same_dtype(q=q, k=k, v=v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_last_dim_contiguous(name, t)
+
+
 def check_positive(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"{name} must be a number > 0, got {value!r}")

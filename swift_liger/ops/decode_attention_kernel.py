@@ -261,13 +261,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     Returns:
         [B, 1, Hq, D] in q's dtype (transformers' attention-output layout).
     """
-    _common.check_tensor("q", q, ndim=4)
-    _common.check_tensor("k", k, ndim=4)
-    _common.check_tensor("v", v, ndim=4)
-    _common.check_same_device(q=q, k=k, v=v)
-    _common.check_same_dtype(q=q, k=k, v=v)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _common.check_last_dim_contiguous(name, t)
+    _common.check_qkv(q, k, v)
     B, HQ, T, D = q.shape
     if T != 1:
         raise ValueError(f"decode_attention takes one query token per row, got q of shape {tuple(q.shape)}")

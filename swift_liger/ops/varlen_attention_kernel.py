@@ -99,7 +99,7 @@ def launch_config(kind: str, block_d: int, elt_bytes: int, device) -> AttnConfig
 
 @triton.jit
 def _tanh(x):
-    # no libdevice under the interpreter; exact enough in fp32 (|error| < 1e-7 away from 0, exp overflow -> +-1)
+    # tl.exp only (runs under the interpreter); exact enough in fp32 (|error| < 1e-7 away from 0, overflow -> +-1)
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
@@ -191,22 +191,27 @@ def _fwd_step(q, k_base, v_base, lo_ptr, n0, m, doc_q, m_i, l_i, acc, d, dmask, 
 
 
 @triton.jit
+def _query_block(T, HQ, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Coordinates of a (query block, batch x query head) program; the longest query blocks (most keys under the
+    causal mask) get the lowest program ids, so they start first and the tail at the end is short."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    m0 = pid_m * BLOCK_M
+    m = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    return pid_bh, b, h, h // G, m0, m, d, m < T, d < D
+
+
+@triton.jit
 def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, T, HQ, scale, softcap, window,
                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_t, so_h, sd_b,
                        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
                        IEEE: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M), B * HQ). o rows and lse (log2 domain, [B, HQ, T] fp32)."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)    # most keys first (causal): less tail at the end
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    hk = h // G
-    m0 = pid_m * BLOCK_M
-    m = m0 + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    mmask = m < T
-    dmask = d < D
+    pid_bh, b, h, hk, m0, m, d, mmask, dmask = _query_block(T, HQ, G, D, BLOCK_D, BLOCK_M)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + m[:, None] * sq_t + d[None, :],
                 mask=mmask[:, None] & dmask[None, :], other=0.0)
     if UPCAST:
@@ -374,16 +379,7 @@ def _varlen_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, d
                       BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
                       IEEE: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M), B * HQ). dQ of one query block over the keys the forward visited."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)    # most keys first (causal): less tail at the end
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    hk = h // G
-    m0 = pid_m * BLOCK_M
-    m = m0 + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    mmask = m < T
-    dmask = d < D
+    pid_bh, b, h, hk, m0, m, d, mmask, dmask = _query_block(T, HQ, G, D, BLOCK_D, BLOCK_M)
     qm = mmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + b * sq_b + h * sq_h + m[:, None] * sq_t + d[None, :], mask=qm, other=0.0)
     do = tl.load(do_ptr + b * sg_b + h * sg_h + m[:, None] * sg_t + d[None, :], mask=qm, other=0.0)
@@ -598,13 +594,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_ids:
     Returns:
         [B, T, Hq, D] in q's dtype (transformers' attention-output layout).
     """
-    _common.check_tensor("q", q, ndim=4)
-    _common.check_tensor("k", k, ndim=4)
-    _common.check_tensor("v", v, ndim=4)
-    _common.check_same_device(q=q, k=k, v=v)
-    _common.check_same_dtype(q=q, k=k, v=v)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _common.check_last_dim_contiguous(name, t)
+    _common.check_qkv(q, k, v)
     B, HQ, T, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[2] != T or k.shape[3] != D:
         raise ValueError(f"k and v must be [B, Hkv, T, D] = [{B}, *, {T}, {D}], got {tuple(k.shape)} and "
