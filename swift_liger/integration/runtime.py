@@ -5,13 +5,16 @@ The patch report says what was installed; this says what ran. Sources:
   loss), fused log-prob passes, forwards that returned [rows, V] logits, and lora_fusion's LoRA projection calls
   through ops.lora_linear or PEFT's own forward;
 * a preference trainer's log-prob passes by path (preference.py): from hidden states or from real logits, with
-  gradient (the policy) or without (the reference pass, KTO's KL pass, eval).
+  gradient (the policy) or without (the reference pass, KTO's KL pass, eval);
+* the policy's attention implementation and, for ``swift_liger``, its calls since training began: through the
+  packed-row kernel (``varlen``), handed to SDPA or the softcap-aware eager softmax, document bounds computed.
 "liger_patch.json" gets ``runtime: {"first_step": {...}, "total": {...}}``; "total" is written at the end of training.
 """
 from __future__ import annotations
 
 from transformers import TrainerCallback
 
+from ..fusions import varlen_attention
 from ..patcher import call_counts
 from .preference import fallback_reasons
 from .record import update_record
@@ -25,7 +28,17 @@ def _models(trainer):
     return out
 
 
-def snapshot(trainer) -> dict:
+def _attention(model, since: dict) -> dict:
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    out = {"impl": impl}
+    if impl == varlen_attention.NAME:   # COUNTS is process-wide: the calls since on_train_begin
+        for key in ("varlen", "sdpa", "eager", "bounds", "dense_masks"):
+            out[key] = varlen_attention.COUNTS[key] - since.get(key, 0)
+    return out
+
+
+def snapshot(trainer, attention_since: dict | None = None) -> dict:
     out = {}
     for role, model in _models(trainer):
         counts = call_counts(model)
@@ -38,6 +51,7 @@ def snapshot(trainer) -> dict:
     policy = out.get("policy")
     if policy and (policy["lora_fused"] or policy["lora_peft"]):   # the reference pass of LoRA runs on the policy
         out["lora_fusion"] = {"ops.lora_linear": policy["lora_fused"], "peft": policy["lora_peft"]}
+    out["attention"] = _attention(trainer.model, attention_since or {})
     return out
 
 
@@ -82,6 +96,14 @@ def describe(snap: dict, when: str = "in the first step") -> list:
             line += (" (gradient checkpointing off, or attention did not reach a fused SDPA kernel: eager, flex or "
                      "a masked batch on the math path)")
         lines.append(line)
+    att = snap.get("attention") or {}
+    if att.get("impl") == varlen_attention.NAME:
+        line = (f"attention {when}: {att['varlen']} calls through swift_liger's packed-row kernel, "
+                f"{att['sdpa']} handed to SDPA, {att['eager']} to the eager softcap softmax; document bounds "
+                f"computed {att['bounds']} times")
+        if att["sdpa"] or att["eager"]:
+            line += " (SDPA / eager take cached decode steps, 4D masks and padding inside a row)"
+        lines.append(line)
     lora = snap.get("lora_fusion")
     if lora:
         line = (f"lora_fusion {when}: {lora['ops.lora_linear']} LoRA projection calls through ops.lora_linear, "
@@ -97,6 +119,7 @@ class RuntimeRecord(TrainerCallback):
     def __init__(self, trainer, args):
         self.trainer, self.args = trainer, args
         self.first = None
+        self.attention_since = {}
 
     def _master(self):
         from swift.utils import is_master
@@ -105,13 +128,14 @@ class RuntimeRecord(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         for _, model in _models(self.trainer):
             call_counts(model, reset=True)
+        self.attention_since = dict(varlen_attention.COUNTS)
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step != 1 or self.first is not None or not self._master():
             return
         from swift.utils import get_logger
 
-        self.first = snapshot(self.trainer)
+        self.first = snapshot(self.trainer, self.attention_since)
         logger = get_logger()
         for line in describe(self.first):
             logger.info(f"swift_liger: {line}")
@@ -120,5 +144,6 @@ class RuntimeRecord(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if not self._master():
             return
-        update_record(self.args, "runtime", {"first_step": self.first, "total": snapshot(self.trainer),
+        total = snapshot(self.trainer, self.attention_since)
+        update_record(self.args, "runtime", {"first_step": self.first, "total": total,
                                              "optimizer_steps": state.global_step})

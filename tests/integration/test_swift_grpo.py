@@ -6,7 +6,8 @@ the tokens of the generated rows the loss trained on (GRPO's training_step gets 
 tokens among them. A pair of runs with --log_entropy and --top_entropy_quantile 0.5 asks for entropies too: the
 patched one takes them from the same pass of the head (entropy metrics, threshold and the masked loss equal the
 unpatched run's). Another pair changes the loss settings ms-swift owns (dr_grpo, epsilon_high, two-sided delta,
-sequence-level importance sampling): every metric equal again, since only the log-probs come from us.
+sequence-level importance sampling): every metric equal again, since only the log-probs come from us. And
+`--padding_free true --use_liger` (no flash-attn: our packed-row attention) logs the padded run's metrics.
 """
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def runs(tiny_qwen3, tmp_path_factory):
              "entropy_base": (argv + entropy, swift_env()),
              "entropy_liger": (argv + entropy + ["--use_liger"], liger_env),
              "settings_base": (argv + SETTINGS, swift_env()),
-             "settings_liger": (argv + SETTINGS + ["--use_liger"], liger_env)}
+             "settings_liger": (argv + SETTINGS + ["--use_liger"], liger_env),
+             # --use_liger picks --attn_impl swift_liger: each batch's rows as one packed row, no padding
+             "padding_free_liger": (argv + ["--padding_free", "true", "--use_liger"], liger_env)}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
         return {n: f.result() for n, f in futures.items()}
@@ -95,6 +98,17 @@ def test_loss_settings_stay_ms_swifts(runs):
     assert {"loss", "grad_norm", "kl"} <= compared, compared
     passes = liger.patch_record()["runtime"]["total"]["trainer"]["log_prob_passes"]
     assert passes["logits"] == passes["logits_no_grad"] == 0, passes
+
+
+def test_padding_free_logs_the_padded_runs_metrics(runs):
+    base, run = runs["base"].check(), runs["padding_free_liger"].check()
+    compared = compare_metrics(base.steps(), run.steps(), NOT_COMPARED)
+    assert {"loss", "grad_norm", "reward", "kl", "completions/mean_length"} <= compared, compared
+    assert "--padding_free with --use_liger and no --attn_impl: using --attn_impl swift_liger" in run.log
+    runtime = run.patch_record()["runtime"]["total"]
+    passes = runtime["trainer"]["log_prob_passes"]
+    assert passes["fused_linear_logprobs"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
+    assert runtime["attention"]["impl"] == "swift_liger" and runtime["attention"]["varlen"] > 0, runtime
 
 
 def test_grpo_logs_tokens_and_completion_tokens_per_second(runs):

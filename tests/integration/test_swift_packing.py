@@ -193,6 +193,16 @@ def test_use_liger_says_it_switched_the_attention(cli_runs):
     assert log.count("--padding_free with --use_liger and --attn_impl sdpa: using --attn_impl swift_liger") == 1
     assert "swift_liger: patched the policy model" in log
     assert "using --attn_impl swift_liger" not in cli_runs["padding_free"].log
+    # what ran, counted: every layer's attention of every forward and recompute through the packed-row kernel
+    runtime = cli_runs["padding_free_liger"].patch_record()["runtime"]
+    steps = len(cli_runs["padding_free_liger"].steps())
+    first, total = runtime["first_step"]["attention"], runtime["total"]["attention"]
+    assert first["impl"] == total["impl"] == "swift_liger", runtime
+    assert first["sdpa"] == first["eager"] == total["sdpa"] == total["eager"] == 0, runtime
+    assert first["varlen"] > 0 and total["varlen"] == steps * first["varlen"], runtime
+    assert first["bounds"] > 0 and total["bounds"] == steps * first["bounds"], runtime
+    assert (f"swift_liger: attention in the first step: {first['varlen']} calls through swift_liger's packed-row "
+            "kernel, 0 handed to SDPA") in log
 
 
 @pytest.mark.slow
