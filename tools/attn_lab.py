@@ -52,6 +52,30 @@ def run_case(name, fn, q, k, v, go):
         return {"impl": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
+def kernel_profile(fn, q, k, v, go, steps=5):
+    """Device µs per fwd+bwd step by kernel name (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    o = fn(q, k, v)
+    g = go if go.shape == o.shape else go.transpose(1, 2).reshape(o.shape)
+
+    def once():
+        for t in (q, k, v):
+            t.grad = None
+        fn(q, k, v).backward(g)
+    once()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            once()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.events():   # kernels only (their device_type is CUDA); operators would count them twice
+        if e.device_type.name == "CUDA":
+            per[e.name[:90]] = per.get(e.name[:90], 0.0) + e.time_range.elapsed_us() / steps
+    return dict(sorted(per.items(), key=lambda kv: -kv[1])[:12])
+
+
 def sweep(q, k, v, go, seq_ids, d, useful, spec, layout):
     """Alternative tiles per kernel kind (launch_override), the others at their default."""
     from swift_liger.ops import varlen_attention_kernel as va
@@ -85,6 +109,7 @@ def main():
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tiles of ours (first head spec, "
                                                           "first packed layout)")
+    ap.add_argument("--profile", action="store_true", help="device time by kernel of each case (torch.profiler)")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -145,6 +170,8 @@ def main():
             for name, fn in cases:
                 r = run_case(name, fn, q, k, v, go)
                 r.update(heads=spec, layout=layout, docs=len(lengths), tokens=T, useful_tflop=useful / 1e12)
+                if args.profile and "ms" in r:
+                    r["kernels_us"] = kernel_profile(fn, q, k, v, go)
                 if "ms" in r:
                     r["tflops"] = useful / r["ms"] / 1e9
                     r["fwd_tflops"] = useful / 3.5 / r["fwd_ms"] / 1e9

@@ -1,5 +1,5 @@
 """PNG plots of the packing benchmarks: python tools/plot_packing.py (reads docs/benchmarks/
-swift_cli_qwen2_5_1_5b_packing.json and attn_lab_h200_tuned.json, writes the two .png beside them)."""
+swift_cli_qwen2_5_{1_5b,7b}_packing.json and attn_lab_h200_tuned.json, writes the .png beside them)."""
 import json
 import os
 
@@ -10,8 +10,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks")
 
 
-def packing():
-    d = json.load(open(os.path.join(DOCS, "swift_cli_qwen2_5_1_5b_packing.json")))
+def packing(stem: str, title: str):
+    d = json.load(open(os.path.join(DOCS, stem + ".json")))
     names = {"plain": "plain\n(padded)", "swift_liger": "--use_liger\n(padded)",
              "packing_attention_only": "--packing\n(our attention)", "swift_liger_packing": "--use_liger\n--packing"}
     runs = [(names[k], v["summary"]) for k, v in d["runs"].items()]
@@ -20,9 +20,9 @@ def packing():
     a.set_ylabel("real tokens/s (median)")
     b.bar([n for n, _ in runs], [s["peak_allocated_gib"] for _, s in runs], color="#dd8452")
     b.set_ylabel("peak allocated GiB")
-    fig.suptitle("swift sft LoRA, Qwen2.5-1.5B shapes, rows of 64-8k tokens (H200)")
+    fig.suptitle(f"swift sft LoRA, {title} shapes, rows of 64-8k tokens (H200)")
     fig.tight_layout()
-    fig.savefig(os.path.join(DOCS, "swift_cli_qwen2_5_1_5b_packing.png"), dpi=110)
+    fig.savefig(os.path.join(DOCS, stem + ".png"), dpi=110)
 
 
 def attention():
@@ -42,5 +42,6 @@ def attention():
 
 
 if __name__ == "__main__":
-    packing()
+    packing("swift_cli_qwen2_5_1_5b_packing", "Qwen2.5-1.5B")
+    packing("swift_cli_qwen2_5_7b_packing", "Qwen2.5-7B")
     attention()

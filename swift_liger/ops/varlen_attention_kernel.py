@@ -204,7 +204,9 @@ def _query_block(T, HQ, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     return pid_bh, b, h, h // G, m0, m, d, m < T, d < D
 
 
-@triton.jit
+# T and the bounds' row stride (T) change with every packed row's length; left unspecialised, one compile per
+# configuration serves every length (specialised, Triton compiles again whenever T % 16 == 0 flips: seconds per step).
+@triton.jit(do_not_specialize=["T", "sd_b"])
 def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, T, HQ, scale, softcap, window,
                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_t, so_h, sd_b,
                        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -240,7 +242,7 @@ def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, T, HQ, scale
     tl.store(lse_ptr + pid_bh * T + m, m_i + tl.log2(l_safe), mask=mmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _varlen_delta_kernel(o_ptr, do_ptr, delta_ptr, T, HQ, so_b, so_t, so_h, sg_b, sg_t, sg_h,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, UPCAST: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M), B * HQ). delta[b, h, i] = sum_d o * dO (fp32): the softmax backward's row term."""
@@ -288,7 +290,7 @@ def _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_ptr, m0, 
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "sd_b"])
 def _varlen_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, hi_ptr, dk_ptr, dv_ptr,
                         T, HQ, HKV, scale, softcap, window,
                         sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sg_b, sg_t, sg_h,
@@ -371,7 +373,7 @@ def _dq_step(q, do, lse, delta, dq, k_base, v_base, lo_ptr, n0, m, doc_q, d, dma
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "sd_b"])
 def _varlen_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, dq_ptr, T, HQ, scale, softcap,
                       window, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sg_b, sg_t, sg_h,
                       sdq_b, sdq_h, sdq_t, sd_b,
