@@ -5,6 +5,7 @@ torch.compile'd flex_attention with a causal / document mask, and ours (swift_li
 importable. Useful FLOPs count only the (query, key) pairs a causal document mask keeps:
 fwd 4·D·pairs per head, fwd+bwd 3.5x that (backward = 2.5 forward's matrix products)."""
 import argparse
+import importlib
 import json
 import math
 import time
@@ -81,12 +82,23 @@ def sweep(q, k, v, go, seq_ids, d, useful, spec, layout):
     from swift_liger.ops import varlen_attention_kernel as va
     from swift_liger.ops._common import launch_override
     fn = lambda q, k, v: va.varlen_attention(q, k, v, seq_ids, scale=d ** -0.5)  # noqa: E731
+    if d == 256:   # the head-256 candidates and neighbours (the D=128 tiles exceed shared memory there)
+        grid = {"dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2),
+                         (16, 128, 8, 2), (32, 64, 8, 1)],
+                "dq": [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)]}
+        return _sweep(q, k, v, go, fn, grid, useful, spec, layout)
     grid = {"fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 3),
                     (64, 128, 8, 2), (128, 64, 8, 2)],
             "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 3), (16, 128, 8, 3),
-                     (32, 128, 4, 3), (64, 128, 8, 3)],
+                     (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 2)],
             "dq": [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3),
                    (128, 64, 8, 3)]}
+    return _sweep(q, k, v, go, fn, grid, useful, spec, layout)
+
+
+def _sweep(q, k, v, go, fn, grid, useful, spec, layout):
+    from swift_liger.ops import varlen_attention_kernel as va
+    from swift_liger.ops._common import launch_override
     out = []
     for kind, cfgs in grid.items():
         for bm, bn, w, st in cfgs:
@@ -108,7 +120,10 @@ def main():
     ap.add_argument("--heads", default="28/4/128,14/2/64,16/8/256")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tiles of ours (first head spec, "
-                                                          "first packed layout)")
+                                                          "the --sweep_layout layout)")
+    ap.add_argument("--sweep_layout", default="packed", help="dense, or packed (the first packed layout)")
+    ap.add_argument("--compare", default="", help="also time MODULE.varlen_attention (e.g. a previous version of the "
+                                                  "kernel module copied into swift_liger/ops)")
     ap.add_argument("--profile", action="store_true", help="device time by kernel of each case (torch.profiler)")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -167,6 +182,10 @@ def main():
                 seq_ids = seg[None].to(torch.int32)
                 cases.append(("swift_liger", lambda q, k, v: varlen_attention(q, k, v, seq_ids,
                                                                               scale=d ** -0.5)))
+                if args.compare:
+                    other = importlib.import_module(args.compare).varlen_attention
+                    cases.append((args.compare.rsplit(".", 1)[-1],
+                                  lambda q, k, v: other(q, k, v, seq_ids, scale=d ** -0.5)))
             for name, fn in cases:
                 r = run_case(name, fn, q, k, v, go)
                 r.update(heads=spec, layout=layout, docs=len(lengths), tokens=T, useful_tflop=useful / 1e12)
@@ -177,7 +196,8 @@ def main():
                     r["fwd_tflops"] = useful / 3.5 / r["fwd_ms"] / 1e9
                 print(json.dumps(r), flush=True)
                 results.append(r)
-            if args.sweep and varlen_attention is not None and spec == args.heads.split(",")[0] and layout != "dense":
+            if (args.sweep and varlen_attention is not None and spec == args.heads.split(",")[0]
+                    and layout.startswith(args.sweep_layout)):
                 results += sweep(q, k, v, go, seg[None].to(torch.int32), d, useful, spec, layout)
                 args.sweep = False
             with open(args.out, "w") as f:

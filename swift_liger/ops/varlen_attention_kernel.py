@@ -46,16 +46,20 @@ LAUNCH_CONFIGS = {"fwd": AttnConfig, "dkdv": AttnConfig, "dq": AttnConfig}
 _C = AttnConfig
 # Most preferred first, per kernel kind and padded head dim (<= 64, <= 128, 256). The first candidate whose estimated
 # shared memory fits the device is launched; 32-bit inputs skip the first one (its fp32 tiles spill registers).
+# Firsts from H200 tile sweeps (docs/benchmarks/attention_packed_h200.md): head dim 128, dK/dV 64x128 and dQ 128x64
+# took 7B heads' fwd+bwd from 5.54 to 4.79 ms; head dim 256, dK/dV 64x64 and dQ 128x32 each cut 1.8 / 2.8 ms off 13.97
+# (timed one at a time); head dim 64 keeps session 18's tiles (not swept since the dK/dV step was transposed).
 CANDIDATES = {
     ("fwd", 64): (_C(128, 64, 4, 3), _C(64, 64, 4, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
     ("fwd", 128): (_C(128, 64, 8, 3), _C(64, 64, 4, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
     ("fwd", 256): (_C(64, 64, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
     ("dkdv", 64): (_C(32, 128, 8, 3), _C(32, 64, 4, 2), _C(16, 64, 4, 2), _C(16, 32, 4, 1), _C(16, 16, 4, 1)),
-    ("dkdv", 128): (_C(32, 128, 8, 3), _C(32, 64, 4, 2), _C(16, 64, 4, 2), _C(16, 32, 4, 1), _C(16, 16, 4, 1)),
-    ("dkdv", 256): (_C(32, 64, 8, 2), _C(16, 64, 4, 2), _C(16, 32, 4, 1), _C(16, 16, 4, 1)),
+    ("dkdv", 128): (_C(64, 128, 8, 3), _C(32, 128, 8, 3), _C(32, 64, 4, 2), _C(16, 64, 4, 2), _C(16, 32, 4, 1),
+                    _C(16, 16, 4, 1)),
+    ("dkdv", 256): (_C(64, 64, 8, 2), _C(32, 64, 8, 2), _C(16, 64, 4, 2), _C(16, 32, 4, 1), _C(16, 16, 4, 1)),
     ("dq", 64): (_C(128, 32, 8, 3), _C(64, 32, 4, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
-    ("dq", 128): (_C(128, 32, 8, 3), _C(64, 32, 4, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
-    ("dq", 256): (_C(64, 32, 8, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
+    ("dq", 128): (_C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
+    ("dq", 256): (_C(128, 32, 8, 2), _C(64, 32, 8, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
 }
 
 
@@ -111,11 +115,12 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, m, n, doc_q, doc_k, qk_scale, softcap, window,
+def _scores(a, b, mq, nk, docq, dock, qk_scale, softcap, window,
             MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
-    """Scores in the log2 domain [BM, BN] (masked to -inf under MASK) and, under SOFTCAP, tanh(raw / softcap) (for
-    the backward)."""
-    s = _dot(q, tl.trans(k), IEEE)
+    """Scores in the log2 domain of dot(a, b) (masked to -inf under MASK) and, under SOFTCAP, tanh(raw / softcap)
+    (for the backward). Either [BM, BN] (a = q, b = k^T; mq = m[:, None], nk = n[None, :], docs alike) or
+    transposed [BN, BM] (a = k, b = q^T; mq = m[None, :], nk = n[:, None])."""
+    s = _dot(a, b, IEEE)
     if SOFTCAP:
         t = _tanh(s * (qk_scale / softcap))          # qk_scale here is the natural-log scale
         s = (softcap * LOG2E) * t
@@ -123,9 +128,9 @@ def _scores(q, k, m, n, doc_q, doc_k, qk_scale, softcap, window,
         t = s
         s = s * (qk_scale * LOG2E)
     if MASK:
-        valid = (doc_q[:, None] == doc_k[None, :]) & (n[None, :] <= m[:, None])
+        valid = (docq == dock) & (nk <= mq)
         if WINDOW:
-            valid = valid & (m[:, None] - n[None, :] < window)
+            valid = valid & (mq - nk < window)
         s = tl.where(valid, s, float("-inf"))
     return s, t
 
@@ -180,7 +185,8 @@ def _fwd_step(q, k_base, v_base, lo_ptr, n0, m, doc_q, m_i, l_i, acc, d, dmask, 
               window, BLOCK_N: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
               UPCAST: tl.constexpr, IEEE: tl.constexpr):
     n, k, v, doc_k = _load_keys(k_base, v_base, lo_ptr, n0, d, dmask, T, sk_t, sv_t, BLOCK_N, MASK, UPCAST)
-    s, _t = _scores(q, k, m, n, doc_q, doc_k, scale, softcap, window, MASK, SOFTCAP, WINDOW, IEEE)
+    s, _t = _scores(q, tl.trans(k), m[:, None], n[None, :], doc_q[:, None], doc_k[None, :], scale, softcap, window,
+                    MASK, SOFTCAP, WINDOW, IEEE)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with no visible key yet
     alpha = tl.exp2(m_i - m_safe)
@@ -262,31 +268,36 @@ def _varlen_delta_kernel(o_ptr, do_ptr, delta_ptr, T, HQ, so_b, so_t, so_h, sg_b
 def _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_ptr, m0, n, doc_k, d, dmask, T, sq_t, sg_t,
                scale, softcap, window, BLOCK_M: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                WINDOW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """One query block's share of dK and dV, in the transposed form [keys, queries]: P^T and dS^T come out of the
+    products as the left operands of the dV and dK products, so no register tile is transposed."""
     m = m0 + tl.arange(0, BLOCK_M)
     if MASK:
         mmask = m < T
         qm = mmask[:, None] & dmask[None, :]
+        qtm = dmask[:, None] & mmask[None, :]
         lse = tl.load(lse_base + m, mask=mmask, other=0.0)
         delta = tl.load(delta_base + m, mask=mmask, other=0.0)
         doc_q = tl.load(lo_ptr + m, mask=mmask, other=-1)
     else:
         qm = dmask[None, :]
+        qtm = dmask[:, None]
         lse = tl.load(lse_base + m)
         delta = tl.load(delta_base + m)
         doc_q = m
-    q = tl.load(q_base + m[:, None] * sq_t + d[None, :], mask=qm, other=0.0)
-    do = tl.load(do_base + m[:, None] * sg_t + d[None, :], mask=qm, other=0.0)
+    qt = tl.load(q_base + m[None, :] * sq_t + d[:, None], mask=qtm, other=0.0)    # [BLOCK_D, BM]
+    do = tl.load(do_base + m[:, None] * sg_t + d[None, :], mask=qm, other=0.0)    # [BM, BLOCK_D]
     if UPCAST:
-        q = q.to(tl.float32)
+        qt = qt.to(tl.float32)
         do = do.to(tl.float32)
-    s, t = _scores(q, k, m, n, doc_q, doc_k, scale, softcap, window, MASK, SOFTCAP, WINDOW, IEEE)
-    p = tl.exp2(s - lse[:, None])                         # [BM, BN], 0 where masked
-    dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
-    dp = _dot(do, tl.trans(v), IEEE)
-    ds = p * (dp - delta[:, None])
+    st, tt = _scores(k, qt, m[None, :], n[:, None], doc_q[None, :], doc_k[:, None], scale, softcap, window,
+                     MASK, SOFTCAP, WINDOW, IEEE)                   # [BN, BM]
+    pt = tl.exp2(st - lse[None, :])                                # 0 where masked
+    dv += _dot(pt.to(do.dtype), do, IEEE)
+    dpt = _dot(v, tl.trans(do), IEEE)
+    dst = pt * (dpt - delta[None, :])
     if SOFTCAP:
-        ds = ds * (1.0 - t * t)
-    dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
+        dst = dst * (1.0 - tt * tt)
+    dk += _dot(dst.to(qt.dtype), tl.trans(qt), IEEE)
     return dk, dv
 
 
@@ -363,7 +374,8 @@ def _dq_step(q, do, lse, delta, dq, k_base, v_base, lo_ptr, n0, m, doc_q, d, dma
              window, BLOCK_N: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
              UPCAST: tl.constexpr, IEEE: tl.constexpr):
     n, k, v, doc_k = _load_keys(k_base, v_base, lo_ptr, n0, d, dmask, T, sk_t, sv_t, BLOCK_N, MASK, UPCAST)
-    s, t = _scores(q, k, m, n, doc_q, doc_k, scale, softcap, window, MASK, SOFTCAP, WINDOW, IEEE)
+    s, t = _scores(q, tl.trans(k), m[:, None], n[None, :], doc_q[:, None], doc_k[None, :], scale, softcap, window,
+                   MASK, SOFTCAP, WINDOW, IEEE)
     p = tl.exp2(s - lse[:, None])
     dp = _dot(do, tl.trans(v), IEEE)
     ds = p * (dp - delta[:, None])
