@@ -10,7 +10,9 @@ what the "swift_liger" attention implementation (swift_liger/fusions/varlen_atte
   line); an explicit flash-attention choice is kept. swift_liger then passes ms-swift's flash-only check (packing
   still turns padding_free on, as ms-swift does); any other attn_impl gets ms-swift's own error, plus a hint.
 * `check_arguments` (before the run directory exists): combinations swift_liger attention cannot run are an
-  error naming the flag (sequence parallel; a model config with attention_dropout > 0 or head_dim > 256).
+  error naming the flag (sequence parallel; a model config with attention_dropout > 0 or head_dim > 256; packed
+  rows for a model whose modelling code computes attention without transformers' attention interface, so it would
+  never call ours and each packed row's documents would attend to each other).
 * `register_if_requested` (AttnImpl.update_attn_impl, where ms-swift writes attn_impl into every model config it
   loads: policy, ref/reward/teacher models, swift infer / export): registers the implementation with transformers
   right before the model is built, which validates the name. `--attn_impl swift_liger` works without --use_liger.
@@ -21,8 +23,10 @@ inside the functions.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
+import re
 from typing import Optional
 
 ATTN_IMPL = "swift_liger"   # == swift_liger.fusions.varlen_attention.NAME (a test checks)
@@ -72,20 +76,76 @@ def check_padding_free(args, orig, log=None) -> None:
         raise
 
 
-def _model_config(args) -> Optional[dict]:
+def _model_dir(args) -> Optional[str]:
     model_dir = getattr(getattr(args, "model_info", None), "model_dir", None)
-    path = os.path.join(model_dir, "config.json") if isinstance(model_dir, str) else None
-    if not path or not os.path.isfile(path):
-        return None
+    return model_dir if isinstance(model_dir, str) else None
+
+
+def _read(path: str) -> Optional[str]:
     try:
         with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
+            return f.read()
+    except (OSError, UnicodeDecodeError):
         return None
-    if not isinstance(config, dict):
+
+
+def _raw_config(args) -> Optional[dict]:
+    model_dir = _model_dir(args)
+    text = _read(os.path.join(model_dir, "config.json")) if model_dir else None
+    try:
+        config = json.loads(text) if text else None
+    except ValueError:
         return None
-    text = config.get("text_config")
+    return config if isinstance(config, dict) else None
+
+
+def _model_config(args) -> Optional[dict]:
+    config = _raw_config(args)
+    text = config.get("text_config") if config else None
     return text if isinstance(text, dict) else config
+
+
+# transformers' own test of whether a model's attention goes through its AttentionInterface
+# (PreTrainedModel._can_set_attn_implementation): an `*Attention*(nn.Module)` class in a modelling file that never
+# looks the implementation up there computes attention itself (falcon, bloom, gptj, codegen, ... in transformers 5.17).
+_ATTENTION_CLASS = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILINE)
+_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+
+
+def _modelling_code(args, config: dict):
+    """(source text, what it is) of the code that will build the language model: the checkpoint's own file when
+    config.json maps AutoModelForCausalLM / AutoModel to one (remote code), else transformers' file for the text
+    model's type. (None, None) when it cannot be found."""
+    auto = config.get("auto_map")
+    ref = (auto.get("AutoModelForCausalLM") or auto.get("AutoModel")) if isinstance(auto, dict) else None
+    if isinstance(ref, (list, tuple)):
+        ref = ref[0] if ref else None
+    model_dir = _model_dir(args)
+    if isinstance(ref, str) and "--" not in ref and "." in ref and model_dir:
+        path = os.path.join(model_dir, ref.rsplit(".", 1)[0].replace(".", os.sep) + ".py")
+        return _read(path), f"the checkpoint's own modelling code ({os.path.basename(path)})"
+    text = config.get("text_config")
+    model_type = (text.get("model_type") if isinstance(text, dict) else None) or config.get("model_type")
+    if not isinstance(model_type, str):
+        return None, None
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+        if model_type not in CONFIG_MAPPING_NAMES:
+            return None, None
+        module = model_type_to_module_name(model_type)
+        spec = importlib.util.find_spec(f"transformers.models.{module}.modeling_{module}")
+    except (ImportError, ValueError):
+        return None, None
+    if spec is None or not spec.origin:
+        return None, None
+    return _read(spec.origin), f"transformers' {model_type} modelling code"
+
+
+def _bypasses_interface(args, config: dict) -> Optional[str]:
+    source, what = _modelling_code(args, config)
+    if source and _ATTENTION_CLASS.search(source) and _INTERFACE not in source:
+        return what
+    return None
 
 
 def check_arguments(args) -> None:
@@ -98,9 +158,16 @@ def check_arguments(args) -> None:
         raise ValueError(f"swift_liger: --attn_impl {ATTN_IMPL} does not run ms-swift's sequence parallel "
                          f"(--sequence_parallel_size {sp}), which splits attention across ranks with flash-attn: "
                          "use --attn_impl flash_attn, or --sequence_parallel_size 1")
-    config = _model_config(args)
-    if config is None:
+    raw = _raw_config(args)
+    if raw is None:
         return
+    bypass = _bypasses_interface(args, raw) if packed(args) else None
+    if bypass:
+        raise ValueError(f"swift_liger: {feature(args)} with --attn_impl {ATTN_IMPL}: {bypass} computes attention "
+                         "without transformers' attention interface, so it would never call swift_liger's and each "
+                         "packed row's documents would attend to each other. Use --attn_impl flash_attn (flash-attn "
+                         f"installed), or train without {feature(args)}")
+    config = _model_config(args)
     dropout = config.get("attention_dropout") or 0.0
     if training and isinstance(dropout, (int, float)) and dropout > 0:
         raise ValueError(f"swift_liger: --attn_impl {ATTN_IMPL} has no attention dropout, and the model's "

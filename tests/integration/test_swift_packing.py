@@ -110,6 +110,60 @@ def test_refusals_come_before_the_run_directory(swift_mod, base_argv, tiny_qwen3
     parse(swift_mod, argv + ["--padding_free", "true", "--attn_impl", "flash_attn"])   # not ours to refuse
 
 
+def _fake_args(model_dir, **flags):
+    from types import SimpleNamespace
+    values = dict(attn_impl=attention.ATTN_IMPL, padding_free=False, packing=False,
+                  model_info=SimpleNamespace(model_dir=str(model_dir)))
+    return SimpleNamespace(**{**values, **flags})
+
+
+@pytest.mark.parametrize("model_type", ["falcon", "bloom", "gptj"])
+def test_models_whose_attention_skips_transformers_interface_are_refused_for_packed_rows(tmp_path, model_type):
+    """transformers' own modelling code of these types computes attention itself (transformers 5.17): with packed
+    rows and swift_liger named, documents would attend to each other, so the arguments are refused."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    for flag in ("padding_free", "packing"):
+        with pytest.raises(ValueError, match=f"--{flag} with --attn_impl swift_liger: transformers' {model_type} "
+                                             "modelling code computes attention without"):
+            attention.check_arguments(_fake_args(tmp_path, **{flag: True}))
+    attention.check_arguments(_fake_args(tmp_path))   # padded batches: the model's own attention, masks and all
+    for ok in ("qwen3", "llama", "gemma2", "qwen2"):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": ok}))
+        attention.check_arguments(_fake_args(tmp_path, padding_free=True))
+
+
+REMOTE_CODE = """
+from torch import nn
+{import_line}
+
+
+class CustomAttention(nn.Module):
+    def forward(self, x):
+        return {call}
+"""
+
+
+def test_remote_code_attention_is_read_before_the_run_directory(swift_mod, base_argv, tiny_qwen3, tmp_path):
+    """A checkpoint whose config.json maps AutoModelForCausalLM to its own file: that file decides."""
+    model = tmp_path / "remote_model"
+    shutil.copytree(tiny_qwen3["model"], model)
+    with open(model / "config.json") as f:
+        config = json.load(f)
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    with open(model / "config.json", "w") as f:
+        json.dump(config, f)
+    argv = ["--model", str(model), *base_argv[2:], "--padding_free", "true", "--attn_impl", "swift_liger"]
+    (model / "modeling_custom.py").write_text(REMOTE_CODE.format(import_line="", call="x @ x.T"))
+    for given in (argv, argv[:-2] + ["--use_liger"]):   # named, or picked by --use_liger
+        with pytest.raises(ValueError, match=r"the checkpoint's own modelling code \(modeling_custom.py\) computes"):
+            parse(swift_mod, given)
+    assert not glob.glob(str(tmp_path / "out" / "v*-*"))
+    (model / "modeling_custom.py").write_text(REMOTE_CODE.format(
+        import_line="from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS",
+        call="ALL_ATTENTION_FUNCTIONS.get_interface('sdpa', None)"))
+    assert parse(swift_mod, argv).attn_impl == "swift_liger"
+
+
 def test_update_attn_impl_registers_before_the_model_is_built(monkeypatch, tiny_qwen3):
     from swift.model.utils import AttnImpl
     from transformers import AttentionInterface, AutoConfig
