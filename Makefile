@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swift_liger_installed
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints-cpu.txt
-PYTEST_ARGS ?=
+# The 30 slowest tests listed at the end of each leg: CI (both legs, 2 cores) must stay within 90 minutes.
+PYTEST_ARGS ?= --durations=30
 
 .PHONY: venv test test-fast test-newest test-gpu demo bench clean
 
