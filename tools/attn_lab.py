@@ -80,7 +80,6 @@ def kernel_profile(fn, q, k, v, go, steps=5):
 def sweep(q, k, v, go, seq_ids, d, useful, spec, layout):
     """Alternative tiles per kernel kind (launch_override), the others at their default."""
     from swift_liger.ops import varlen_attention_kernel as va
-    from swift_liger.ops._common import launch_override
     fn = lambda q, k, v: va.varlen_attention(q, k, v, seq_ids, scale=d ** -0.5)  # noqa: E731
     if d == 256:   # the head-256 candidates and neighbours (the D=128 tiles exceed shared memory there)
         grid = {"dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2),
@@ -97,6 +96,7 @@ def sweep(q, k, v, go, seq_ids, d, useful, spec, layout):
 
 
 def _sweep(q, k, v, go, fn, grid, useful, spec, layout):
+    """Time `fn` under each (kind: [(block_m, block_n, warps, stages)]) tile of `grid`, one kind at a time."""
     from swift_liger.ops import varlen_attention_kernel as va
     from swift_liger.ops._common import launch_override
     out = []
