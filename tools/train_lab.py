@@ -13,7 +13,9 @@ shortens the stack (per-layer numbers do not change; the head stays). Variants, 
 - ours: ``swift_liger.apply`` (every default fusion), then PEFT;
 - ours_no_lora: the same with lora_fusion off;
 - ours_compiled: compile_layers on (first step reported apart);
-- ours_compiled_grad: the same, but each layer's autograd-off forward (a reentrant checkpoint's first pass) runs
+- ours_compiled_aot, ours_compiled_dynamo: compile_layers through torch.compile's "aot_eager" backend (dynamo and
+  AOTAutograd trace one graph per layer pass, run eagerly: no inductor code generation) or "eager" (dynamo only);
+- ours_compiled_grad: the same as ours_compiled, but each layer's autograd-off forward (a reentrant checkpoint's first pass) runs
   eager, so one graph per layer class compiles instead of two (lab only);
 - liger: Liger-Kernel's instance patch (what `--use_liger_kernel` runs), measured last beside ``ours`` again,
   because it also replaces module-level functions of transformers that the stock model would then use.
@@ -56,6 +58,7 @@ def build(shape: str, layers: int, device, dtype):
                        dtype=dtype)
 
 
+COMPILE_BACKENDS = {"ours_compiled_aot": "aot_eager", "ours_compiled_dynamo": "eager"}
 REENTRANT = True   # ms-swift's choice on one GPU (trainers/mixin.py _fix_gradient_checkpointing); --reentrant 0
 
 
@@ -65,13 +68,18 @@ def make_variant(base, name: str):
         kw = {}
         if name == "ours_no_lora":
             kw["lora_fusion"] = False
-        if name in ("ours_compiled", "ours_compiled_grad"):
+        if name.startswith("ours_compiled"):
             kw["compile_layers"] = True
         swift_liger.apply(model, **kw)
     elif name == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance  # lazy: optional peer, liger only
         _apply_liger_kernel_to_instance(model=model)
     model = train_ready(model, dropout=0.05, reentrant=REENTRANT, seed=1)   # the same adapters for every variant
+    if name in COMPILE_BACKENDS:   # the same layers through another torch.compile backend
+        for layer in model.modules():
+            if layer.__dict__.get("_compiled_call_impl") is not None:
+                layer.__dict__["_compiled_call_impl"] = torch.compile(layer._call_impl,
+                                                                      backend=COMPILE_BACKENDS[name])
     if name == "ours_compiled_grad":   # a reentrant checkpoint's first pass (autograd off) runs eager: one graph
         for layer in model.modules():  # to compile (recompute + backward) instead of two
             compiled = layer.__dict__.get("_compiled_call_impl")
@@ -220,7 +228,8 @@ def run_shape(shape, tokens, args, dev):
     base = build(shape, args.layers, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
     vocab = base.config.vocab_size
     g = torch.Generator(device="cpu").manual_seed(0)
-    batches = [torch.randint(0, vocab, (b, s), generator=g).to(dev) for _ in range(2)]
+    lengths = [s, s - args.vary] if args.vary else [s, s]   # --vary: two row lengths, as real SFT batches differ
+    batches = [torch.randint(0, vocab, (b, n), generator=g).to(dev) for n in lengths]
     variants = [v for v in args.variants.split(",") if v]
     rows = {}
     phase1 = [v for v in variants if v != "liger"]
@@ -244,14 +253,13 @@ def run_shape(shape, tokens, args, dev):
 
 
 def _measure(runners, args, dev, rows, phase):
-    first = {}
+    first, warm = {}, {}
     for v, r in runners.items():     # first steps (compile, autotune, allocator growth), reported apart
         t0 = time.perf_counter()
         r.step(0)
         sync(dev)
         first[v] = (time.perf_counter() - t0) * 1e3
-        for i in range(args.warmup):
-            r.step(i + 1)
+        warm[v] = [r.step(i + 1)["wall_ms"] for i in range(args.warmup)]   # with --vary: the second length's first
     per = {v: {"wall": [], "fwd_host": [], "bwd_host": [], "peak": []} for v in runners}
     for rnd in range(args.rounds):
         order = list(runners)
@@ -269,7 +277,7 @@ def _measure(runners, args, dev, rows, phase):
                 per[v]["peak"].append((torch.cuda.max_memory_allocated() - resident) / GiB)
     for v, r in runners.items():
         d = per[v]
-        row = {"phase": phase, "first_step_ms": first[v], "wall_ms": med(d["wall"]),
+        row = {"phase": phase, "first_step_ms": first[v], "warmup_ms": warm[v], "wall_ms": med(d["wall"]),
                "wall_ms_min": min(d["wall"]), "wall_ms_max": max(d["wall"]),
                "fwd_host_ms": med(d["fwd_host"]), "bwd_opt_host_ms": med(d["bwd_host"]),
                "step_peak_gib": max(d["peak"]) if d["peak"] else None,
@@ -282,7 +290,8 @@ def _measure(runners, args, dev, rows, phase):
         key = v if phase == "phase1" or v == "liger" else f"{v} (beside liger)"
         rows[key] = row
         line = (f"{key:22s} wall {row['wall_ms']:8.2f} ms [{row['wall_ms_min']:.2f}-{row['wall_ms_max']:.2f}]  "
-                f"host fwd {row['fwd_host_ms']:7.2f} bwd+opt {row['bwd_opt_host_ms']:7.2f}  first {first[v]:8.0f} ms")
+                f"host fwd {row['fwd_host_ms']:7.2f} bwd+opt {row['bwd_opt_host_ms']:7.2f}  first {first[v]:8.0f} ms  "
+                f"warm-up {' '.join(f'{x:.0f}' for x in warm[v])} ms")
         if "launches_per_step" in row:
             line += (f"  launches {row['launches_per_step']}  device {row['device_kernel_ms']:.2f} ms  layer0 fwd "
                      f"{row['layer0_host_us']['fwd']:.0f} us bwd {row['layer0_host_us']['bwd']:.0f} us  syncs {sum(row['sync_calls'].values())}")
@@ -342,6 +351,8 @@ def main():
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU logic check")
+    p.add_argument("--vary", type=int, default=0, help="odd batches are this many tokens shorter per row (0: all "
+                   "the same length)")
     p.add_argument("--reentrant", type=int, default=1, help="gradient checkpointing's use_reentrant (1: ms-swift's)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
