@@ -259,7 +259,7 @@ def _measure(runners, args, dev, rows, phase):
         r.step(0)
         sync(dev)
         first[v] = (time.perf_counter() - t0) * 1e3
-        warm[v] = [r.step(i + 1)["wall_ms"] for i in range(args.warmup)]   # with --vary: the second length's first
+        warm[v] = [r.step(i + 1)["wall_ms"] for i in range(args.warmup)]   # --vary: step 1 is the 2nd length's 1st
     per = {v: {"wall": [], "fwd_host": [], "bwd_host": [], "peak": []} for v in runners}
     for rnd in range(args.rounds):
         order = list(runners)
