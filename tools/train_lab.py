@@ -362,6 +362,9 @@ def main():
     if args.tiny:
         args.shape, args.tokens, args.rounds, args.steps, args.warmup = "tiny", "2x16", 1, 1, 0
         args.variants = args.variants.replace(",liger", "").replace("liger,", "")
+    shortest = min(int(tok.split("x")[1]) for tok in args.tokens.split(","))
+    if not 0 <= args.vary < shortest:
+        p.error(f"--vary must be in [0, {shortest}) (the shortest row of --tokens), got {args.vary}")
     prog = "python3 tools/train_lab.py"
     out = {"environment": environment(prog), "command": command(prog), "cases": []}
     for shape in args.shape.split(","):
