@@ -17,6 +17,8 @@ shortens the stack (per-layer numbers do not change; the head stays). Variants, 
   AOTAutograd trace one graph per layer pass, run eagerly: no inductor code generation) or "eager" (dynamo only);
 - ours_compiled_grad: the same as ours_compiled, but each layer's autograd-off forward (a reentrant checkpoint's first pass) runs
   eager, so one graph per layer class compiles instead of two (lab only);
+- ours_graphed: ours, each decoder layer's forward and backward replayed as CUDA graphs (tools/graph_layers.py, lab
+  only; reentrant checkpointing);
 - liger: Liger-Kernel's instance patch (what `--use_liger_kernel` runs), measured last beside ``ours`` again,
   because it also replaces module-level functions of transformers that the stock model would then use.
 
@@ -60,6 +62,7 @@ def build(shape: str, layers: int, device, dtype):
 
 COMPILE_BACKENDS = {"ours_compiled_aot": "aot_eager", "ours_compiled_dynamo": "eager"}
 REENTRANT = True   # ms-swift's choice on one GPU (trainers/mixin.py _fix_gradient_checkpointing); --reentrant 0
+DROPOUT = 0.05     # ms-swift's default lora_dropout; --dropout
 
 
 def make_variant(base, name: str):
@@ -74,7 +77,10 @@ def make_variant(base, name: str):
     elif name == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance  # lazy: optional peer, liger only
         _apply_liger_kernel_to_instance(model=model)
-    model = train_ready(model, dropout=0.05, reentrant=REENTRANT, seed=1)   # the same adapters for every variant
+    model = train_ready(model, dropout=DROPOUT, reentrant=REENTRANT, seed=1)   # the same adapters for every variant
+    if name == "ours_graphed":
+        import graph_layers   # tools/graph_layers.py (lab)
+        model._lab_graphed = graph_layers.install(model)
     if name in COMPILE_BACKENDS:   # the same layers through another torch.compile backend
         for layer in model.modules():
             if layer.__dict__.get("_compiled_call_impl") is not None:
@@ -252,6 +258,59 @@ def run_shape(shape, tokens, args, dev):
     return res, rows
 
 
+def parity(shape, tokens, args, dev):
+    """--parity N: the same weights, the same non-zero adapters (lora_B drawn from one seed, so the LoRA branch counts
+    from the first step) and the same batches for every variant, N optimizer steps each: per step the loss and the
+    adapters' gradient norm, and the first step's gradients against the first variant's (relative L2)."""
+    b, s = tokens
+    base = build(shape, args.layers, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lengths = [s, s - args.vary] if args.vary else [s]
+    batches = [torch.randint(0, base.config.vocab_size, (b, n), generator=g).to(dev) for n in lengths]
+    rows, ref = {}, None
+    for v in [v for v in args.variants.split(",") if v]:
+        model, opt = make_variant(base, v)
+        gen = torch.Generator(device="cpu").manual_seed(7)
+        trainable = [(n, p) for n, p in sorted(model.named_parameters()) if p.requires_grad]
+        with torch.no_grad():
+            for n, p in trainable:
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        losses, norms, t_ms = [], [], []
+        for i in range(args.parity):
+            torch.manual_seed(1000 + i)
+            ids = batches[i % len(batches)]
+            sync(dev)
+            t0 = time.perf_counter()
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            sync(dev)
+            t_ms.append((time.perf_counter() - t0) * 1e3)
+            if i == 0:
+                grads = torch.cat([p.grad.detach().float().flatten().cpu() for _, p in trainable])
+                if ref is None:
+                    ref, rel = grads, 0.0
+                else:
+                    rel = float((grads - ref).norm() / ref.norm())
+            norms.append(float(torch.nn.utils.clip_grad_norm_([p for _, p in trainable], 1e9)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(out.loss.detach()))
+        rows[v] = {"loss": losses, "grad_norm": norms, "step_ms": t_ms, "first_grads_rel_l2": rel}
+        stats = getattr(model, "_lab_graphed", None)
+        if stats is not None:
+            rows[v]["graphed"] = dict(stats.stats)
+        print(f"{v:22s} first-step grads rel {rel:.2e}  loss " + " ".join(f"{x:.5f}" for x in losses)
+              + "  grad_norm " + " ".join(f"{x:.4f}" for x in norms)
+              + "  step ms " + " ".join(f"{x:.0f}" for x in t_ms) + (f"  {rows[v].get('graphed')}" if stats else ""),
+              flush=True)
+        del model, opt
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _measure(runners, args, dev, rows, phase):
     first, warm = {}, {}
     for v, r in runners.items():     # first steps (compile, autotune, allocator growth), reported apart
@@ -354,14 +413,17 @@ def main():
     p.add_argument("--vary", type=int, default=0, help="odd batches are this many tokens shorter per row (0: all "
                    "the same length)")
     p.add_argument("--reentrant", type=int, default=1, help="gradient checkpointing's use_reentrant (1: ms-swift's)")
+    p.add_argument("--dropout", type=float, default=0.05, help="LoRA dropout (0.05: ms-swift's default)")
+    p.add_argument("--parity", type=int, default=0, help="instead of timing: N steps per variant on the same weights "
+                   "and non-zero adapters, losses, gradient norms and first-step gradients compared")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     dev = torch.device("cpu" if args.tiny else "cuda")
-    global REENTRANT
-    REENTRANT = bool(args.reentrant)
+    global REENTRANT, DROPOUT
+    REENTRANT, DROPOUT = bool(args.reentrant), args.dropout
     if args.tiny:
         args.shape, args.tokens, args.rounds, args.steps, args.warmup = "tiny", "2x16", 1, 1, 0
-        args.variants = args.variants.replace(",liger", "").replace("liger,", "")
+        args.variants = ",".join(v for v in args.variants.split(",") if v not in ("liger", "ours_graphed"))
     shortest = min(int(tok.split("x")[1]) for tok in args.tokens.split(","))
     if not 0 <= args.vary < shortest:
         p.error(f"--vary must be in [0, {shortest}) (the shortest row of --tokens), got {args.vary}")
@@ -372,7 +434,7 @@ def main():
             b, s = (int(x) for x in tok.split("x"))
             print(f"== {shape} {b}x{s} layers={args.layers or SHAPES[shape].layers}", flush=True)
             try:
-                _, rows = run_shape(shape, (b, s), args, dev)
+                rows = parity(shape, (b, s), args, dev) if args.parity else run_shape(shape, (b, s), args, dev)[1]
             except torch.cuda.OutOfMemoryError as exc:
                 rows = {"error": f"OOM: {exc}"[:200]}
                 print(rows, flush=True)
