@@ -104,10 +104,19 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         if att["sdpa"] or att["eager"]:
             line += " (SDPA / eager take cached decode steps, 4D masks and padding inside a row)"
         lines.append(line)
+    graphs = (snap.get("policy") or {}).get("graph_layers")
+    if graphs and (graphs["captures"] or graphs["replays"] or graphs["eager"]):
+        line = (f"graph_layers {when}: {graphs['replays']} decoder-layer passes replayed from CUDA graphs, "
+                f"{graphs['captures']} captured ({graphs['capture_s']:.1f} s: a layer's first call per batch shape)")
+        if graphs["eager"]:
+            line += "; run eagerly: " + "; ".join(f"{n} x {why}" for why, n in graphs["eager"].items())
+        lines.append(line)
     lora = snap.get("lora_fusion")
     if lora:
         line = (f"lora_fusion {when}: {lora['ops.lora_linear']} LoRA projection calls through ops.lora_linear, "
                 f"{lora['peft']} through PEFT's forward")
+        if graphs and graphs["replays"]:
+            line += " (counted in Python: replayed layer passes run none, captures one)"
         if lora["peft"]:
             line += (" (lora_fusion takes plain LoRA on nn.Linear and bitsandbytes 4-bit layers; DoRA, 8-bit bases, "
                      "merged, disabled (a DPO reference pass) or several active adapters run PEFT's own forward)")

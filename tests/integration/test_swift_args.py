@@ -94,9 +94,10 @@ def test_yaml_preset_and_cli_flags_agree(swift_mod, base_argv, tmp_path):
         "--liger_swiglu", "--liger_cross_entropy", "off", "--liger_rolling_cache", "64,4"]))[0]
     from_flags = liger_args.resolved(parse(swift_mod, base_argv + [
         "--use_liger", "--liger_swiglu", "true", "--liger_qk_norm_rope", "false", "--liger_cross_entropy", "off",
-        "--liger_lora_fusion", "false", "--liger_rolling_cache", '{"window": 64, "sinks": 4}']))[0]
+        "--liger_lora_fusion", "false", "--liger_graph_layers", "false",
+        "--liger_rolling_cache", '{"window": 64, "sinks": 4}']))[0]
     expected = LigerConfig(rms_norm=True, rope=True, swiglu=True, cross_entropy="off", qk_norm_rope=False,
-                           lora_fusion=False, rolling_cache={"window": 64, "sinks": 4})
+                           lora_fusion=False, graph_layers=False, rolling_cache={"window": 64, "sinks": 4})
     assert from_yaml == from_cli == from_flags == expected
 
 

@@ -1,0 +1,65 @@
+"""Replay each decoder layer's forward and backward as CUDA graphs (patching/layer_graphs.py), where training runs
+it under reentrant gradient checkpointing (ms-swift's default on one GPU). Everything else runs the layer as it is,
+counted by reason in call_counts()["graph_layers"]["eager"]. Captured at a layer's first call of each batch shape
+(lengths padded to 8 buckets per octave)."""
+from __future__ import annotations
+
+from .base import Fusion
+
+
+def _forward(self, hidden_states, *args, **kwargs):
+    """The decoder layer's forward: replayed from its graphs where possible, else the class's own forward."""
+    import torch   # lazy: the spec loads without torch (imported by now: the layer is a torch module)
+    graphs = None if torch.compiler.is_compiling() else self.__dict__.get("_liger_graphs")   # torch.compile: eager
+    if graphs is not None and not args:
+        out = graphs.forward(self, _eager_call(self), hidden_states, **kwargs)
+        if out is not None:
+            return out
+    return type(self).forward(self, hidden_states, *args, **kwargs)
+
+
+def _eager_call(layer):
+    return lambda *a, **k: type(layer).forward(layer, *a, **k)
+
+
+def patch(ctx) -> None:
+    from ..patching import layer_graphs, state as pstate   # lazy: the spec loads without torch
+    layers = ctx.of(ctx.family.decoder_layer)
+    if not layers:
+        ctx.report.skip("graph_layers", f"no {'/'.join(ctx.family.decoder_layer)} module found", problem=True)
+        return
+    if ctx.config.compile_layers:
+        ctx.report.skip("graph_layers", "not combined with compile_layers (a compiled layer is replayed by "
+                                        "torch.compile's own code)")
+        return
+    shared = layer_graphs.Shared()
+    n = 0
+    for layer in layers:
+        reason = pstate.foreign_forward(layer)
+        if reason is not None:
+            ctx.report.skip("graph_layers", reason, problem=True)
+            continue
+        ctx.state.set(layer, "_liger_graphs", layer_graphs.LayerGraphs(shared))
+        pstate.set_forward(ctx.state, layer, _forward)
+        n += 1
+    ctx.state.parts["graph_layers"] = shared
+    ctx.report.patched["graph_layers"] += n
+
+
+def _counters(shared, reset) -> dict:
+    if shared is None:
+        return {}
+    stats = shared.stats
+    out = {"graph_layers": {"captures": stats["captures"], "capture_s": round(stats["capture_s"], 3),
+                            "replays": stats["replays"], "eager": dict(stats["eager"])}}
+    if reset:
+        stats.update(captures=0, capture_s=0.0, replays=0, eager={})
+    return out
+
+
+FUSION = Fusion(key="graph_layers", default=True,
+                label=lambda count, report: f"CUDA graphs of {count} decoder layers",
+                help="Replay each decoder layer's forward and backward as CUDA graphs under reentrant gradient "
+                     "checkpointing (one capture per batch shape; adapters only, not full fine-tuning).",
+                applies_to="decoder layers (GradientCheckpointingLayer)", order=95, patch=patch, say_off=False,
+                counters=_counters)

@@ -1,0 +1,332 @@
+"""Decoder layers replayed as CUDA graphs under reentrant gradient checkpointing (fusion graph_layers).
+
+Small models train host-bound: at Qwen2.5-0.5B, 8 x 512 tokens, a step's kernels take ~60 ms on an H200 while the
+host spends ~200 ms issuing them (docs/benchmarks/train_graphed_h200.md). Under reentrant checkpointing (ms-swift's
+choice on one GPU) each decoder layer runs forward with autograd off, then forward again (the recompute) right
+before its backward. Here both forward passes replay one captured forward graph and the backward replays one
+captured backward graph: per call the host copies the inputs into static buffers and launches one graph.
+
+    graphs = LayerGraphs(stats)                    # one per decoder layer
+    out = graphs.forward(layer, call_forward, hidden_states, attention_mask=..., position_embeddings=(cos, sin),
+                         position_ids=...)         # None: not replayable here, call the layer eagerly
+
+What replays (anything else runs the layer as it is, counted by reason): a training-mode layer on CUDA under
+reentrant checkpointing (the first pass: autograd off, input requiring grad; the recompute: inside the backward),
+position embeddings given, no cache, an attention mask that is None or a 4-D bool mask, and only small trainable
+parameters (adapters: the captured backward keeps its gradients in static buffers).
+
+Keys: one pair of graphs per layer and (batch, padded length, dtypes, autocast, PEFT adapter state). The length is
+padded up to a bucket (8 per octave: at most 1/8 more tokens) so batches of varying lengths share captures. Padded
+tokens come after every real token, are masked out as keys (causal order does it when the mask is None) and their
+rows are dropped, so real tokens compute what they would unpadded. At most MAX_KEYS keys (least recently used
+dropped).
+
+Memory: every graph of a process draws from one pool, and the static buffers (hidden input, output, gradients in
+and out, cos/sin, mask, positions) are one set per key shared by all layers. Both are safe only in reentrant order:
+the first pass replays layer after layer, each reading and writing the shared buffers in turn, and a layer's
+recompute and backward replay back to back with nothing between them (its saved tensors live in pool memory the next
+layer's capture reuses). Non-reentrant checkpointing, or no checkpointing, breaks that order: those run eagerly.
+Dropout draws come from torch's generator, which graph replays advance; the checkpoint's saved RNG state makes the
+recompute draw what the first pass drew.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable, Optional
+
+import torch
+
+MAX_KEYS = 8            # keys kept per model (static buffers) and per layer (graphs), least recently used dropped
+SMALL_TRAINABLE = 0.25  # trainable parameters up to this share of the layer's elements (adapters) replay
+
+_BACKENDS: dict = {}    # device index -> the one capture stream and memory pool of every layer's graphs
+
+
+def bucket(n: int) -> int:
+    """The padded length for n tokens: the next multiple of 2**(floor(log2 n) - 3) and of 16 (from 128 tokens on:
+    8 buckets per octave, at most 1/8 more tokens)."""
+    step = max(16, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
+
+
+class _Backend:
+    """CUDA graphs. capture(fn) runs fn once under capture on the side stream and returns the replayable graph."""
+
+    def __init__(self, device: torch.device):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)   # one stream: the allocator reuses a freed block only on its stream
+        self.keep_capture_outputs = False   # the captured tensors live in pool memory; replays rewrite them
+
+    @classmethod
+    def of(cls, device: torch.device) -> "_Backend":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _BACKENDS:
+            _BACKENDS[index] = cls(device)
+        return _BACKENDS[index]
+
+    def side(self):
+        return torch.cuda.stream(self.stream)
+
+    def begin(self):
+        self.stream.wait_stream(torch.cuda.current_stream())
+
+    def end(self):
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def capture(self, fn: Callable) -> "torch.cuda.CUDAGraph":
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=self.pool)
+        try:
+            fn()
+        finally:
+            g.capture_end()
+        return g
+
+    @staticmethod
+    def rng_state(device):
+        return torch.cuda.get_rng_state(device)
+
+    @staticmethod
+    def set_rng_state(state, device):
+        torch.cuda.set_rng_state(state, device)
+
+
+class _Slot:
+    """The static buffers of one key, shared by all layers."""
+    __slots__ = ("inputs", "out", "gout", "ghidden", "dead", "warm")
+
+
+class _Entry:
+    """One layer's graphs for one key."""
+    __slots__ = ("fwd", "bwd", "pgrads", "params", "keep", "slot")
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graphs, slot, entry, n_real, *tensors):   # tensors: the (padded) inputs, then the parameters
+        for static, t in zip(slot.inputs, tensors):
+            static.copy_(t)
+        entry.fwd.replay()
+        ctx.graphs, ctx.slot, ctx.entry, ctx.n_real, ctx.n_in = graphs, slot, entry, n_real, len(slot.inputs)
+        graphs.stats["replays"] += 1
+        return slot.out[:, :n_real].clone()   # the next layer's replay rewrites slot.out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        slot, entry = ctx.slot, ctx.entry
+        slot.gout[:, :ctx.n_real].copy_(grad)
+        if ctx.n_real < slot.gout.shape[1]:   # padded rows: no gradient (a longer batch of this key wrote some)
+            slot.gout[:, ctx.n_real:].zero_()
+        entry.bwd.replay()
+        ghidden = slot.ghidden.clone()   # for the padded input; the padding's own backward drops the extra rows
+        return (None, None, None, None, ghidden) + (None,) * (ctx.n_in - 1) + tuple(
+            None if g is None else g.clone() for g in entry.pgrads)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _pad_mask(mask: torch.Tensor, n: int, padded: int) -> torch.Tensor:
+    """[B, 1, n, n] bool -> [B, 1, padded, padded]: real rows see no padded key; padded rows are causal (never empty)."""
+    out = torch.ones(padded, padded, dtype=torch.bool, device=mask.device).tril_()
+    out = out.expand(mask.shape[0], mask.shape[1], padded, padded).clone()
+    out[:, :, :n, :n] = mask
+    out[:, :, :n, n:] = False
+    return out
+
+
+class LayerGraphs:
+    """The graphs of one decoder layer. ``stats`` (shared by a model's layers) counts captures, capture seconds,
+    replays, and eager calls by reason."""
+
+    backend_for: Callable = _Backend.of   # tests swap in a CPU stand-in (re-runs the captured function)
+
+    def __init__(self, shared: "Shared"):
+        self.shared, self.stats = shared, shared.stats
+        self.entries: "collections.OrderedDict" = collections.OrderedDict()
+        self.backend = None
+        self.pending = 0   # first passes replayed whose recompute has not run yet
+        self.lora = None
+
+    def __deepcopy__(self, memo):   # a copied model captures its own graphs (its stats: the copied patch state's)
+        import copy
+        return type(self)(copy.deepcopy(self.shared, memo))
+
+    def _eager(self, reason: str) -> None:
+        self.stats["eager"][reason] = self.stats["eager"].get(reason, 0) + 1
+        return None
+
+    def _adapter_state(self, layer) -> tuple:
+        if self.lora is None:
+            self.lora = [m for m in layer.modules() if "_active_adapter" in m.__dict__ and hasattr(m, "lora_A")]
+        return tuple((m.__dict__.get("_disable_adapters"), str(m.__dict__.get("_active_adapter")),
+                      tuple(m.__dict__.get("merged_adapters", ()))) for m in self.lora)
+
+    def forward(self, layer, call: Callable, hidden_states, attention_mask=None, position_ids=None,
+                past_key_values=None, use_cache=False, position_embeddings=None, **kwargs):
+        """The layer's output replayed from graphs, or None (the caller runs the layer eagerly)."""
+        if not layer.training:
+            return None
+        if torch.is_grad_enabled():   # a reentrant recompute: inside the backward, after a replayed first pass
+            if not _in_backward():
+                return self._eager("autograd on outside a reentrant checkpoint's recompute")
+            if self.pending <= 0:     # the recompute of a first pass that ran eagerly (counted there)
+                return None
+        elif not (hidden_states.requires_grad and getattr(layer, "gradient_checkpointing", False)):
+            return self._eager("autograd off, input without grad (an evaluation or reference pass)")
+        if past_key_values is not None or use_cache:
+            return self._eager("a KV cache")
+        kwargs.pop("cache_position", None)   # read only by a KV cache's update
+        if position_embeddings is None or any(v is not None for v in kwargs.values()):
+            return self._eager("arguments other than hidden states, mask, positions and position embeddings")
+        if hidden_states.dim() != 3 or (hidden_states.device.type != "cuda" and self.backend_for == _Backend.of):
+            return self._eager("not a [batch, tokens, hidden] CUDA tensor")
+        cos, sin = position_embeddings
+        n = hidden_states.shape[1]
+        padded = bucket(n)
+        mask = attention_mask
+        if mask is not None and not (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[-2:] == (n, n)):
+            return self._eager("an attention mask other than a 4-D bool [.., tokens, tokens] mask")
+        if not (cos.dim() == 3 and cos.shape[1] == n and sin.shape == cos.shape) or (
+                position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != n)):
+            return self._eager("position embeddings or ids not [batch, tokens, ...]")
+        dev = hidden_states.device
+        key = (tuple(hidden_states.shape[:1]) + (padded,) + tuple(hidden_states.shape[2:]), hidden_states.dtype,
+               tuple(cos.shape[:1]) + tuple(cos.shape[2:]), cos.dtype, mask is None or tuple(mask.shape[:2]),
+               position_ids is None or position_ids.shape[0], dev, torch.is_autocast_enabled(dev.type),
+               torch.get_autocast_dtype(dev.type), self._adapter_state(layer))
+        entry = self.entries.get(key)
+        if isinstance(entry, _Entry) and entry.slot.dead:   # its static buffers were dropped: capture again
+            del self.entries[key]
+            entry = None
+        if isinstance(entry, str):   # this key runs eagerly, for this reason
+            return self._eager(entry)
+        tensors = self._padded(hidden_states, cos, sin, mask, position_ids, n, padded)
+        if entry is None:
+            if not self._small_trainable(layer):
+                self.entries[key] = "trainable parameters beyond adapters (full fine-tuning)"
+                return self._eager(self.entries[key])
+            try:
+                entry = self._capture(layer, call, key, tensors, mask is not None, position_ids is not None)
+            except Exception as exc:   # noqa: BLE001  e.g. a host sync inside the layer (MoE routing): eager
+                self.entries[key] = f"capture failed ({type(exc).__name__}: {str(exc)[:120]})"
+                return self._eager(self.entries[key])
+        self.entries.move_to_end(key)
+        self.shared.slots.move_to_end(key)
+        self.pending += -1 if torch.is_grad_enabled() else 1
+        return _Replay.apply(self, entry.slot, entry, n, *tensors, *entry.params)
+
+    @staticmethod
+    def _padded(hidden, cos, sin, mask, pos, n, padded):
+        if padded != n:
+            extra = padded - n
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, extra))
+            cos = torch.nn.functional.pad(cos, (0, 0, 0, extra))
+            sin = torch.nn.functional.pad(sin, (0, 0, 0, extra))
+            if mask is not None:
+                mask = _pad_mask(mask, n, padded)
+            if pos is not None:   # positions continue: a reset would read as a new packed document
+                pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device, dtype=pos.dtype)], 1)
+        return [t for t in (hidden, cos, sin, mask, pos) if t is not None]
+
+    def _small_trainable(self, layer) -> bool:
+        total = trainable = 0
+        for p in layer.parameters():
+            total += p.numel()
+            if p.requires_grad:
+                trainable += p.numel()
+                if hasattr(p, "ds_id") or type(p).__name__ != "Parameter":   # ZeRO-3 / FSDP-managed storage
+                    return False
+        return trainable <= SMALL_TRAINABLE * total
+
+    def _capture(self, layer, call, key, tensors, has_mask: bool, has_pos: bool) -> _Entry:
+        t0 = time.perf_counter()
+        dev = tensors[0].device
+        if self.backend is None:
+            self.backend = type(self).backend_for(dev)
+        be = self.backend
+        while len(self.entries) >= MAX_KEYS:
+            self.entries.popitem(last=False)
+        slots = self.shared.slots
+        slot = slots.get(key)
+        if slot is None:
+            while len(slots) >= MAX_KEYS:
+                slots.popitem(last=False)[1].dead = True
+            slot = _Slot()
+            slot.dead = slot.warm = False
+            slot.inputs = [t.detach().clone() for t in tensors]
+            slot.inputs[0].requires_grad_(True)
+            slot.out = torch.empty_like(tensors[0])
+            slot.gout = torch.zeros_like(tensors[0])
+            slot.ghidden = torch.empty_like(tensors[0])
+            slots[key] = slot
+        e = _Entry()
+        e.slot = slot
+        e.params = tuple(p for p in layer.parameters() if p.requires_grad)
+        it = iter(slot.inputs)
+        hidden, cos, sin = next(it), next(it), next(it)
+        mask = next(it) if has_mask else None
+        pos = next(it) if has_pos else None
+        wrt = (hidden,) + e.params
+        held = {}
+
+        def run():
+            out = call(hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+            return out[0] if isinstance(out, tuple) else out
+
+        def fwd():
+            held["out"] = run()
+            slot.out.copy_(held["out"].detach())
+
+        def bwd():
+            grads = torch.autograd.grad(held["out"], wrt, slot.gout, allow_unused=True)
+            slot.ghidden.copy_(grads[0])
+            if not be.keep_capture_outputs or "pgrads" not in held:
+                held["pgrads"] = grads[1:]
+            else:   # the CPU stand-in re-runs this: same buffers, new values
+                for static, g in zip(held["pgrads"], grads[1:]):
+                    if static is not None:
+                        static.copy_(g)
+
+        rng = be.rng_state(dev)
+        adt, aen = torch.get_autocast_dtype(dev.type), torch.is_autocast_enabled(dev.type)
+        be.begin()
+        try:
+            with be.side(), torch.enable_grad(), torch.autocast(dev.type, dtype=adt, enabled=aen,
+                                                                  cache_enabled=False):
+                if not slot.warm:   # once per key: kernel compiles, cuBLAS workspace, lazy state, outside capture
+                    out = run()
+                    torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)
+                    del out
+                e.fwd = be.capture(fwd)
+                e.bwd = be.capture(bwd)
+        finally:
+            be.end()
+            be.set_rng_state(rng, dev)
+        slot.warm = True
+        e.pgrads = held["pgrads"]
+        if not be.keep_capture_outputs:
+            held.clear()   # the capture's own tensors go back to the pool for the next capture
+        e.keep = held
+        self.entries[key] = e
+        self.stats["captures"] += 1
+        self.stats["capture_s"] += time.perf_counter() - t0
+        return e
+
+
+def new_stats() -> dict:
+    return {"captures": 0, "capture_s": 0.0, "replays": 0, "eager": {}}
+
+
+class Shared:
+    """What the decoder layers of one patched model share: the counters and one set of static buffers per key."""
+
+    def __init__(self):
+        self.stats = new_stats()
+        self.slots: "collections.OrderedDict" = collections.OrderedDict()
+
+    def __deepcopy__(self, memo):   # a copied model starts empty
+        return type(self)()

@@ -1,0 +1,184 @@
+"""graph_layers (patching/layer_graphs.py): decoder layers replayed from captured graphs under reentrant checkpointing.
+
+On CPU a stand-in backend re-runs each captured function at replay (same static buffers, same order of copies and
+replays, same padding), so everything but the CUDA graph itself is checked here against the same model run eagerly:
+losses and every adapter gradient over steps of different lengths (padded to shared buckets), with a padding mask,
+with LoRA dropout, and the passes that must run eagerly. `SWIFT_LIGER_TEST_GPU=1` runs the same tests with real CUDA
+graphs.
+"""
+import contextlib
+import copy
+
+import pytest
+import torch
+
+import swift_liger
+from swift_liger.patching import layer_graphs
+from helpers import tiny_causal_lm
+
+GPU = torch.cuda.is_available() and __import__("conftest").GPU
+
+
+class RerunBackend:
+    """CPU stand-in for CUDA graphs: capture runs the function, replay runs it again in the captured mode."""
+    keep_capture_outputs = True
+
+    def __init__(self, device):
+        self.device = device
+
+    def side(self):
+        return contextlib.nullcontext()
+
+    def begin(self):
+        pass
+
+    def end(self):
+        pass
+
+    def capture(self, fn):
+        dt, en = torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cpu")
+        fn()
+
+        class Replay:
+            @staticmethod
+            def replay():
+                with torch.enable_grad(), torch.autocast("cpu", dtype=dt, enabled=en, cache_enabled=False):
+                    fn()
+        return Replay()
+
+    @staticmethod
+    def rng_state(device):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state, device):
+        torch.set_rng_state(state)
+
+
+@pytest.fixture
+def backend(monkeypatch, device):
+    if device.type == "cpu":   # the plumbing under test, with the reference ops (the kernels have their own tests)
+        monkeypatch.setattr(layer_graphs.LayerGraphs, "backend_for", RerunBackend)
+        monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
+    return device
+
+
+def models(device, dropout=0.0, family="qwen2", layers=3):
+    from peft import LoraConfig, get_peft_model
+    base = tiny_causal_lm(family, layers=layers, attn="sdpa").to(device)
+    out = []
+    for graphs in (False, True):
+        m = copy.deepcopy(base)
+        swift_liger.apply(m, graph_layers=graphs)
+        m.config.use_cache = False
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        m.enable_input_require_grads()
+        torch.manual_seed(5)
+        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
+                                         target_modules="all-linear"))
+        m.train()
+        out.append(m)
+    return out
+
+
+def step(model, ids, mask=None, seed=0):
+    torch.manual_seed(seed)
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def assert_same(a, b, atol=2e-5, rtol=1e-4):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(lb, la, atol=atol, rtol=rtol)
+    assert ga.keys() == gb.keys() and ga
+    for k in ga:
+        torch.testing.assert_close(gb[k], ga[k], atol=atol, rtol=rtol, msg=k)
+
+
+def stats(model):
+    return swift_liger.call_counts(model)["graph_layers"]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_replayed_layers_match_eager_over_lengths(backend, dropout):
+    device = backend
+    eager, graphed = models(device, dropout)
+    g = torch.Generator().manual_seed(0)
+    # buckets 16, 16, 32, 16: captures for two keys, reused. With dropout, lengths that need no padding: a padded
+    # row draws its dropout mask over more elements (other draws, as valid, not the eager ones)
+    for i, n in enumerate([13, 16, 20, 13] if dropout == 0 else [16, 16, 32, 16]):
+        ids = torch.randint(2, 128, (2, n), generator=g).to(device)
+        assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i))
+    s = stats(graphed)
+    assert s["captures"] == 2 * 3 and s["replays"] == 4 * 3 * 2, s   # 2 keys x 3 layers; 2 replays per layer call
+    assert not s["eager"], s
+
+
+def test_padding_mask_rows_match_eager(backend):
+    device = backend
+    eager, graphed = models(device)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 128, (3, 11), generator=g).to(device)
+    mask = torch.ones(3, 11, dtype=torch.long, device=device)
+    mask[1, 7:] = 0
+    mask[2, 4:] = 0
+    assert_same(step(eager, ids, mask), step(graphed, ids, mask))
+    s = stats(graphed)
+    assert s["captures"] == 3 and not s["eager"], s
+
+
+def test_eager_passes_counted_by_reason(backend):
+    device = backend
+    eager, graphed = models(device)
+    ids = torch.randint(2, 128, (2, 9)).to(device)
+    with torch.no_grad():   # evaluation / reference pass: input without grad
+        graphed.eval()
+        out_eval = graphed(input_ids=ids).logits
+        graphed.train()
+        eager.eval()
+        torch.testing.assert_close(out_eval, eager(input_ids=ids).logits)
+        eager.train()
+    graphed.base_model.model.gradient_checkpointing_disable()   # no checkpointing: autograd on outside a recompute
+    eager.base_model.model.gradient_checkpointing_disable()
+    assert_same(step(eager, ids), step(graphed, ids))
+    s = stats(graphed)
+    assert s["captures"] == 0 and s["replays"] == 0, s
+    assert s["eager"] == {"autograd on outside a reentrant checkpoint's recompute": 3}, s
+
+
+def test_full_fine_tuning_runs_eagerly(backend):
+    device = backend
+    base = tiny_causal_lm("qwen2", layers=2, attn="sdpa").to(device)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    swift_liger.apply(model)
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        m.train()
+    ids = torch.randint(2, 128, (2, 12)).to(device)
+    assert_same(step(ref, ids), step(model, ids), atol=1e-4, rtol=1e-3)
+    s = stats(model)
+    assert s["captures"] == 0 and s["eager"] == {"trainable parameters beyond adapters (full fine-tuning)": 2}, s
+
+
+def test_bucket_lengths():
+    assert [layer_graphs.bucket(n) for n in (1, 16, 17, 100, 448, 449, 2011, 2048, 4097)] == \
+        [16, 16, 32, 112, 448, 480, 2048, 2048, 4608]
+    for n in range(1, 5000):
+        b = layer_graphs.bucket(n)
+        assert n <= b <= max(-(-n // 16) * 16, n + n // 8) and b % 16 == 0, n
+
+
+def test_deepcopy_and_revert(backend):
+    device = backend
+    eager, graphed = models(device)
+    ids = torch.randint(2, 128, (2, 10)).to(device)
+    step(graphed, ids)
+    clone = copy.deepcopy(graphed)   # the copy captures its own graphs, into its own counters
+    assert_same(step(graphed, ids, seed=3), step(clone, ids, seed=3))
+    assert stats(clone)["captures"] == 3 and stats(graphed)["captures"] == 3
+    swift_liger.revert(graphed.base_model.model)
+    layer = graphed.base_model.model.model.layers[0]
+    assert "_liger_graphs" not in layer.__dict__ and "forward" not in layer.__dict__
