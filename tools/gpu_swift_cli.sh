@@ -11,7 +11,7 @@
 #   TUNER=full  VARIANTS="swift_liger plain"  VARIANTS_orpo="plain"  STEPS=8 WARMUP=3  DEADLINE=530 (whole call, s)
 #   TEST_PATHS="tests/ops/test_logprobs_op.py ..."              run these tests on the GPU first (SWIFT_LIGER_TEST_GPU=1)
 set -uo pipefail
-OUT=${OUT:-.out}; R=/tmp/swift_cli_runs; DEADLINE=${DEADLINE:-530}
+OUT=${OUT:-.out}; R=${R:-/tmp/swift_cli_runs}; DEADLINE=${DEADLINE:-530}
 SHAPE=${SHAPE:-llama3-8b}; SEQ=${SEQ:-8192}; TASKS=${TASKS:-sft}; TUNER=${TUNER:-lora}; GA=${GA:-1}
 STEPS=${STEPS:-12}; WARMUP=${WARMUP:-3}; M=/tmp/model_${SHAPE}_${SEQ}
 NAME=${NAME:-swift_cli_${SHAPE//[.-]/_}}

@@ -43,9 +43,10 @@ from swift_liger.testing import tiny
 from . import shapes
 from .harness import fmt, gpu_name, run_child, tail, utc_now, versions, versions_line, write_json, write_report
 
-VARIANTS = ("plain", "swift_liger", "swift_liger_no_lora_fusion", "swift_liger_compiled", "swift_liger_long_context",
+VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_no_lora_fusion", "swift_liger_compiled", "swift_liger_long_context",
             "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
+                 "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
                  "swift_liger_no_lora_fusion": ["--use_liger", "--liger_lora_fusion", "false"],
                  "swift_liger_compiled": ["--use_liger", "--liger_compile_layers", "true"],
                  "swift_liger_long_context": ["--use_liger", "--liger_config", "long_context"],
@@ -54,6 +55,7 @@ VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "packing_attention_only": ["--packing", "true", "--attn_impl", "swift_liger"],
                  "liger_kernel": ["--use_liger_kernel", "true"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
+                  "swift_liger_eager": "`--use_liger --liger_graph_layers false`",
                   "swift_liger_no_lora_fusion": "`--use_liger --liger_lora_fusion false`",
                   "swift_liger_compiled": "`--use_liger --liger_compile_layers true`",
                   "swift_liger_long_context": "`--use_liger --liger_config long_context`",
