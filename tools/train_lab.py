@@ -10,15 +10,14 @@ autocast, PEFT LoRA r16/alpha32/dropout 0.05 on every linear (fp32 adapters, PEF
 shortens the stack (per-layer numbers do not change; the head stays). Variants, in one process:
 
 - stock: transformers + PEFT as they are;
-- ours: ``swift_liger.apply`` (every default fusion), then PEFT;
+- ours: ``swift_liger.apply`` (every default fusion: graph_layers replays the decoder layers as CUDA graphs), then PEFT;
+- ours_eager: the same with graph_layers off;
 - ours_no_lora: the same with lora_fusion off;
 - ours_compiled: compile_layers on (first step reported apart);
 - ours_compiled_aot, ours_compiled_dynamo: compile_layers through torch.compile's "aot_eager" backend (dynamo and
   AOTAutograd trace one graph per layer pass, run eagerly: no inductor code generation) or "eager" (dynamo only);
 - ours_compiled_grad: the same as ours_compiled, but each layer's autograd-off forward (a reentrant checkpoint's first pass) runs
   eager, so one graph per layer class compiles instead of two (lab only);
-- ours_graphed: ours, each decoder layer's forward and backward replayed as CUDA graphs (tools/graph_layers.py, lab
-  only; reentrant checkpointing);
 - liger: Liger-Kernel's instance patch (what `--use_liger_kernel` runs), measured last beside ``ours`` again,
   because it also replaces module-level functions of transformers that the stock model would then use.
 
@@ -71,6 +70,8 @@ def make_variant(base, name: str):
         kw = {}
         if name == "ours_no_lora":
             kw["lora_fusion"] = False
+        if name == "ours_eager":
+            kw["graph_layers"] = False
         if name.startswith("ours_compiled"):
             kw["compile_layers"] = True
         swift_liger.apply(model, **kw)
@@ -78,9 +79,6 @@ def make_variant(base, name: str):
         from liger_kernel.transformers import _apply_liger_kernel_to_instance  # lazy: optional peer, liger only
         _apply_liger_kernel_to_instance(model=model)
     model = train_ready(model, dropout=DROPOUT, reentrant=REENTRANT, seed=1)   # the same adapters for every variant
-    if name == "ours_graphed":
-        import graph_layers   # tools/graph_layers.py (lab)
-        model._lab_graphed = graph_layers.install(model)
     if name in COMPILE_BACKENDS:   # the same layers through another torch.compile backend
         for layer in model.modules():
             if layer.__dict__.get("_compiled_call_impl") is not None:
@@ -298,12 +296,12 @@ def parity(shape, tokens, args, dev):
             opt.zero_grad(set_to_none=True)
             losses.append(float(out.loss.detach()))
         rows[v] = {"loss": losses, "grad_norm": norms, "step_ms": t_ms, "first_grads_rel_l2": rel}
-        stats = getattr(model, "_lab_graphed", None)
-        if stats is not None:
-            rows[v]["graphed"] = dict(stats.stats)
+        counts = swift_liger.call_counts(model) or {}
+        if counts.get("graph_layers"):
+            rows[v]["graph_layers"] = counts["graph_layers"]
         print(f"{v:22s} first-step grads rel {rel:.2e}  loss " + " ".join(f"{x:.5f}" for x in losses)
               + "  grad_norm " + " ".join(f"{x:.4f}" for x in norms)
-              + "  step ms " + " ".join(f"{x:.0f}" for x in t_ms) + (f"  {rows[v].get('graphed')}" if stats else ""),
+              + "  step ms " + " ".join(f"{x:.0f}" for x in t_ms) + f"  {rows[v].get('graph_layers', '')}",
               flush=True)
         del model, opt
         if dev.type == "cuda":
@@ -423,7 +421,7 @@ def main():
     REENTRANT, DROPOUT = bool(args.reentrant), args.dropout
     if args.tiny:
         args.shape, args.tokens, args.rounds, args.steps, args.warmup = "tiny", "2x16", 1, 1, 0
-        args.variants = ",".join(v for v in args.variants.split(",") if v not in ("liger", "ours_graphed"))
+        args.variants = ",".join(v for v in args.variants.split(",") if v != "liger")
     shortest = min(int(tok.split("x")[1]) for tok in args.tokens.split(","))
     if not 0 <= args.vary < shortest:
         p.error(f"--vary must be in [0, {shortest}) (the shortest row of --tokens), got {args.vary}")

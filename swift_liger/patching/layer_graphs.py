@@ -6,20 +6,23 @@ choice on one GPU) each decoder layer runs forward with autograd off, then forwa
 before its backward. Here both forward passes replay one captured forward graph and the backward replays one
 captured backward graph: per call the host copies the inputs into static buffers and launches one graph.
 
-    graphs = LayerGraphs(stats)                    # one per decoder layer
+    graphs = LayerGraphs(shared)                   # one per decoder layer; shared = Shared(), one per model
     out = graphs.forward(layer, call_forward, hidden_states, attention_mask=..., position_embeddings=(cos, sin),
                          position_ids=...)         # None: not replayable here, call the layer eagerly
 
-What replays (anything else runs the layer as it is, counted by reason): a training-mode layer on CUDA under
-reentrant checkpointing (the first pass: autograd off, input requiring grad; the recompute: inside the backward),
-position embeddings given, no cache, an attention mask that is None or a 4-D bool mask, and only small trainable
-parameters (adapters: the captured backward keeps its gradients in static buffers).
+What replays (anything else on CUDA runs the layer as it is, counted by reason; evaluation and CPU run it uncounted):
+a training-mode layer under reentrant checkpointing (the first pass: autograd off, input requiring grad; the
+recompute: inside the backward, after a replayed first pass), position embeddings given, no cache, an attention mask
+that is None or a 4-D bool mask, weights that no hook gathers or moves per call (not ZeRO-3, FSDP or accelerate
+offload), and only small trainable parameters (adapters: the captured backward keeps their gradients in static
+buffers, cloned per call).
 
 Keys: one pair of graphs per layer and (batch, padded length, dtypes, autocast, PEFT adapter state). The length is
 padded up to a bucket (8 per octave: at most 1/8 more tokens) so batches of varying lengths share captures. Padded
 tokens come after every real token, are masked out as keys (causal order does it when the mask is None) and their
-rows are dropped, so real tokens compute what they would unpadded. At most MAX_KEYS keys (least recently used
-dropped).
+rows are dropped, so real tokens compute what they would unpadded (up to the GEMMs' rounding order; LoRA dropout on a
+padded row draws its mask over more elements, so other, equally distributed, draws). At most MAX_KEYS keys (least
+recently used dropped). A capture that fails (a host sync inside the layer, e.g. MoE routing) leaves that key eager.
 
 Memory: every graph of a process draws from one pool, and the static buffers (hidden input, output, gradients in
 and out, cos/sin, mask, positions) are one set per key shared by all layers. Both are safe only in reentrant order:
@@ -168,8 +171,8 @@ class LayerGraphs:
     def forward(self, layer, call: Callable, hidden_states, attention_mask=None, position_ids=None,
                 past_key_values=None, use_cache=False, position_embeddings=None, **kwargs):
         """The layer's output replayed from graphs, or None (the caller runs the layer eagerly)."""
-        if not layer.training:
-            return None
+        if not layer.training or (hidden_states.device.type != "cuda" and self.backend_for == _Backend.of):
+            return None   # evaluation, or no CUDA graphs on this device: nothing to report
         if torch.is_grad_enabled():   # a reentrant recompute: inside the backward, after a replayed first pass
             if not _in_backward():
                 return self._eager("autograd on outside a reentrant checkpoint's recompute")
@@ -182,8 +185,8 @@ class LayerGraphs:
         kwargs.pop("cache_position", None)   # read only by a KV cache's update
         if position_embeddings is None or any(v is not None for v in kwargs.values()):
             return self._eager("arguments other than hidden states, mask, positions and position embeddings")
-        if hidden_states.dim() != 3 or (hidden_states.device.type != "cuda" and self.backend_for == _Backend.of):
-            return self._eager("not a [batch, tokens, hidden] CUDA tensor")
+        if hidden_states.dim() != 3:
+            return self._eager("hidden states not [batch, tokens, hidden]")
         cos, sin = position_embeddings
         n = hidden_states.shape[1]
         padded = bucket(n)
@@ -206,9 +209,10 @@ class LayerGraphs:
             return self._eager(entry)
         tensors = self._padded(hidden_states, cos, sin, mask, position_ids, n, padded)
         if entry is None:
-            if not self._small_trainable(layer):
-                self.entries[key] = "trainable parameters beyond adapters (full fine-tuning)"
-                return self._eager(self.entries[key])
+            why = self._unreplayable(layer)
+            if why is not None:
+                self.entries[key] = why
+                return self._eager(why)
             try:
                 entry = self._capture(layer, call, key, tensors, mask is not None, position_ids is not None)
             except Exception as exc:   # noqa: BLE001  e.g. a host sync inside the layer (MoE routing): eager
@@ -232,15 +236,23 @@ class LayerGraphs:
                 pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device, dtype=pos.dtype)], 1)
         return [t for t in (hidden, cos, sin, mask, pos) if t is not None]
 
-    def _small_trainable(self, layer) -> bool:
+    @staticmethod
+    def _unreplayable(layer) -> Optional[str]:
+        """Why this layer's captured graphs could not be replayed (None: they can). Graphs keep the addresses the
+        capture saw: weights that hooks gather, move or re-shard per call would be stale at replay."""
         total = trainable = 0
         for p in layer.parameters():
+            if hasattr(p, "ds_id") or type(p).__name__ not in ("Parameter", "Params4bit"):
+                return "parameters managed per call (DeepSpeed ZeRO-3 / FSDP)"
             total += p.numel()
-            if p.requires_grad:
-                trainable += p.numel()
-                if hasattr(p, "ds_id") or type(p).__name__ != "Parameter":   # ZeRO-3 / FSDP-managed storage
-                    return False
-        return trainable <= SMALL_TRAINABLE * total
+            trainable += p.numel() if p.requires_grad else 0
+        for m in layer.modules():
+            hook = m.__dict__.get("_hf_hook")
+            if hook is not None and any(getattr(h, "offload", False) for h in getattr(hook, "hooks", (hook,))):
+                return "weights offloaded by accelerate hooks"
+        if trainable > SMALL_TRAINABLE * total:
+            return "trainable parameters beyond adapters (full fine-tuning)"
+        return None
 
     def _capture(self, layer, call, key, tensors, has_mask: bool, has_pos: bool) -> _Entry:
         t0 = time.perf_counter()

@@ -182,3 +182,17 @@ def test_deepcopy_and_revert(backend):
     swift_liger.revert(graphed.base_model.model)
     layer = graphed.base_model.model.model.layers[0]
     assert "_liger_graphs" not in layer.__dict__ and "forward" not in layer.__dict__
+
+
+def test_first_step_log_lines():
+    from swift_liger.integration.runtime import describe   # imports no ms-swift module at import time
+    graphs = {"captures": 24, "capture_s": 3.9, "replays": 48, "eager": {"a KV cache": 2}}
+    lines = describe({"policy": {"graph_layers": graphs, "cross_entropy_mode": "off"},
+                      "lora_fusion": {"ops.lora_linear": 175, "peft": 0}})
+    assert lines == [
+        "graph_layers in the first step: 48 decoder-layer passes replayed from CUDA graphs, 24 captured (3.9 s: a "
+        "layer's first call per batch shape); run eagerly: 2 x a KV cache",
+        "lora_fusion in the first step: 175 LoRA projection calls through ops.lora_linear, 0 through PEFT's forward "
+        "(counted in Python: replayed layer passes run none, captures one)"]
+    idle = {"captures": 0, "capture_s": 0.0, "replays": 0, "eager": {}}   # CPU: nothing replayed, nothing said
+    assert describe({"policy": {"graph_layers": idle, "cross_entropy_mode": "off"}}) == []
