@@ -196,3 +196,38 @@ def test_first_step_log_lines():
         "(counted in Python: replayed layer passes run none, captures one)"]
     idle = {"captures": 0, "capture_s": 0.0, "replays": 0, "eager": {}}   # CPU: nothing replayed, nothing said
     assert describe({"policy": {"graph_layers": idle, "cross_entropy_mode": "off"}}) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gemma3_text", "phi3", "glm4", "qwen3_moe",
+                                    "qwen2_5_vl"])
+def test_each_family_matches_eager(backend, family):
+    """Every family's decoder layer under graph_layers (SDPA attention), against the same model run eagerly: lengths
+    padded to a bucket, sliding-window layers (gemma3_text), fused projections (phi3, glm4), the VL text stack. MoE
+    layers (qwen3_moe) take router arguments: eager, counted (their routing syncs with the host anyway)."""
+    from peft import LoraConfig, get_peft_model
+    from test_families import DEFAULT_TARGETS, TARGETS, build
+    device = backend
+    base = build(family, layers=2).to(device)
+    out = []
+    for graphs in (False, True):
+        m = copy.deepcopy(base)
+        m.config._attn_implementation = "sdpa"
+        swift_liger.apply(m, graph_layers=graphs)
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        m.enable_input_require_grads()
+        torch.manual_seed(5)
+        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                         target_modules=TARGETS.get(family, DEFAULT_TARGETS)))
+        m.train()
+        out.append(m)
+    eager, graphed = out
+    g = torch.Generator().manual_seed(2)
+    for i, n in enumerate([13, 16]):
+        ids = torch.randint(2, 64, (2, n), generator=g).to(device)
+        assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i), atol=5e-5, rtol=5e-4)
+    s = stats(graphed)
+    if family == "qwen3_moe":
+        assert s["captures"] == 0 and set(s["eager"]) == {
+            "arguments other than hidden states, mask, positions and position embeddings"}, s
+    else:
+        assert s["captures"] == 2 and s["replays"] == 8 and not s["eager"], s
