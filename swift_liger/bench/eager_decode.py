@@ -72,7 +72,7 @@ def run(args, log=print) -> dict:
     models, patched = {"stock": stock}, {}
     if any(m == "ours" for m, _ in kinds):
         ours = copy.deepcopy(stock)
-        report = swift_liger.apply(ours, cross_entropy="off", fused_projections=True)
+        report = swift_liger.apply(ours, cross_entropy="off", fused_projections=True, graph_layers=False)
         patched = {k: v for k, v in report.patched.items() if isinstance(v, int) and v}
         models["ours"] = ours
     vocab = stock.config.vocab_size

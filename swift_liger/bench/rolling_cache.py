@@ -85,7 +85,8 @@ class kernels_for:
 
     def __enter__(self):
         if self.on:
-            report = swift_liger.apply(self.model, cross_entropy="off", fused_projections=self.fused)
+            report = swift_liger.apply(self.model, cross_entropy="off", fused_projections=self.fused,
+                                        graph_layers=False)   # decode: graph_layers is for training
             self.modules = sum(v for v in report.patched.values() if isinstance(v, int))
         return self
 
@@ -871,7 +872,8 @@ def main(argv=None):
                   f"layers ({n_params / 1e9:.2f} B params), hidden {config.hidden_size}, {config.num_attention_heads} "
                   f"heads / {config.num_key_value_heads} kv heads x {config.head_dim}, vocab {config.vocab_size}")
     if args.liger:
-        patched = swift_liger.apply(model, cross_entropy="off", fused_projections=args.fused_projections).patched
+        patched = swift_liger.apply(model, cross_entropy="off", fused_projections=args.fused_projections,
+                                   graph_layers=False).patched   # decode: graph_layers is for training
         model_desc += ("; swift_liger kernels applied to every cache's model (" +
                        ", ".join(f"{k} {v}" for k, v in patched.items() if v) + " modules)")
     if args.fused_projections and not args.liger:

@@ -141,7 +141,7 @@ def test_yaml_config_switches_exactly_the_configured_fusions(runs):
     yaml_run = runs["yaml"].check()
     record = yaml_run.patch_record()
     expected = LigerConfig(rms_norm=True, rope=True, swiglu=True, qk_norm_rope=False, cross_entropy="off",
-                           lora_fusion=False)     # the minimal preset turns it off
+                           lora_fusion=False, graph_layers=False)     # the minimal preset turns these off
     assert record["config"] == expected.to_dict()
     patched = record["models"]["policy"]["report"]["patched"]
     assert {f for f in FUSIONS if patched[f] > 0} == {"rms_norm", "rope", "swiglu"}, patched
