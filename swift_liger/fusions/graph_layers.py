@@ -12,14 +12,10 @@ def _forward(self, hidden_states, *args, **kwargs):
     import torch   # lazy: the spec loads without torch (imported by now: the layer is a torch module)
     graphs = None if torch.compiler.is_compiling() else self.__dict__.get("_liger_graphs")   # torch.compile: eager
     if graphs is not None and not args:
-        out = graphs.forward(self, _eager_call(self), hidden_states, **kwargs)
+        out = graphs.forward(self, type(self).forward, hidden_states, **kwargs)
         if out is not None:
             return out
     return type(self).forward(self, hidden_states, *args, **kwargs)
-
-
-def _eager_call(layer):
-    return lambda *a, **k: type(layer).forward(layer, *a, **k)
 
 
 def patch(ctx) -> None:
@@ -51,9 +47,10 @@ def _counters(shared, reset) -> dict:
         return {}
     stats = shared.stats
     out = {"graph_layers": {"captures": stats["captures"], "capture_s": round(stats["capture_s"], 3),
-                            "replays": stats["replays"], "eager": dict(stats["eager"])}}
+                            "replays": stats["replays"], "eager": dict(stats["eager"]),
+                            "measured": list(stats["measured"])}}
     if reset:
-        stats.update(captures=0, capture_s=0.0, replays=0, eager={})
+        stats.update(captures=0, capture_s=0.0, replays=0, eager={}, measured=[])
     return out
 
 

@@ -110,6 +110,10 @@ def describe(snap: dict, when: str = "in the first step") -> list:
                 f"{graphs['captures']} captured ({graphs['capture_s']:.1f} s: a layer's first call per batch shape)")
         if graphs["eager"]:
             line += "; run eagerly: " + "; ".join(f"{n} x {why}" for why, n in graphs["eager"].items())
+        if graphs.get("measured"):
+            line += "; timed per batch shape, a layer's first pass eager vs replayed: " + "; ".join(
+                f"{m['rows']} x {m['tokens']} tokens {m['eager_ms']:.2f} vs {m['graph_ms']:.2f} ms -> "
+                f"{'graphs' if m['graphs'] else 'eager'}" for m in graphs["measured"])
         lines.append(line)
     lora = snap.get("lora_fusion")
     if lora:

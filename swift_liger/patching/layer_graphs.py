@@ -4,18 +4,25 @@ Small models train host-bound: at Qwen2.5-0.5B, 8 x 512 tokens, a step's kernels
 host spends ~200 ms issuing them (docs/benchmarks/train_graphed_h200.md). Under reentrant checkpointing (ms-swift's
 choice on one GPU) each decoder layer runs forward with autograd off, then forward again (the recompute) right
 before its backward. Here both forward passes replay one captured forward graph and the backward replays one
-captured backward graph: per call the host copies the inputs into static buffers and launches one graph.
+captured backward graph: per call the host copies the hidden states into a static buffer (position embeddings, mask
+and positions only when they change: once per model forward) and launches one graph.
 
     graphs = LayerGraphs(shared)                   # one per decoder layer; shared = Shared(), one per model
-    out = graphs.forward(layer, call_forward, hidden_states, attention_mask=..., position_embeddings=(cos, sin),
-                         position_ids=...)         # None: not replayable here, call the layer eagerly
+    out = graphs.forward(layer, type(layer).forward, hidden_states, attention_mask=...,
+                         position_embeddings=(cos, sin), position_ids=...)   # None: call the layer eagerly
 
 What replays (anything else on CUDA runs the layer as it is, counted by reason; evaluation and CPU run it uncounted):
 a training-mode layer under reentrant checkpointing (the first pass: autograd off, input requiring grad; the
 recompute: inside the backward, after a replayed first pass), position embeddings given, no cache, an attention mask
 that is None or a 4-D bool mask, weights that no hook gathers or moves per call (not ZeRO-3, FSDP or accelerate
 offload), and only small trainable parameters (adapters: the captured backward keeps their gradients in static
-buffers, cloned per call).
+buffers, which autograd's accumulation copies into .grad or adds to it).
+
+Chosen by measurement: at a new key the first layer's first pass is timed eagerly and replayed (interleaved, best of
+MEASURE_REPS, from an idle GPU to done). Where the replay is not MARGIN faster (GPU-bound layers: 7B at 4k tokens,
+where the graphs only add the input copies and padding) the key runs eagerly in every layer, its graphs and buffers
+dropped; counters record both times (call_counts()["graph_layers"]["measured"]).
+SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
 
 Keys: one pair of graphs per layer and (batch, padded length, dtypes, autocast, PEFT adapter state). The length is
 padded up to a bucket (8 per octave: at most 1/8 more tokens) so batches of varying lengths share captures. Padded
@@ -35,12 +42,16 @@ recompute draw what the first pass drew.
 from __future__ import annotations
 
 import collections
+import os
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
 
 MAX_KEYS = 8            # keys kept per model (static buffers) and per layer (graphs), least recently used dropped
+MEASURE_REPS = 3        # a new key: the first layer's first pass timed this often eagerly and replayed
+MARGIN = 0.05           # replays must be this much faster than eager calls to be kept (they cost memory)
 SMALL_TRAINABLE = 0.25  # trainable parameters up to this share of the layer's elements (adapters) replay
 
 _BACKENDS: dict = {}    # device index -> the one capture stream and memory pool of every layer's graphs
@@ -77,6 +88,19 @@ class _Backend:
     def end(self):
         torch.cuda.current_stream().wait_stream(self.stream)
 
+    @staticmethod
+    def release():
+        torch.cuda.empty_cache()   # cached blocks nothing will reuse (another stream's, a dropped graph's)
+
+    @staticmethod
+    def timer(fn: Callable) -> float:
+        """Seconds fn takes from an idle GPU until its work is done."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     def capture(self, fn: Callable) -> "torch.cuda.CUDAGraph":
         g = torch.cuda.CUDAGraph()
         g.capture_begin(pool=self.pool)
@@ -96,8 +120,9 @@ class _Backend:
 
 
 class _Slot:
-    """The static buffers of one key, shared by all layers."""
-    __slots__ = ("inputs", "out", "gout", "ghidden", "dead", "warm")
+    """The static buffers of one key, shared by all layers: inputs (hidden, cos, sin, mask or None, positions or
+    None), what was last loaded into them (n real tokens; weak references and versions of the sources)."""
+    __slots__ = ("inputs", "out", "gout", "ghidden", "dead", "warm", "n", "gout_n", "src", "ver")
 
 
 class _Entry:
@@ -107,25 +132,54 @@ class _Entry:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, graphs, slot, entry, n_real, *tensors):   # tensors: the (padded) inputs, then the parameters
-        for static, t in zip(slot.inputs, tensors):
-            static.copy_(t)
+    def forward(ctx, graphs, slot, entry, n, hidden, cos, sin, mask, pos, *params):
+        _load(slot, n, hidden, cos, sin, mask, pos)
         entry.fwd.replay()
-        ctx.graphs, ctx.slot, ctx.entry, ctx.n_real, ctx.n_in = graphs, slot, entry, n_real, len(slot.inputs)
+        ctx.graphs, ctx.slot, ctx.entry, ctx.n = graphs, slot, entry, n
         graphs.stats["replays"] += 1
-        return slot.out[:, :n_real].clone()   # the next layer's replay rewrites slot.out
+        return slot.out[:, :n].clone()   # the next layer's replay rewrites slot.out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        slot, entry = ctx.slot, ctx.entry
-        slot.gout[:, :ctx.n_real].copy_(grad)
-        if ctx.n_real < slot.gout.shape[1]:   # padded rows: no gradient (a longer batch of this key wrote some)
-            slot.gout[:, ctx.n_real:].zero_()
+        slot, entry, n = ctx.slot, ctx.entry, ctx.n
+        slot.gout[:, :n].copy_(grad)
+        if n < slot.gout.shape[1] and slot.gout_n != n:   # padded rows: no gradient (zeroed once per length)
+            slot.gout[:, n:].zero_()
+        slot.gout_n = n
         entry.bwd.replay()
-        ghidden = slot.ghidden.clone()   # for the padded input; the padding's own backward drops the extra rows
-        return (None, None, None, None, ghidden) + (None,) * (ctx.n_in - 1) + tuple(
-            None if g is None else g.clone() for g in entry.pgrads)
+        # The parameters' gradients go out as the static buffers themselves: autograd's accumulation copies them
+        # into .grad (or adds them to it) before anything replays this graph again.
+        return (None,) * 4 + (slot.ghidden[:, :n].clone(), None, None, None, None) + entry.pgrads
+
+
+def _load(slot, n, hidden, cos, sin, mask, pos) -> None:
+    """Copy one call's inputs into the key's static buffers. Hidden states every call; position embeddings, mask and
+    positions only when they are other tensors (or were modified) than the last call's: the layers of one forward
+    share them. Rows past n (padding) are rewritten when n changes: zeros (positions continue, masks are causal)."""
+    static = slot.inputs
+    padded = static[0].shape[1]
+    fresh = slot.n != n
+    static[0][:, :n].copy_(hidden)
+    if fresh and n < padded:
+        static[0][:, n:].zero_()
+    for i, t in enumerate((cos, sin, mask, pos), 1):
+        if t is None:
+            continue
+        if not fresh and slot.src[i] is not None and slot.src[i]() is t and slot.ver[i] == t._version:
+            continue
+        dst = static[i]
+        if i == 3:
+            dst.copy_(t if n == padded else _pad_mask(t, n, padded))
+        else:
+            dst[:, :n].copy_(t)
+            if n < padded:
+                if i == 4:   # positions continue: a reset would read as a new packed document
+                    dst[:, n:].copy_(t[:, -1:] + torch.arange(1, padded - n + 1, device=t.device, dtype=t.dtype))
+                else:
+                    dst[:, n:].zero_()
+        slot.src[i], slot.ver[i] = weakref.ref(t), t._version
+    slot.n = n
 
 
 def _in_backward() -> bool:
@@ -207,34 +261,23 @@ class LayerGraphs:
             entry = None
         if isinstance(entry, str):   # this key runs eagerly, for this reason
             return self._eager(entry)
-        tensors = self._padded(hidden_states, cos, sin, mask, position_ids, n, padded)
         if entry is None:
-            why = self._unreplayable(layer)
+            why = self.shared.choice.get(key) or self._unreplayable(layer)
             if why is not None:
                 self.entries[key] = why
                 return self._eager(why)
             try:
-                entry = self._capture(layer, call, key, tensors, mask is not None, position_ids is not None)
+                entry = self._capture(layer, call, key, padded, hidden_states, cos, sin, mask, position_ids, n)
             except Exception as exc:   # noqa: BLE001  e.g. a host sync inside the layer (MoE routing): eager
                 self.entries[key] = f"capture failed ({type(exc).__name__}: {str(exc)[:120]})"
+                return self._eager(self.entries[key])
+            if entry is None:   # measured: eager is faster at this shape
+                self.entries[key] = self.shared.choice[key]
                 return self._eager(self.entries[key])
         self.entries.move_to_end(key)
         self.shared.slots.move_to_end(key)
         self.pending += -1 if torch.is_grad_enabled() else 1
-        return _Replay.apply(self, entry.slot, entry, n, *tensors, *entry.params)
-
-    @staticmethod
-    def _padded(hidden, cos, sin, mask, pos, n, padded):
-        if padded != n:
-            extra = padded - n
-            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, extra))
-            cos = torch.nn.functional.pad(cos, (0, 0, 0, extra))
-            sin = torch.nn.functional.pad(sin, (0, 0, 0, extra))
-            if mask is not None:
-                mask = _pad_mask(mask, n, padded)
-            if pos is not None:   # positions continue: a reset would read as a new packed document
-                pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, extra + 1, device=pos.device, dtype=pos.dtype)], 1)
-        return [t for t in (hidden, cos, sin, mask, pos) if t is not None]
+        return _Replay.apply(self, entry.slot, entry, n, hidden_states, cos, sin, mask, position_ids, *entry.params)
 
     @staticmethod
     def _unreplayable(layer) -> Optional[str]:
@@ -254,9 +297,9 @@ class LayerGraphs:
             return "trainable parameters beyond adapters (full fine-tuning)"
         return None
 
-    def _capture(self, layer, call, key, tensors, has_mask: bool, has_pos: bool) -> _Entry:
+    def _capture(self, layer, call, key, padded, hidden_states, cos, sin, mask, pos, n) -> Optional[_Entry]:
         t0 = time.perf_counter()
-        dev = tensors[0].device
+        dev = hidden_states.device
         if self.backend is None:
             self.backend = type(self).backend_for(dev)
         be = self.backend
@@ -264,29 +307,36 @@ class LayerGraphs:
             self.entries.popitem(last=False)
         slots = self.shared.slots
         slot = slots.get(key)
-        if slot is None:
+        new_slot = slot is None
+        if new_slot:
             while len(slots) >= MAX_KEYS:
                 slots.popitem(last=False)[1].dead = True
             slot = _Slot()
             slot.dead = slot.warm = False
-            slot.inputs = [t.detach().clone() for t in tensors]
+            slot.n = slot.gout_n = None
+            slot.src, slot.ver = [None] * 5, [None] * 5
+
+            def static(t):
+                return None if t is None else t.new_empty(t.shape[:1] + (padded,) + t.shape[2:])
+            slot.inputs = [static(t) for t in (hidden_states, cos, sin, None, pos)]
+            if mask is not None:
+                slot.inputs[3] = mask.new_empty(mask.shape[:2] + (padded, padded))
             slot.inputs[0].requires_grad_(True)
-            slot.out = torch.empty_like(tensors[0])
-            slot.gout = torch.zeros_like(tensors[0])
-            slot.ghidden = torch.empty_like(tensors[0])
+            slot.out = torch.empty_like(slot.inputs[0])
+            slot.gout = torch.zeros_like(slot.inputs[0])
+            slot.ghidden = torch.empty_like(slot.inputs[0])
             slots[key] = slot
+        with torch.no_grad():
+            _load(slot, n, hidden_states, cos, sin, mask, pos)
         e = _Entry()
         e.slot = slot
         e.params = tuple(p for p in layer.parameters() if p.requires_grad)
-        it = iter(slot.inputs)
-        hidden, cos, sin = next(it), next(it), next(it)
-        mask = next(it) if has_mask else None
-        pos = next(it) if has_pos else None
-        wrt = (hidden,) + e.params
+        s_hidden, s_cos, s_sin, s_mask, s_pos = slot.inputs
+        wrt = (s_hidden,) + e.params
         held = {}
 
         def run():
-            out = call(hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+            out = call(layer, s_hidden, attention_mask=s_mask, position_ids=s_pos, position_embeddings=(s_cos, s_sin))
             return out[0] if isinstance(out, tuple) else out
 
         def fwd():
@@ -299,9 +349,9 @@ class LayerGraphs:
             if not be.keep_capture_outputs or "pgrads" not in held:
                 held["pgrads"] = grads[1:]
             else:   # the CPU stand-in re-runs this: same buffers, new values
-                for static, g in zip(held["pgrads"], grads[1:]):
-                    if static is not None:
-                        static.copy_(g)
+                for static_g, g in zip(held["pgrads"], grads[1:]):
+                    if static_g is not None:
+                        static_g.copy_(g)
 
         rng = be.rng_state(dev)
         adt, aen = torch.get_autocast_dtype(dev.type), torch.is_autocast_enabled(dev.type)
@@ -318,19 +368,59 @@ class LayerGraphs:
         finally:
             be.end()
             be.set_rng_state(rng, dev)
+        if not slot.warm:
+            be.release()   # the warm-up's blocks, cached for the capture stream only
         slot.warm = True
-        e.pgrads = held["pgrads"]
+        e.pgrads = tuple(held["pgrads"])
         if not be.keep_capture_outputs:
             held.clear()   # the capture's own tensors go back to the pool for the next capture
         e.keep = held
-        self.entries[key] = e
         self.stats["captures"] += 1
+        if new_slot and self.shared.measure and be.timer is not None:
+            if not self._graphs_faster(be, layer, call, e, slot, n, hidden_states, cos, sin, mask, pos, key):
+                self.stats["capture_s"] += time.perf_counter() - t0
+                return None
+        self.entries[key] = e
         self.stats["capture_s"] += time.perf_counter() - t0
         return e
 
+    def _graphs_faster(self, be, layer, call, e, slot, n, hidden, cos, sin, mask, pos, key) -> bool:
+        """Time this layer's first pass eagerly and replayed (with the input copies), interleaved, best of
+        MEASURE_REPS each; keep the graphs only if they are faster by MARGIN. Where the GPU is the bound (large
+        layers) the replay only adds copies and padding; the decision holds for the key in every layer."""
+        dev = hidden.device
+        rng = be.rng_state(dev)
+
+        def eager():
+            call(layer, hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+
+        def replay():
+            _load(slot, n, hidden, cos, sin, mask, pos)
+            e.fwd.replay()
+            slot.out[:, :n].clone()
+
+        t_eager = t_graph = float("inf")
+        try:
+            with torch.no_grad():
+                for _ in range(MEASURE_REPS):
+                    t_eager = min(t_eager, be.timer(eager))
+                    t_graph = min(t_graph, be.timer(replay))
+        finally:
+            be.set_rng_state(rng, dev)
+        faster = t_graph < (1.0 - MARGIN) * t_eager
+        rows, padded = slot.inputs[0].shape[:2]
+        self.stats["measured"].append({"rows": rows, "tokens": padded, "eager_ms": round(1e3 * t_eager, 3),
+                                       "graph_ms": round(1e3 * t_graph, 3), "graphs": faster})
+        if not faster:
+            self.shared.choice[key] = "measured faster eagerly at this batch shape"
+            self.shared.slots.pop(key).dead = True
+            e.fwd = e.bwd = None
+            be.release()   # the pool blocks only these graphs used
+        return faster
+
 
 def new_stats() -> dict:
-    return {"captures": 0, "capture_s": 0.0, "replays": 0, "eager": {}}
+    return {"captures": 0, "capture_s": 0.0, "replays": 0, "eager": {}, "measured": []}
 
 
 class Shared:
@@ -339,6 +429,9 @@ class Shared:
     def __init__(self):
         self.stats = new_stats()
         self.slots: "collections.OrderedDict" = collections.OrderedDict()
+        self.choice: dict = {}   # key -> why it runs eagerly (measured), kept after its slot is dropped
+        # SWIFT_LIGER_GRAPH_LAYERS=always replays every replayable key without timing it (benchmarks)
+        self.measure = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS", "measure") != "always"
 
     def __deepcopy__(self, memo):   # a copied model starts empty
         return type(self)()

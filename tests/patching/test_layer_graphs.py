@@ -20,8 +20,14 @@ GPU = torch.cuda.is_available() and __import__("conftest").GPU
 
 
 class RerunBackend:
-    """CPU stand-in for CUDA graphs: capture runs the function, replay runs it again in the captured mode."""
+    """CPU stand-in for CUDA graphs: capture runs the function, replay runs it again in the captured mode. No timer:
+    every replayable key replays (tests of the measured choice set one)."""
     keep_capture_outputs = True
+    timer = None
+
+    @staticmethod
+    def release():
+        pass
 
     def __init__(self, device):
         self.device = device
@@ -149,6 +155,69 @@ def test_eager_passes_counted_by_reason(backend):
     assert s["eager"] == {"autograd on outside a reentrant checkpoint's recompute": 3}, s
 
 
+def test_masks_change_between_steps_and_gradients_accumulate(backend):
+    """Steps of one key with other padding masks (the static mask is reloaded when the mask changes, not per layer),
+    and two micro-batches accumulated before the gradients are read (replays hand out their static gradient
+    buffers: .grad must not alias them)."""
+    device = backend
+    eager, graphed = models(device)
+    g = torch.Generator().manual_seed(3)
+    for i, cut in enumerate([(7, 4), (9, 2), (11, 11)]):
+        ids = torch.randint(2, 128, (3, 11), generator=g).to(device)
+        mask = torch.ones(3, 11, dtype=torch.long, device=device)
+        mask[1, cut[0]:] = 0
+        mask[2, cut[1]:] = 0
+        assert_same(step(eager, ids, mask, seed=i), step(graphed, ids, mask, seed=i))
+    for model in (eager, graphed):
+        torch.manual_seed(0)
+        for n in (13, 15):   # one bucket: the same static gradient buffers twice
+            ids = torch.randint(2, 128, (2, n), generator=torch.Generator().manual_seed(n)).to(device)
+            model(input_ids=ids, labels=ids).loss.backward()
+    grads = [{n: p.grad for n, p in m.named_parameters() if p.grad is not None} for m in (eager, graphed)]
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=2e-5, rtol=1e-4, msg=k)
+    s = stats(graphed)
+    assert s["captures"] == 3 * 3 and not s["eager"], s   # keys: [3, 16] with a mask, [3, 16] without, [2, 16]
+
+
+def test_measured_choice_runs_slower_graphs_eagerly(backend, monkeypatch):
+    """A key whose replay is not faster than the eager layer (timed once, in the first layer) runs eagerly in every
+    layer from then on; its graphs and static buffers are dropped; a faster key keeps replaying."""
+    device = backend
+    eager, graphed = models(device)
+    timings = []
+
+    def timer(fn):   # replays time as 1 ms; eager calls as 0.5 ms at 32 tokens, 2 ms elsewhere
+        t = (1e-3 if fn.__name__ == "replay" else 0.5e-3 if calls["tokens"] == 32 else 2e-3)
+        timings.append((fn.__name__, t))
+        fn()
+        return t
+    calls = {}
+    real = layer_graphs.LayerGraphs._graphs_faster
+
+    def spy(self, be, layer, call, e, slot, n, *a):
+        calls["tokens"] = slot.inputs[0].shape[1]
+        return real(self, be, layer, call, e, slot, n, *a)
+    monkeypatch.setattr(layer_graphs.LayerGraphs, "_graphs_faster", spy)
+    if device.type == "cpu":
+        monkeypatch.setattr(RerunBackend, "timer", staticmethod(timer), raising=False)
+    else:
+        monkeypatch.setattr(layer_graphs._Backend, "timer", staticmethod(timer))
+    g = torch.Generator().manual_seed(4)
+    for i, n in enumerate([20, 13, 30, 16]):   # buckets 32, 16, 32, 16
+        ids = torch.randint(2, 128, (2, n), generator=g).to(device)
+        assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i))
+    s = stats(graphed)
+    assert len(timings) == 2 * 2 * layer_graphs.MEASURE_REPS, timings   # one timing per key, first layer only
+    assert [(m["tokens"], m["graphs"]) for m in s["measured"]] == [(32, False), (16, True)], s
+    # the 32-token key: 3 layers' first passes in 2 steps (their recomputes follow the eager first pass, uncounted)
+    assert s["eager"] == {"measured faster eagerly at this batch shape": 3 * 2}, s
+    assert s["captures"] == 1 + 3 and s["replays"] == 2 * 3 * 2, s
+    shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
+    assert [k[0][1] for k in shared.slots] == [16], list(shared.slots)
+
+
 def test_full_fine_tuning_runs_eagerly(backend):
     device = backend
     base = tiny_causal_lm("qwen2", layers=2, attn="sdpa").to(device)
@@ -186,12 +255,14 @@ def test_deepcopy_and_revert(backend):
 
 def test_first_step_log_lines():
     from swift_liger.integration.runtime import describe   # imports no ms-swift module at import time
-    graphs = {"captures": 24, "capture_s": 3.9, "replays": 48, "eager": {"a KV cache": 2}}
+    graphs = {"captures": 24, "capture_s": 3.9, "replays": 48, "eager": {"a KV cache": 2},
+              "measured": [{"rows": 8, "tokens": 448, "eager_ms": 1.904, "graph_ms": 0.213, "graphs": True}]}
     lines = describe({"policy": {"graph_layers": graphs, "cross_entropy_mode": "off"},
                       "lora_fusion": {"ops.lora_linear": 175, "peft": 0}})
     assert lines == [
         "graph_layers in the first step: 48 decoder-layer passes replayed from CUDA graphs, 24 captured (3.9 s: a "
-        "layer's first call per batch shape); run eagerly: 2 x a KV cache",
+        "layer's first call per batch shape); run eagerly: 2 x a KV cache; timed per batch shape, a layer's first "
+        "pass eager vs replayed: 8 x 448 tokens 1.90 vs 0.21 ms -> graphs",
         "lora_fusion in the first step: 175 LoRA projection calls through ops.lora_linear, 0 through PEFT's forward "
         "(counted in Python: replayed layer passes run none, captures one)"]
     idle = {"captures": 0, "capture_s": 0.0, "replays": 0, "eager": {}}   # CPU: nothing replayed, nothing said
