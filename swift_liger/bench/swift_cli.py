@@ -43,10 +43,12 @@ from swift_liger.testing import tiny
 from . import shapes
 from .harness import fmt, gpu_name, run_child, tail, utc_now, versions, versions_line, write_json, write_report
 
-VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_no_lora_fusion", "swift_liger_compiled", "swift_liger_long_context",
+VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_graphs_always", "swift_liger_no_lora_fusion",
+            "swift_liger_compiled", "swift_liger_long_context",
             "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
+                 "swift_liger_graphs_always": ["--use_liger"],
                  "swift_liger_no_lora_fusion": ["--use_liger", "--liger_lora_fusion", "false"],
                  "swift_liger_compiled": ["--use_liger", "--liger_compile_layers", "true"],
                  "swift_liger_long_context": ["--use_liger", "--liger_config", "long_context"],
@@ -56,6 +58,7 @@ VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "liger_kernel": ["--use_liger_kernel", "true"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
                   "swift_liger_eager": "`--use_liger --liger_graph_layers false`",
+                  "swift_liger_graphs_always": "`--use_liger`, graphs at every shape (SWIFT_LIGER_GRAPH_LAYERS=always)",
                   "swift_liger_no_lora_fusion": "`--use_liger --liger_lora_fusion false`",
                   "swift_liger_compiled": "`--use_liger --liger_compile_layers true`",
                   "swift_liger_long_context": "`--use_liger --liger_config long_context`",
@@ -63,6 +66,7 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                   "swift_liger_packing": "`--use_liger --packing true --attn_impl swift_liger`",
                   "packing_attention_only": "`--packing true --attn_impl swift_liger` (no other fusion)",
                   "liger_kernel": "`--use_liger_kernel true` (liger-kernel)"}
+VARIANT_ENV = {"swift_liger_graphs_always": {"SWIFT_LIGER_GRAPH_LAYERS": "always"}}
 SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
                      "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
 SHAPES = {name: dims for name, dims in shapes.SHAPES.items() if dims.family in SWIFT_MODEL_FLAGS and name != "tiny"}
@@ -275,7 +279,7 @@ def run(args) -> dict:
     cmd = swift_command(args.model, args.dataset, args.variant, output_dir, args.seq, args.steps, extra,
                         task=args.task, tuner=args.tuner, grad_accum=args.grad_accum)
     log_path = os.path.join(args.out, f"{name}.log")
-    env = dict(os.environ, **OFFLINE_ENV)
+    env = dict(os.environ, **OFFLINE_ENV, **VARIANT_ENV.get(args.variant, {}))
     env.pop("SWIFT_LIGER_DISABLE_HOOK", None)
     print(f"[{args.variant}] {shlex.join(cmd[1:])}", flush=True)
     child = run_child(cmd, timeout=args.timeout, env=env, log_path=log_path, grace=15)
