@@ -17,5 +17,6 @@ for point in ${POINTS:-qwen2.5-0.5b:512:8 qwen2.5-1.5b:2048:1}; do
   for f in /tmp/runs_${shape}_${seq}_$batch/*.log; do   # what graph_layers did (integration/runtime.py's log line)
     grep -h "graph_layers in the first step" "$f" | sed "s|.*swift_liger: |$(basename "$f" .log): |" | cut -c1-700
   done
+  tar czf "$OUT/calls.tgz" -C "$OUT" c   # after every point: a call cut short keeps what ran
 done
-tar czf "$OUT/calls.tgz" -C "$OUT" c && rm -rf "$OUT/c"
+rm -rf "$OUT/c"
