@@ -18,8 +18,8 @@ that is None or a 4-D bool mask, weights that no hook gathers or moves per call 
 offload), and only small trainable parameters (adapters: the captured backward keeps their gradients in static
 buffers, which autograd's accumulation copies into .grad or adds to it).
 
-Chosen by measurement: at a new key the first layer's first pass is timed eagerly and replayed (interleaved, best of
-MEASURE_REPS, from an idle GPU to done). Where the replay is not MARGIN faster (GPU-bound layers: 7B at 4k tokens,
+Chosen by measurement: at a new key the first layer's forward is timed eagerly and replayed (MEASURE_CALLS calls
+between two syncs, best of MEASURE_REPS interleaved rounds). Where the replay is not MARGIN faster (GPU-bound layers: 7B at 4k tokens,
 where the graphs only add the input copies and padding) the key runs eagerly in every layer, its graphs and buffers
 dropped; counters record both times (call_counts()["graph_layers"]["measured"]).
 SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
@@ -50,7 +50,8 @@ from typing import Callable, Optional
 import torch
 
 MAX_KEYS = 8            # keys kept per model (static buffers) and per layer (graphs), least recently used dropped
-MEASURE_REPS = 3        # a new key: the first layer's first pass timed this often eagerly and replayed
+MEASURE_REPS = 3        # a new key: its first layer timed eagerly and replayed in this many interleaved rounds
+MEASURE_CALLS = 3       # of this many calls each between two syncs
 MARGIN = 0.05           # replays must be this much faster than eager calls to be kept (they cost memory)
 SMALL_TRAINABLE = 0.25  # trainable parameters up to this share of the layer's elements (adapters) replay
 
@@ -64,11 +65,25 @@ def bucket(n: int) -> int:
     return -(-n // step) * step
 
 
+class _Graph:
+    """A captured CUDA graph that counts itself live in its backend: a pool whose graphs all died cannot take another
+    capture (the allocator asserts on it), so the next capture starts a fresh pool."""
+    __slots__ = ("graph", "backend", "replay")
+
+    def __init__(self, graph, backend):
+        self.graph, self.backend, self.replay = graph, backend, graph.replay
+        backend.live += 1
+
+    def __del__(self):
+        self.backend.live -= 1
+
+
 class _Backend:
     """CUDA graphs. capture(fn) runs fn once under capture on the side stream and returns the replayable graph."""
 
     def __init__(self, device: torch.device):
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None
+        self.live = 0   # graphs of self.pool alive
         self.stream = torch.cuda.Stream(device)   # one stream: the allocator reuses a freed block only on its stream
         self.keep_capture_outputs = False   # the captured tensors live in pool memory; replays rewrite them
 
@@ -101,14 +116,16 @@ class _Backend:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def capture(self, fn: Callable) -> "torch.cuda.CUDAGraph":
+    def capture(self, fn: Callable) -> _Graph:
+        if self.pool is None or not self.live:
+            self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         g.capture_begin(pool=self.pool)
         try:
             fn()
         finally:
             g.capture_end()
-        return g
+        return _Graph(g, self)
 
     @staticmethod
     def rng_state(device):
@@ -385,26 +402,30 @@ class LayerGraphs:
         return e
 
     def _graphs_faster(self, be, layer, call, e, slot, n, hidden, cos, sin, mask, pos, key) -> bool:
-        """Time this layer's first pass eagerly and replayed (with the input copies), interleaved, best of
-        MEASURE_REPS each; keep the graphs only if they are faster by MARGIN. Where the GPU is the bound (large
-        layers) the replay only adds copies and padding; the decision holds for the key in every layer."""
+        """Time this layer's forward eagerly (the recompute's mode, autograd on) and replayed (with the input
+        copies): MEASURE_CALLS back-to-back calls between syncs, as a pass over the layers queues them, best of
+        MEASURE_REPS interleaved rounds. Keep the graphs only if they are MARGIN faster: where the GPU is the bound
+        the replay only adds the copies and the padding. The decision holds for the key in every layer."""
         dev = hidden.device
         rng = be.rng_state(dev)
 
         def eager():
-            call(layer, hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+            with torch.enable_grad():
+                for _ in range(MEASURE_CALLS):
+                    call(layer, hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
 
         def replay():
-            _load(slot, n, hidden, cos, sin, mask, pos)
-            e.fwd.replay()
-            slot.out[:, :n].clone()
+            for _ in range(MEASURE_CALLS):
+                _load(slot, n, hidden, cos, sin, mask, pos)
+                e.fwd.replay()
+                slot.out[:, :n].clone()
 
         t_eager = t_graph = float("inf")
         try:
             with torch.no_grad():
                 for _ in range(MEASURE_REPS):
-                    t_eager = min(t_eager, be.timer(eager))
-                    t_graph = min(t_graph, be.timer(replay))
+                    t_eager = min(t_eager, be.timer(eager) / MEASURE_CALLS)
+                    t_graph = min(t_graph, be.timer(replay) / MEASURE_CALLS)
         finally:
             be.set_rng_state(rng, dev)
         faster = t_graph < (1.0 - MARGIN) * t_eager
