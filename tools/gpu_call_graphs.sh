@@ -2,19 +2,20 @@
 # One device call (issue 27): the graph_layers GPU tests, then the real CLI per point (SHAPE:SEQ:BATCH) with
 # --use_liger (graph_layers on by default) against --use_liger --liger_graph_layers false and the other VARIANTS.
 # Everything under $OUT/calls.tgz.   POINTS="qwen2.5-0.5b:512:8 qwen2.5-1.5b:2048:1"  VARIANTS="swift_liger swift_liger_eager"
-# A point may name its own deadline (s) and variants: qwen2.5-7b:4096:1:300:swift_liger,swift_liger_graphs_always
+# A point may name its own deadline (s), variants and tuner: qwen2.5-7b:4096:1:300:swift_liger,swift_liger_eager:full
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/c"
 SWIFT_LIGER_TEST_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/patching/test_layer_graphs.py \
   >"$OUT/c/gpu_tests.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"; tail -3 "$OUT/c/gpu_tests.txt"
 for point in ${POINTS:-qwen2.5-0.5b:512:8 qwen2.5-1.5b:2048:1}; do
-  IFS=: read -r shape seq batch deadline variants <<<"$point"
+  IFS=: read -r shape seq batch deadline variants tuner <<<"$point"
   echo "== $shape $seq x $batch at ${SECONDS}s"
   [ -n "$variants" ] || variants=${VARIANTS:-swift_liger,swift_liger_eager}
   SHAPE=$shape SEQ=$seq BATCH=$batch STEPS=${STEPS:-10} WARMUP=3 VARIANTS="${variants:+${variants//,/ }}" \
-    DEADLINE=${deadline:-200} R=/tmp/runs_${shape}_${seq}_$batch OUT=$OUT/c/${shape}_${seq}_$batch \
+    TUNER=${tuner:-lora} DEADLINE=${deadline:-200} R=/tmp/runs_${shape}_${seq}_$batch${tuner:+_$tuner} \
+    OUT=$OUT/c/${shape}_${seq}_$batch${tuner:+_$tuner} \
     bash tools/gpu_swift_cli.sh 2>&1 | grep -E "^\||^- |rc |skipped|failed" | cut -c1-400
-  for f in /tmp/runs_${shape}_${seq}_$batch/*.log; do   # what graph_layers did (integration/runtime.py's log line)
+  for f in /tmp/runs_${shape}_${seq}_$batch${tuner:+_$tuner}/*.log; do   # what graph_layers did (integration/runtime.py's log line)
     grep -h "graph_layers in the first step" "$f" | sed "s|.*swift_liger: |$(basename "$f" .log): |" | cut -c1-700
   done
   tar czf "$OUT/calls.tgz" -C "$OUT" c   # after every point: a call cut short keeps what ran

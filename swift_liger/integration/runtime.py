@@ -111,9 +111,11 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         if graphs["eager"]:
             line += "; run eagerly: " + "; ".join(f"{n} x {why}" for why, n in graphs["eager"].items())
         if graphs.get("measured"):
-            line += "; timed per batch shape, a layer's first pass eager vs replayed: " + "; ".join(
-                f"{m['rows']} x {m['tokens']} tokens {m['eager_ms']:.2f} vs {m['graph_ms']:.2f} ms -> "
-                f"{'graphs' if m['graphs'] else 'eager'}" for m in graphs["measured"])
+            line += ("; timed per batch shape, a layer's forward eager vs replayed, max(host, GPU) ms per call: "
+                     + "; ".join(f"{m['rows']} x {m['tokens']} tokens {m['eager_ms']:.2f} vs {m['graph_ms']:.2f}"
+                                 + (f" (host {m['eager_host_ms']:.2f} / {m['graph_host_ms']:.2f}, GPU "
+                                    f"{m['eager_gpu_ms']:.2f} / {m['graph_gpu_ms']:.2f})" if "eager_host_ms" in m else "")
+                                 + f" -> {'graphs' if m['graphs'] else 'eager'}" for m in graphs["measured"]))
         lines.append(line)
     lora = snap.get("lora_fusion")
     if lora:

@@ -18,8 +18,8 @@ that is None or a 4-D bool mask, weights that no hook gathers or moves per call 
 offload), and only small trainable parameters (adapters: the captured backward keeps their gradients in static
 buffers, which autograd's accumulation copies into .grad or adds to it).
 
-Chosen by measurement: at a new key the first layer's forward is timed eagerly and replayed (MEASURE_CALLS calls
-between two syncs, best of MEASURE_REPS interleaved rounds). Where the replay is not MARGIN faster (GPU-bound layers: 7B at 4k tokens,
+Chosen by measurement: at a new key the first layer's forward is timed eagerly and replayed (host and GPU time of
+MEASURE_CALLS calls, best of MEASURE_REPS interleaved rounds; a pass costs max(host, GPU) per call). Where the replay is not MARGIN faster (GPU-bound layers: 7B at 4k tokens,
 where the graphs only add the input copies and padding) the key runs eagerly in every layer, its graphs and buffers
 dropped; counters record both times (call_counts()["graph_layers"]["measured"]).
 SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
@@ -51,7 +51,8 @@ import torch
 
 MAX_KEYS = 8            # keys kept per model (static buffers) and per layer (graphs), least recently used dropped
 MEASURE_REPS = 3        # a new key: its first layer timed eagerly and replayed in this many interleaved rounds
-MEASURE_CALLS = 3       # of this many calls each between two syncs
+MEASURE_CALLS = 3       # of this many calls each
+SPIN_CYCLES = 50_000_000  # GPU clock cycles (~25 ms) the timed calls queue behind
 MARGIN = 0.05           # replays must be this much faster than eager calls to be kept (they cost memory)
 SMALL_TRAINABLE = 0.25  # trainable parameters up to this share of the layer's elements (adapters) replay
 
@@ -108,13 +109,19 @@ class _Backend:
         torch.cuda.empty_cache()   # cached blocks nothing will reuse (another stream's, a dropped graph's)
 
     @staticmethod
-    def timer(fn: Callable) -> float:
-        """Seconds fn takes from an idle GPU until its work is done."""
+    def timer(fn: Callable) -> tuple:
+        """(host, device) seconds of fn: the host's to issue its work, the GPU's to run it without waiting for the
+        host (issued behind a ~25 ms spin kernel, so its kernels queue up before the GPU reaches them)."""
         torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
+        start.record()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        host = time.perf_counter() - t0
+        end.record()
+        end.synchronize()
+        return host, 1e-3 * start.elapsed_time(end)
 
     def capture(self, fn: Callable) -> _Graph:
         if self.pool is None or not self.live:
@@ -403,9 +410,10 @@ class LayerGraphs:
 
     def _graphs_faster(self, be, layer, call, e, slot, n, hidden, cos, sin, mask, pos, key) -> bool:
         """Time this layer's forward eagerly (the recompute's mode, autograd on) and replayed (with the input
-        copies): MEASURE_CALLS back-to-back calls between syncs, as a pass over the layers queues them, best of
-        MEASURE_REPS interleaved rounds. Keep the graphs only if they are MARGIN faster: where the GPU is the bound
-        the replay only adds the copies and the padding. The decision holds for the key in every layer."""
+        copies): host and GPU seconds of MEASURE_CALLS calls, best of MEASURE_REPS interleaved rounds. A pass over
+        the layers costs max(host, GPU) per call; keep the graphs only if theirs is MARGIN below eager's: where the
+        GPU is the bound the replay only adds the copies and the padding. The decision holds for the key in every
+        layer."""
         dev = hidden.device
         rng = be.rng_state(dev)
 
@@ -420,18 +428,25 @@ class LayerGraphs:
                 e.fwd.replay()
                 slot.out[:, :n].clone()
 
-        t_eager = t_graph = float("inf")
+        best = {"eager": (float("inf"),) * 2, "replay": (float("inf"),) * 2}
         try:
             with torch.no_grad():
                 for _ in range(MEASURE_REPS):
-                    t_eager = min(t_eager, be.timer(eager) / MEASURE_CALLS)
-                    t_graph = min(t_graph, be.timer(replay) / MEASURE_CALLS)
+                    for fn in (eager, replay):
+                        host, dev_s = be.timer(fn)
+                        b = best[fn.__name__]
+                        best[fn.__name__] = (min(b[0], host / MEASURE_CALLS), min(b[1], dev_s / MEASURE_CALLS))
         finally:
             be.set_rng_state(rng, dev)
+        # a pass over the layers keeps the GPU fed only as fast as the host issues: per call max(host, device)
+        t_eager, t_graph = max(best["eager"]), max(best["replay"])
         faster = t_graph < (1.0 - MARGIN) * t_eager
         rows, padded = slot.inputs[0].shape[:2]
-        self.stats["measured"].append({"rows": rows, "tokens": padded, "eager_ms": round(1e3 * t_eager, 3),
-                                       "graph_ms": round(1e3 * t_graph, 3), "graphs": faster})
+        self.stats["measured"].append({
+            "rows": rows, "tokens": padded, "eager_ms": round(1e3 * t_eager, 3), "graph_ms": round(1e3 * t_graph, 3),
+            "eager_host_ms": round(1e3 * best["eager"][0], 3), "eager_gpu_ms": round(1e3 * best["eager"][1], 3),
+            "graph_host_ms": round(1e3 * best["replay"][0], 3), "graph_gpu_ms": round(1e3 * best["replay"][1], 3),
+            "graphs": faster})
         if not faster:
             self.shared.choice[key] = "measured faster eagerly at this batch shape"
             self.shared.slots.pop(key).dead = True

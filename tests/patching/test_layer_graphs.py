@@ -188,8 +188,8 @@ def test_measured_choice_runs_slower_graphs_eagerly(backend, monkeypatch):
     eager, graphed = models(device)
     timings = []
 
-    def timer(fn):   # replays time as 1 ms; eager calls as 0.5 ms at 32 tokens, 2 ms elsewhere
-        t = (1e-3 if fn.__name__ == "replay" else 0.5e-3 if calls["tokens"] == 32 else 2e-3)
+    def timer(fn):   # (host, GPU) s of 3 calls: replays 0.1 / 3 ms, eager 1.5 / 2.4 ms at 32 tokens, 6 / 2.4 ms else
+        t = (0.1e-3, 3e-3) if fn.__name__ == "replay" else (1.5e-3 if calls["tokens"] == 32 else 6e-3, 2.4e-3)
         timings.append((fn.__name__, t))
         fn()
         return t
@@ -256,13 +256,15 @@ def test_deepcopy_and_revert(backend):
 def test_first_step_log_lines():
     from swift_liger.integration.runtime import describe   # imports no ms-swift module at import time
     graphs = {"captures": 24, "capture_s": 3.9, "replays": 48, "eager": {"a KV cache": 2},
-              "measured": [{"rows": 8, "tokens": 448, "eager_ms": 1.904, "graph_ms": 0.213, "graphs": True}]}
+              "measured": [{"rows": 8, "tokens": 448, "eager_ms": 1.904, "graph_ms": 0.213, "eager_host_ms": 1.904,
+                            "eager_gpu_ms": 0.2, "graph_host_ms": 0.05, "graph_gpu_ms": 0.213, "graphs": True}]}
     lines = describe({"policy": {"graph_layers": graphs, "cross_entropy_mode": "off"},
                       "lora_fusion": {"ops.lora_linear": 175, "peft": 0}})
     assert lines == [
         "graph_layers in the first step: 48 decoder-layer passes replayed from CUDA graphs, 24 captured (3.9 s: a "
-        "layer's first call per batch shape); run eagerly: 2 x a KV cache; timed per batch shape, a layer's first "
-        "pass eager vs replayed: 8 x 448 tokens 1.90 vs 0.21 ms -> graphs",
+        "layer's first call per batch shape); run eagerly: 2 x a KV cache; timed per batch shape, a layer's forward "
+        "eager vs replayed, max(host, GPU) ms per call: 8 x 448 tokens 1.90 vs 0.21 (host 1.90 / 0.05, GPU 0.20 / "
+        "0.21) -> graphs",
         "lora_fusion in the first step: 175 LoRA projection calls through ops.lora_linear, 0 through PEFT's forward "
         "(counted in Python: replayed layer passes run none, captures one)"]
     idle = {"captures": 0, "capture_s": 0.0, "replays": 0, "eager": {}}   # CPU: nothing replayed, nothing said
