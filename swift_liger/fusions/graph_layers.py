@@ -1,7 +1,8 @@
 """Replay each decoder layer's forward and backward as CUDA graphs (patching/layer_graphs.py), where training runs
 it under reentrant gradient checkpointing (ms-swift's default on one GPU). Everything else runs the layer as it is,
 counted by reason in call_counts()["graph_layers"]["eager"]. Captured at a layer's first call of each batch shape
-(lengths padded to 8 buckets per octave)."""
+(lengths padded to 8 buckets per octave); a shape whose replay is not faster than the eager layer (timed once, in
+its first layer: GPU-bound 7B-8B steps) runs eagerly."""
 from __future__ import annotations
 
 from .base import Fusion
@@ -57,6 +58,7 @@ def _counters(shared, reset) -> dict:
 FUSION = Fusion(key="graph_layers", default=True,
                 label=lambda count, report: f"CUDA graphs of {count} decoder layers",
                 help="Replay each decoder layer's forward and backward as CUDA graphs under reentrant gradient "
-                     "checkpointing (one capture per batch shape; adapters only, not full fine-tuning).",
+                     "checkpointing (one capture per batch shape, kept where its first layer times faster than eager; "
+                     "adapters only, not full fine-tuning).",
                 applies_to="decoder layers (GradientCheckpointingLayer)", order=95, patch=patch, say_off=False,
                 counters=_counters)

@@ -1,0 +1,78 @@
+"""Merge the CLI results of `tools/gpu_call_graphs.sh` calls (each call's calls.tgz unpacked into a directory) into
+one JSON, and plot --use_liger's speed-up over plain and over --use_liger_kernel per point (rows measured in the same
+call only).   python3 tools/graph_calls_report.py --call DIR COMMIT "COMMAND" [--call ...] --out docs/benchmarks/NAME"""
+import argparse
+import glob
+import json
+import os
+import re
+
+
+def load(call_dir: str) -> dict:
+    points = {}
+    for f in sorted(glob.glob(os.path.join(call_dir, "c", "*", "swift_cli_*.json"))):
+        point = os.path.basename(os.path.dirname(f))
+        rep = json.load(open(f))
+        runs = {}
+        for r in rep["results"]:
+            s = r["summary"]
+            runs[r["variant"]] = {k: s.get(k) for k in ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
+                                                        "tokens_per_step", "step_time_s", "peak_allocated_gib",
+                                                        "peak_reserved_gib", "final_loss")}
+            runs[r["variant"]].update(tuner=r["tuner"], wall_s=r["wall_s"], first_step_s=r["rows"][0]["step_time(s)"]
+                                      if r["rows"] else None, command=r["command"])
+        for log in glob.glob(os.path.join(call_dir, "c", point, "swift_cli_runs.tar.gz")):
+            import tarfile
+            with tarfile.open(log) as tar:
+                for m in tar.getmembers():
+                    if m.name.endswith(".log"):
+                        text = tar.extractfile(m).read().decode(errors="replace")
+                        hit = re.search(r"swift_liger: (graph_layers in the first step: .*)", text)
+                        v = os.path.basename(m.name)[:-4]
+                        v = v.split("_", 2)[2] if v.startswith("sft_full_") else v
+                        if hit and v in runs:
+                            runs[v]["graph_layers"] = hit.group(1).strip()
+        points[point] = {"environment": rep["environment"], "runs": runs}
+    return points
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--call", nargs=3, action="append", metavar=("DIR", "COMMIT", "COMMAND"), required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    calls = [{"call": i + 1, "commit": c, "command": cmd, "points": load(d)} for i, (d, c, cmd) in enumerate(args.call)]
+    with open(args.out + ".json", "w") as f:
+        json.dump({"calls": calls}, f, indent=1)
+    bars = []   # (label, vs plain, vs liger)
+    for c in calls:
+        for point, p in c["points"].items():
+            runs = p["runs"]
+            ours = runs.get("swift_liger", {}).get("tokens_per_s")
+            plain = runs.get("plain", {}).get("tokens_per_s")
+            liger = runs.get("liger_kernel", {}).get("tokens_per_s")
+            if ours and plain:
+                bars.append((f"{point} (call {c['call']})", ours / plain, ours / liger if liger else None))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    x = range(len(bars))
+    ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="--use_liger / plain")
+    ax.bar([i + 0.2 for i in x], [b[2] or 0 for b in bars], 0.4, label="--use_liger / --use_liger_kernel")
+    for i, b in enumerate(bars):
+        ax.text(i - 0.2, b[1], f"{b[1]:.2f}", ha="center", va="bottom", fontsize=8)
+        if b[2]:
+            ax.text(i + 0.2, b[2], f"{b[2]:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(list(x), [b[0] for b in bars], fontsize=8)
+    ax.set_ylabel("tokens/s ratio (same call)")
+    ax.set_title("swift sft LoRA r16, H200: --use_liger speed-up", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out + ".png", dpi=120)
+    print(json.dumps(bars))
+
+
+if __name__ == "__main__":
+    main()
