@@ -115,7 +115,9 @@ def describe(snap: dict, when: str = "in the first step") -> list:
                      + "; ".join(f"{m['rows']} x {m['tokens']} tokens {m['eager_ms']:.2f} vs {m['graph_ms']:.2f}"
                                  + (f" (host {m['eager_host_ms']:.2f} / {m['graph_host_ms']:.2f}, GPU "
                                     f"{m['eager_gpu_ms']:.2f} / {m['graph_gpu_ms']:.2f})" if "eager_host_ms" in m else "")
-                                 + f" -> {'graphs' if m['graphs'] else 'eager'}" for m in graphs["measured"]))
+                                 + f" -> {'graphs' if m['graphs'] else 'eager'}"
+                                 + (f" (at {m['when']})" if m.get("when", "capture") != "capture" else "")
+                                 for m in graphs["measured"]))
         lines.append(line)
     lora = snap.get("lora_fusion")
     if lora:

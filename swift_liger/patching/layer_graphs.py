@@ -19,9 +19,13 @@ offload), and only small trainable parameters (adapters: the captured backward k
 buffers, which autograd's accumulation copies into .grad or adds to it).
 
 Chosen by measurement: at a new key the first layer's forward is timed eagerly and replayed (host and GPU time of
-MEASURE_CALLS calls, best of MEASURE_REPS interleaved rounds; a pass costs max(host, GPU) per call). Where the replay is not MARGIN faster (GPU-bound layers: 7B at 4k tokens,
-where the graphs only add the input copies and padding) the key runs eagerly in every layer, its graphs and buffers
-dropped; counters record both times (call_counts()["graph_layers"]["measured"]).
+MEASURE_CALLS calls, best of MEASURE_REPS interleaved rounds; a pass costs max(host, GPU) per call). A key kept for
+graphs is timed once more at that layer's RECHECK_AT-th replayed first pass, away from the first step's other work
+(at 1.5B, 4 x 2k the first step timed 5.05 ms of host time per eager layer forward, more than the 0.259 s eager step
+allows: docs/benchmarks/train_graph_choice_h200.md). Where the replay is not
+MARGIN faster (GPU-bound layers: 7B-8B at 4k-8k tokens, where the graphs only add the input copies and padding) the
+key runs eagerly in every layer, its graphs and buffers dropped; counters record the times
+(call_counts()["graph_layers"]["measured"]).
 SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
 
 Keys: one pair of graphs per layer and (batch, padded length, dtypes, autocast, PEFT adapter state). The length is
@@ -54,6 +58,7 @@ MEASURE_REPS = 3        # a new key: its first layer timed eagerly and replayed 
 MEASURE_CALLS = 3       # of this many calls each
 SPIN_CYCLES = 50_000_000  # GPU clock cycles (~25 ms) the timed calls queue behind
 MARGIN = 0.05           # replays must be this much faster than eager calls to be kept (they cost memory)
+RECHECK_AT = 5          # a key kept for graphs is timed again at its timing layer's 5th replayed first pass
 SMALL_TRAINABLE = 0.25  # trainable parameters up to this share of the layer's elements (adapters) replay
 
 _BACKENDS: dict = {}    # device index -> the one capture stream and memory pool of every layer's graphs
@@ -151,7 +156,7 @@ class _Slot:
 
 class _Entry:
     """One layer's graphs for one key."""
-    __slots__ = ("fwd", "bwd", "pgrads", "params", "keep", "slot")
+    __slots__ = ("fwd", "bwd", "pgrads", "params", "keep", "slot", "recheck")
 
 
 class _Replay(torch.autograd.Function):
@@ -231,6 +236,7 @@ class LayerGraphs:
         self.backend = None
         self.pending = 0   # first passes replayed whose recompute has not run yet
         self.lora = None
+        shared.members.append(self)
 
     def __deepcopy__(self, memo):   # a copied model captures its own graphs (its stats: the copied patch state's)
         import copy
@@ -298,6 +304,14 @@ class LayerGraphs:
             if entry is None:   # measured: eager is faster at this shape
                 self.entries[key] = self.shared.choice[key]
                 return self._eager(self.entries[key])
+        if entry.recheck is not None and not torch.is_grad_enabled():   # the layer that timed this key
+            entry.recheck -= 1
+            if entry.recheck <= 0:   # again in a steady-state step: the first step's host time runs high
+                entry.recheck = None
+                if not self._graphs_faster(self.backend, layer, call, entry, entry.slot, n, hidden_states, cos, sin,
+                                           mask, position_ids, key, when=f"first pass {RECHECK_AT}"):
+                    self.entries[key] = self.shared.choice[key]
+                    return self._eager(self.entries[key])
         self.entries.move_to_end(key)
         self.shared.slots.move_to_end(key)
         self.pending += -1 if torch.is_grad_enabled() else 1
@@ -353,7 +367,7 @@ class LayerGraphs:
         with torch.no_grad():
             _load(slot, n, hidden_states, cos, sin, mask, pos)
         e = _Entry()
-        e.slot = slot
+        e.slot, e.recheck = slot, None
         e.params = tuple(p for p in layer.parameters() if p.requires_grad)
         s_hidden, s_cos, s_sin, s_mask, s_pos = slot.inputs
         wrt = (s_hidden,) + e.params
@@ -401,14 +415,16 @@ class LayerGraphs:
         e.keep = held
         self.stats["captures"] += 1
         if new_slot and self.shared.measure and be.timer is not None:
-            if not self._graphs_faster(be, layer, call, e, slot, n, hidden_states, cos, sin, mask, pos, key):
+            if not self._graphs_faster(be, layer, call, e, slot, n, hidden_states, cos, sin, mask, pos, key,
+                                       when="capture"):
                 self.stats["capture_s"] += time.perf_counter() - t0
                 return None
+            e.recheck = RECHECK_AT
         self.entries[key] = e
         self.stats["capture_s"] += time.perf_counter() - t0
         return e
 
-    def _graphs_faster(self, be, layer, call, e, slot, n, hidden, cos, sin, mask, pos, key) -> bool:
+    def _graphs_faster(self, be, layer, call, e, slot, n, hidden, cos, sin, mask, pos, key, when) -> bool:
         """Time this layer's forward eagerly (the recompute's mode, autograd on) and replayed (with the input
         copies): host and GPU seconds of MEASURE_CALLS calls, best of MEASURE_REPS interleaved rounds. A pass over
         the layers costs max(host, GPU) per call; keep the graphs only if theirs is MARGIN below eager's: where the
@@ -446,11 +462,14 @@ class LayerGraphs:
             "rows": rows, "tokens": padded, "eager_ms": round(1e3 * t_eager, 3), "graph_ms": round(1e3 * t_graph, 3),
             "eager_host_ms": round(1e3 * best["eager"][0], 3), "eager_gpu_ms": round(1e3 * best["eager"][1], 3),
             "graph_host_ms": round(1e3 * best["replay"][0], 3), "graph_gpu_ms": round(1e3 * best["replay"][1], 3),
-            "graphs": faster})
-        if not faster:
+            "graphs": faster, "when": when})
+        if not faster:   # every layer runs this key eagerly; its graphs and static buffers go
             self.shared.choice[key] = "measured faster eagerly at this batch shape"
             self.shared.slots.pop(key).dead = True
             e.fwd = e.bwd = None
+            for member in self.shared.members:
+                if isinstance(member.entries.get(key), _Entry):
+                    del member.entries[key]
             be.release()   # the pool blocks only these graphs used
         return faster
 
@@ -466,6 +485,7 @@ class Shared:
         self.stats = new_stats()
         self.slots: "collections.OrderedDict" = collections.OrderedDict()
         self.choice: dict = {}   # key -> why it runs eagerly (measured), kept after its slot is dropped
+        self.members: list = []  # the LayerGraphs of the model's layers
         # SWIFT_LIGER_GRAPH_LAYERS=always replays every replayable key without timing it (benchmarks)
         self.measure = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS", "measure") != "always"
 

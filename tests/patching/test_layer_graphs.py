@@ -196,9 +196,9 @@ def test_measured_choice_runs_slower_graphs_eagerly(backend, monkeypatch):
     calls = {}
     real = layer_graphs.LayerGraphs._graphs_faster
 
-    def spy(self, be, layer, call, e, slot, n, *a):
+    def spy(self, be, layer, call, e, slot, n, *a, **k):
         calls["tokens"] = slot.inputs[0].shape[1]
-        return real(self, be, layer, call, e, slot, n, *a)
+        return real(self, be, layer, call, e, slot, n, *a, **k)
     monkeypatch.setattr(layer_graphs.LayerGraphs, "_graphs_faster", spy)
     if device.type == "cpu":
         monkeypatch.setattr(RerunBackend, "timer", staticmethod(timer), raising=False)
@@ -216,6 +216,40 @@ def test_measured_choice_runs_slower_graphs_eagerly(backend, monkeypatch):
     assert s["captures"] == 1 + 3 and s["replays"] == 2 * 3 * 2, s
     shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
     assert [k[0][1] for k in shared.slots] == [16], list(shared.slots)
+
+
+def test_recheck_turns_a_key_eager_in_every_layer(backend, monkeypatch):
+    """A key kept for graphs at its capture is timed again at its timing layer's RECHECK_AT-th first pass; when eager
+    wins then, every layer drops its graphs for the key and runs it eagerly from that call on."""
+    device = backend
+    eager, graphed = models(device)
+    timings = []
+
+    def timer(fn):   # the capture's rounds favour the replay, the recheck's the eager layer
+        first = len(timings) < 2 * layer_graphs.MEASURE_REPS
+        t = ((0.1e-3, 1e-3) if fn.__name__ == "replay" else (6e-3, 1e-3)) if first else \
+            ((0.1e-3, 3e-3) if fn.__name__ == "replay" else (1e-3, 2e-3))
+        timings.append(fn.__name__)
+        fn()
+        return t
+    if device.type == "cpu":
+        monkeypatch.setattr(RerunBackend, "timer", staticmethod(timer), raising=False)
+    else:
+        monkeypatch.setattr(layer_graphs._Backend, "timer", staticmethod(timer))
+    g = torch.Generator().manual_seed(6)
+    steps = layer_graphs.RECHECK_AT + 1
+    for i in range(steps):
+        ids = torch.randint(2, 128, (2, 14), generator=g).to(device)
+        assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i))
+    s = stats(graphed)
+    assert [(m["graphs"], m["when"]) for m in s["measured"]] == [
+        (True, "capture"), (False, f"first pass {layer_graphs.RECHECK_AT}")], s
+    replayed_steps = layer_graphs.RECHECK_AT - 1
+    assert s["replays"] == replayed_steps * 3 * 2 and s["captures"] == 3, s
+    assert s["eager"] == {"measured faster eagerly at this batch shape": (steps - replayed_steps) * 3}, s
+    shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
+    assert not shared.slots and all(not any(isinstance(v, layer_graphs._Entry) for v in m.entries.values())
+                                    for m in shared.members), shared.members
 
 
 def test_full_fine_tuning_runs_eagerly(backend):
