@@ -16,7 +16,7 @@ a training-mode layer under reentrant checkpointing (the first pass: autograd of
 recompute: inside the backward, after a replayed first pass), position embeddings given, no cache, an attention mask
 that is None or a 4-D bool mask, weights that no hook gathers or moves per call (not ZeRO-3, FSDP or accelerate
 offload), and only small trainable parameters (adapters: the captured backward keeps their gradients in static
-buffers, which autograd's accumulation copies into .grad or adds to it).
+buffers, copied out per call in one multi-tensor op).
 
 Chosen by measurement: at a new key the first layer's forward is timed eagerly and replayed (host and GPU time of
 MEASURE_CALLS calls, best of MEASURE_REPS interleaved rounds; a pass costs max(host, GPU) per call). A key kept for
@@ -156,7 +156,7 @@ class _Slot:
 
 class _Entry:
     """One layer's graphs for one key."""
-    __slots__ = ("fwd", "bwd", "pgrads", "params", "keep", "slot", "recheck")
+    __slots__ = ("fwd", "bwd", "pgrads", "params", "keep", "slot", "recheck", "pidx", "plist", "pnone")
 
 
 class _Replay(torch.autograd.Function):
@@ -177,9 +177,12 @@ class _Replay(torch.autograd.Function):
             slot.gout[:, n:].zero_()
         slot.gout_n = n
         entry.bwd.replay()
-        # The parameters' gradients go out as the static buffers themselves: autograd's accumulation copies them
-        # into .grad (or adds them to it) before anything replays this graph again.
-        return (None,) * 4 + (slot.ghidden[:, :n].clone(), None, None, None, None) + entry.pgrads
+        # The parameters' gradients leave as fresh tensors (one multi-tensor op, x * 1.0 is exact): autograd may
+        # keep a gradient it is handed as .grad, and the next replay rewrites the static buffers.
+        grads = list(entry.pnone)
+        for i, g in zip(entry.pidx, torch._foreach_mul(entry.plist, 1.0) if entry.plist else ()):
+            grads[i] = g
+        return (None,) * 4 + (slot.ghidden[:, :n].clone(), None, None, None, None) + tuple(grads)
 
 
 def _load(slot, n, hidden, cos, sin, mask, pos) -> None:
@@ -410,6 +413,9 @@ class LayerGraphs:
             be.release()   # the warm-up's blocks, cached for the capture stream only
         slot.warm = True
         e.pgrads = tuple(held["pgrads"])
+        e.pidx = tuple(i for i, g in enumerate(e.pgrads) if g is not None)
+        e.plist = [e.pgrads[i] for i in e.pidx]
+        e.pnone = (None,) * len(e.pgrads)
         if not be.keep_capture_outputs:
             held.clear()   # the capture's own tensors go back to the pool for the next capture
         e.keep = held

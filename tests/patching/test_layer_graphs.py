@@ -157,8 +157,8 @@ def test_eager_passes_counted_by_reason(backend):
 
 def test_masks_change_between_steps_and_gradients_accumulate(backend):
     """Steps of one key with other padding masks (the static mask is reloaded when the mask changes, not per layer),
-    and two micro-batches accumulated before the gradients are read (replays hand out their static gradient
-    buffers: .grad must not alias them)."""
+    and two micro-batches accumulated before the gradients are read (.grad must not alias the static gradient
+    buffers the next replay rewrites)."""
     device = backend
     eager, graphed = models(device)
     g = torch.Generator().manual_seed(3)
@@ -250,6 +250,30 @@ def test_recheck_turns_a_key_eager_in_every_layer(backend, monkeypatch):
     shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
     assert not shared.slots and all(not any(isinstance(v, layer_graphs._Entry) for v in m.entries.values())
                                     for m in shared.members), shared.members
+
+
+def test_layers_without_adapters_replay(backend):
+    """Adapters on one layer only (layers_to_transform): the other layers' graphs have no parameter gradients."""
+    from peft import LoraConfig, get_peft_model
+    device = backend
+    base = tiny_causal_lm("qwen2", layers=3, attn="sdpa").to(device)
+    out = []
+    for graphs in (False, True):
+        m = copy.deepcopy(base)
+        swift_liger.apply(m, graph_layers=graphs)
+        m.config.use_cache = False
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        m.enable_input_require_grads()
+        torch.manual_seed(5)
+        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                         target_modules=["q_proj", "v_proj", "down_proj"], layers_to_transform=[1]))
+        m.train()
+        out.append(m)
+    eager, graphed = out
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(7)).to(device)
+    assert_same(step(eager, ids), step(graphed, ids))
+    s = stats(graphed)
+    assert s["captures"] == 3 and s["replays"] == 3 * 2 and not s["eager"], s
 
 
 def test_full_fine_tuning_runs_eagerly(backend):
