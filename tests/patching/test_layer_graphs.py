@@ -69,8 +69,10 @@ def backend(monkeypatch, device):
     return device
 
 
-def models(device, dropout=0.0, family="qwen2", layers=3):
+def models(device, dropout=0.0, family="qwen2", layers=3, **lora):
+    """The same tiny model eager and under graph_layers, LoRA r4 on every linear (or as `lora` says)."""
     from peft import LoraConfig, get_peft_model
+    lora = {"target_modules": "all-linear", **lora}
     base = tiny_causal_lm(family, layers=layers, attn="sdpa").to(device)
     out = []
     for graphs in (False, True):
@@ -80,8 +82,7 @@ def models(device, dropout=0.0, family="qwen2", layers=3):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         m.enable_input_require_grads()
         torch.manual_seed(5)
-        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
-                                         target_modules="all-linear"))
+        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False, **lora))
         m.train()
         out.append(m)
     return out
@@ -254,22 +255,8 @@ def test_recheck_turns_a_key_eager_in_every_layer(backend, monkeypatch):
 
 def test_layers_without_adapters_replay(backend):
     """Adapters on one layer only (layers_to_transform): the other layers' graphs have no parameter gradients."""
-    from peft import LoraConfig, get_peft_model
     device = backend
-    base = tiny_causal_lm("qwen2", layers=3, attn="sdpa").to(device)
-    out = []
-    for graphs in (False, True):
-        m = copy.deepcopy(base)
-        swift_liger.apply(m, graph_layers=graphs)
-        m.config.use_cache = False
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-        m.enable_input_require_grads()
-        torch.manual_seed(5)
-        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                         target_modules=["q_proj", "v_proj", "down_proj"], layers_to_transform=[1]))
-        m.train()
-        out.append(m)
-    eager, graphed = out
+    eager, graphed = models(device, target_modules=["q_proj", "v_proj", "down_proj"], layers_to_transform=[1])
     ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(7)).to(device)
     assert_same(step(eager, ids), step(graphed, ids))
     s = stats(graphed)
