@@ -1,8 +1,8 @@
 """Replay each decoder layer's forward and backward as CUDA graphs (patching/layer_graphs.py), where training runs
 it under reentrant gradient checkpointing (ms-swift's default on one GPU). Everything else runs the layer as it is,
 counted by reason in call_counts()["graph_layers"]["eager"]. Captured at a layer's first call of each batch shape
-(lengths padded to 8 buckets per octave); a shape whose replay is not faster than the eager layer (timed once, in
-its first layer: GPU-bound 7B-8B steps) runs eagerly."""
+(lengths padded to 8 buckets per octave); a shape whose replay is not faster than the eager layer (timed in its
+first layer at the capture and again at its 5th replayed first pass: GPU-bound 7B-8B steps) runs eagerly."""
 from __future__ import annotations
 
 from .base import Fusion
