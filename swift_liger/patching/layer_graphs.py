@@ -22,10 +22,9 @@ Chosen by measurement: at a new key the first layer's forward is timed eagerly a
 MEASURE_CALLS calls, best of MEASURE_REPS interleaved rounds; a pass costs max(host, GPU) per call). A key kept for
 graphs is timed once more at that layer's RECHECK_AT-th replayed first pass, away from the first step's other work
 (at 1.5B, 4 x 2k the first step timed 5.05 ms of host time per eager layer forward, more than the 0.259 s eager step
-allows: docs/benchmarks/train_graph_choice_h200.md). Where the replay is not
-MARGIN faster (GPU-bound layers: 7B-8B at 4k-8k tokens, where the graphs only add the input copies and padding) the
-key runs eagerly in every layer, its graphs and buffers dropped; counters record the times
-(call_counts()["graph_layers"]["measured"]).
+allows: docs/benchmarks/train_graph_choice_h200.md). Where the replay is not MARGIN faster (GPU-bound layers:
+7B-8B at 4k-8k tokens, where the graphs only add the input copies and padding) the key runs eagerly in every layer,
+its graphs and buffers dropped; counters record the times (call_counts()["graph_layers"]["measured"]).
 SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
 
 Keys: one pair of graphs per layer and (batch, padded length, dtypes, autocast, PEFT adapter state). The length is
@@ -309,7 +308,7 @@ class LayerGraphs:
                 return self._eager(self.entries[key])
         if entry.recheck is not None and not torch.is_grad_enabled():   # the layer that timed this key
             entry.recheck -= 1
-            if entry.recheck <= 0:   # again in a steady-state step: the first step's host time runs high
+            if entry.recheck <= 0:   # again, away from the first step (whose host times can run high)
                 entry.recheck = None
                 if not self._graphs_faster(self.backend, layer, call, entry, entry.slot, n, hidden_states, cos, sin,
                                            mask, position_ids, key, when=f"first pass {RECHECK_AT}"):
