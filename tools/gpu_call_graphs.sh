@@ -3,6 +3,10 @@
 # --use_liger (graph_layers on by default) against --use_liger --liger_graph_layers false and the other VARIANTS.
 # Everything under $OUT/calls.tgz.   POINTS="qwen2.5-0.5b:512:8 qwen2.5-1.5b:2048:1"  VARIANTS="swift_liger swift_liger_eager"
 # A point may name its own deadline (s), variants and tuner: qwen2.5-7b:4096:1:300:swift_liger,swift_liger_eager:full
+# A deadline (default 200) covers the point's model build and all its runs, less 15 s for the report; a run that
+# would start with under 60 s left is skipped. 0.5B-3B runs take 22-42 s each, so 3 variants need ~200 s and more
+# for a new build (tools/gpu_grid.sh computes them).
+# Each point starts from an empty runs directory: a warm machine's earlier runs never enter its report.
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/c"
 if [ -z "${SKIP_TESTS:-}" ]; then
@@ -13,6 +17,7 @@ for point in ${POINTS:-qwen2.5-0.5b:512:8 qwen2.5-1.5b:2048:1}; do
   IFS=: read -r shape seq batch deadline variants tuner <<<"$point"
   echo "== $shape $seq x $batch at ${SECONDS}s"
   [ -n "$variants" ] || variants=${VARIANTS:-swift_liger,swift_liger_eager}
+  rm -rf "/tmp/runs_${shape}_${seq}_$batch${tuner:+_$tuner}"
   SHAPE=$shape SEQ=$seq BATCH=$batch STEPS=${STEPS:-10} WARMUP=3 VARIANTS="${variants:+${variants//,/ }}" \
     TUNER=${tuner:-lora} DEADLINE=${deadline:-200} R=/tmp/runs_${shape}_${seq}_$batch${tuner:+_$tuner} \
     OUT=$OUT/c/${shape}_${seq}_$batch${tuner:+_$tuner} \

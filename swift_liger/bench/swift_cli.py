@@ -44,12 +44,15 @@ from . import shapes
 from .harness import fmt, gpu_name, run_child, tail, utc_now, versions, versions_line, write_json, write_report
 
 VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_graphs_always", "swift_liger_no_lora_fusion",
+            "swift_liger_ce_off", "swift_liger_ce_fused",
             "swift_liger_compiled", "swift_liger_long_context",
             "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
                  "swift_liger_graphs_always": ["--use_liger"],
                  "swift_liger_no_lora_fusion": ["--use_liger", "--liger_lora_fusion", "false"],
+                 "swift_liger_ce_off": ["--use_liger", "--liger_cross_entropy", "off"],
+                 "swift_liger_ce_fused": ["--use_liger", "--liger_cross_entropy", "fused"],
                  "swift_liger_compiled": ["--use_liger", "--liger_compile_layers", "true"],
                  "swift_liger_long_context": ["--use_liger", "--liger_config", "long_context"],
                  "swift_liger_save_attention": ["--use_liger", "--liger_save_attention", "true"],
@@ -60,6 +63,8 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                   "swift_liger_eager": "`--use_liger --liger_graph_layers false`",
                   "swift_liger_graphs_always": "`--use_liger`, graphs at every shape (SWIFT_LIGER_GRAPH_LAYERS=always)",
                   "swift_liger_no_lora_fusion": "`--use_liger --liger_lora_fusion false`",
+                  "swift_liger_ce_off": "`--use_liger --liger_cross_entropy off`",
+                  "swift_liger_ce_fused": "`--use_liger --liger_cross_entropy fused`",
                   "swift_liger_compiled": "`--use_liger --liger_compile_layers true`",
                   "swift_liger_long_context": "`--use_liger --liger_config long_context`",
                   "swift_liger_save_attention": "`--use_liger --liger_save_attention true`",

@@ -51,6 +51,8 @@ ENV_VARS = {   # every environment variable swift_liger reads, checked in valida
     "SWIFT_LIGER_DISABLE_HOOK": "1 turns the ms-swift import hook off (no --use_liger flags)",
     "SWIFT_LIGER_FAST_LAUNCH": "0 sends every Triton launch through kernel[grid] (default 1: decode-path kernels "
                                "replay their compiled launcher, ~7 us less host time per launch)",
+    "SWIFT_LIGER_GRAPH_LAYERS": "measure (default: graph_layers times each batch shape eager vs replayed and keeps the "
+                                "faster) or always (replay every replayable shape untimed, for benchmarks)",
     "SWIFT_LIGER_ALLOW_UNTESTED_VERSIONS": "1 warns instead of refusing torch, triton, transformers or ms-swift "
                                            "versions outside the tested ranges (swift_liger/versions.py)",
 }
@@ -287,6 +289,9 @@ def check_environment() -> None:
     fast = os.environ.get("SWIFT_LIGER_FAST_LAUNCH")
     if fast is not None and fast.strip() not in ("0", "1"):
         raise ValueError(f"SWIFT_LIGER_FAST_LAUNCH must be 0 or 1, got {fast!r}")
+    graphs = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS")
+    if graphs is not None and graphs.strip() not in ("measure", "always"):
+        raise ValueError(f"SWIFT_LIGER_GRAPH_LAYERS must be measure or always, got {graphs!r}")
     check_metrics_environment()
 
 

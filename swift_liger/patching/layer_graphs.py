@@ -492,7 +492,7 @@ class Shared:
         self.choice: dict = {}   # key -> why it runs eagerly (measured), kept after its slot is dropped
         self.members: list = []  # the LayerGraphs of the model's layers
         # SWIFT_LIGER_GRAPH_LAYERS=always replays every replayable key without timing it (benchmarks)
-        self.measure = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS", "measure") != "always"
+        self.measure = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS", "measure").strip() != "always"
 
     def __deepcopy__(self, memo):   # a copied model starts empty
         return type(self)()
