@@ -52,11 +52,13 @@ def main():
             plain = runs.get("plain", {}).get("tokens_per_s")
             liger = runs.get("liger_kernel", {}).get("tokens_per_s")
             if ours and plain:
-                bars.append((f"{point} (call {c['call']})", ours / plain, ours / liger if liger else None))
+                label = point.replace("qwen2.5-", "").replace("llama3-", "L").replace("_full", " full")
+                label = re.sub(r"_(\d+)_(\d+)", r" \2x\1", label)   # 0.5b_512_8 -> 0.5b 8x512 (rows x row length)
+                bars.append((f"{label} ({c['call']})", ours / plain, ours / liger if liger else None))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(bars) + 2), 4.4))
     x = range(len(bars))
     ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="--use_liger / plain")
     ax.bar([i + 0.2 for i in x], [b[2] or 0 for b in bars], 0.4, label="--use_liger / --use_liger_kernel")
@@ -65,9 +67,9 @@ def main():
         if b[2]:
             ax.text(i + 0.2, b[2], f"{b[2]:.2f}", ha="center", va="bottom", fontsize=8)
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks(list(x), [b[0] for b in bars], fontsize=8)
+    ax.set_xticks(list(x), [b[0] for b in bars], fontsize=8, rotation=35, ha="right")
     ax.set_ylabel("tokens/s ratio (same call)")
-    ax.set_title("swift sft LoRA r16, H200: --use_liger speed-up", fontsize=10)
+    ax.set_title("swift sft on the H200 (LoRA r16 unless 'full'; (n) = call): --use_liger speed-up", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=120)
