@@ -1,0 +1,310 @@
+"""Generalized Jensen-Shannon divergence between a student's and a teacher's next-token distributions, from their
+hidden states and heads, without [N, V] logits (GKD distillation: ms-swift's ``--rlhf_type gkd``).
+
+Per valid row (labels != ignore_index), with s = (h_s @ W_s^T + b_s) / T and t = (h_t @ W_t^T + b_t) / T, each head
+computed in its own dtype (as an HF lm_head) and then in fp32, p = softmax(s) (student), q = softmax(t) (teacher):
+
+    beta == 0:       KL(q || p) = sum_v q_v (log q_v - log p_v)                               (forward KL)
+    beta == 1:       KL(p || q) = sum_v p_v (log p_v - log q_v)                               (reverse KL)
+    0 < beta < 1:    beta KL(q || m) + (1 - beta) KL(p || m),   m = (1 - beta) p + beta q
+
+which is ms-swift 4.6's ``gkd_loss`` / ``jsd_loss`` (swift/rlhf_trainers/gkd_loss.py). The gradient reaches the
+student only (the teacher runs without one): d/ds_v = p_v (g_v - sum_u p_u g_u) with g = log p - log q (beta 1),
+g = (1 - beta)(log p - log m) (0 < beta < 1), and d/ds = p - q (beta 0), times 1/T.
+
+Machinery, per chunk of C valid rows: two GEMMs into two [C, V] workspaces (student, teacher; 256 MiB together by
+default), one Triton program per row reads both rows three times (lse; loss and sum p g; dlogits written over the
+student's row in place), then dh = dlogits @ W_s (one GEMM) and, for a trainable student head, dW_s += dlogits^T h_s
+(fp32 sum of per-chunk products). So 3 GEMMs per chunk with a frozen student head (LoRA), 4 with a trainable one,
+and no [N, V] tensor: Qwen2.5-7B teacher / 1.5B student heads (V = 152064) over 8k rows hold 0.25 GiB of workspace
+where the logits path holds 2 x 2.3 GiB of bf16 logits plus their fp32 log-softmax chunks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common
+
+WORKSPACE_BYTES = 256 << 20   # both [C, V] workspaces together
+CHUNK_ALIGN = 128             # rows per chunk: a multiple of the GEMM M tile (when there are that many rows)
+REDUCTIONS = ("sum", "mean")
+
+
+@triton.jit
+def _jsd_rows_kernel(zs_ptr, zt_ptr, loss_ptr, stride_s, stride_t, V, inv_t, beta, log_beta, log_1mb,
+                     MODE: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: zs/zt hold the raw logits (any float dtype); loss_ptr[row] <- the row's divergence (fp32); with
+    WRITE_GRAD, zs's row <- d loss / d raw student logits. MODE 0: beta 0, 1: beta 1, 2: 0 < beta < 1."""
+    row = tl.program_id(0).to(tl.int64)
+    s_row = zs_ptr + row * stride_s
+    t_row = zt_ptr + row * stride_t
+    m_s = tl.full([], float("-inf"), tl.float32)
+    m_t = tl.full([], float("-inf"), tl.float32)
+    l_s = tl.zeros([], tl.float32)
+    l_t = tl.zeros([], tl.float32)
+    for off in range(0, V, BLOCK):   # pass 1: both log-sum-exps, online
+        cols = off + tl.arange(0, BLOCK)
+        msk = cols < V
+        s = tl.load(s_row + cols, mask=msk, other=float("-inf")).to(tl.float32) * inv_t
+        t = tl.load(t_row + cols, mask=msk, other=float("-inf")).to(tl.float32) * inv_t
+        ms_new = tl.maximum(m_s, tl.max(s, 0))
+        mt_new = tl.maximum(m_t, tl.max(t, 0))
+        l_s = l_s * tl.exp(m_s - ms_new) + tl.sum(tl.exp(s - ms_new), 0)
+        l_t = l_t * tl.exp(m_t - mt_new) + tl.sum(tl.exp(t - mt_new), 0)
+        m_s = ms_new
+        m_t = mt_new
+    lse_s = m_s + tl.log(l_s)
+    lse_t = m_t + tl.log(l_t)
+    loss = tl.zeros([], tl.float32)
+    pg = tl.zeros([], tl.float32)    # sum_v p_v g_v (modes 1 and 2)
+    for off in range(0, V, BLOCK):   # pass 2: the divergence (and, for mode 0, the gradient)
+        cols = off + tl.arange(0, BLOCK)
+        msk = cols < V
+        lp = tl.load(s_row + cols, mask=msk, other=0.0).to(tl.float32) * inv_t - lse_s
+        lq = tl.load(t_row + cols, mask=msk, other=0.0).to(tl.float32) * inv_t - lse_t
+        p = tl.exp(lp)
+        q = tl.exp(lq)
+        if MODE == 0:
+            term = q * (lq - lp)
+            if WRITE_GRAD:
+                tl.store(s_row + cols, ((p - q) * inv_t).to(zs_ptr.dtype.element_ty), mask=msk)
+        elif MODE == 1:
+            term = p * (lp - lq)
+        else:
+            a = lp + log_1mb
+            b = lq + log_beta
+            mx = tl.maximum(a, b)
+            lm = mx + tl.log(tl.exp(a - mx) + tl.exp(b - mx))
+            term = beta * q * (lq - lm) + (1.0 - beta) * p * (lp - lm)
+            pg += tl.sum(tl.where(msk, p * (1.0 - beta) * (lp - lm), 0.0), 0)
+        loss += tl.sum(tl.where(msk, term, 0.0), 0)
+    if MODE == 1:
+        pg = loss
+    tl.store(loss_ptr + row, loss)
+    if WRITE_GRAD and MODE != 0:
+        for off in range(0, V, BLOCK):   # pass 3: dlogits = p (g - sum p g) / T over the student's row
+            cols = off + tl.arange(0, BLOCK)
+            msk = cols < V
+            lp = tl.load(s_row + cols, mask=msk, other=0.0).to(tl.float32) * inv_t - lse_s
+            lq = tl.load(t_row + cols, mask=msk, other=0.0).to(tl.float32) * inv_t - lse_t
+            p = tl.exp(lp)
+            if MODE == 1:
+                g = lp - lq
+            else:
+                a = lp + log_1mb
+                b = lq + log_beta
+                mx = tl.maximum(a, b)
+                g = (1.0 - beta) * (lp - (mx + tl.log(tl.exp(a - mx) + tl.exp(b - mx))))
+            tl.store(s_row + cols, (p * (g - pg) * inv_t).to(zs_ptr.dtype.element_ty), mask=msk)
+
+
+def _mode(beta: float) -> int:
+    return 0 if beta == 0 else 1 if beta == 1 else 2
+
+
+def _rows_torch(zs: torch.Tensor, zt: torch.Tensor, beta: float, inv_t: float, write_grad: bool) -> torch.Tensor:
+    """The row kernel's math in PyTorch (fp32), for the reference backend's chunks: returns the per-row loss and,
+    with write_grad, writes the student's dlogits over zs."""
+    lp = torch.log_softmax(zs.float() * inv_t, -1)
+    lq = torch.log_softmax(zt.float() * inv_t, -1)
+    p, q = lp.exp(), lq.exp()
+    mode = _mode(beta)
+    if mode == 0:
+        loss = (q * (lq - lp)).sum(-1)
+        grad = p - q
+    else:
+        if mode == 1:
+            g = lp - lq
+            loss = (p * g).sum(-1)
+        else:
+            lm = torch.logaddexp(lp + math.log1p(-beta), lq + math.log(beta))
+            loss = (beta * q * (lq - lm) + (1 - beta) * p * (lp - lm)).sum(-1)
+            g = (1 - beta) * (lp - lm)
+        grad = p * (g - (p * g).sum(-1, keepdim=True))
+    if write_grad:
+        zs.copy_(grad * inv_t)
+    return loss
+
+
+def _chunk_rows(n: int, vocab: int, elem_bytes: int, chunk_size: Optional[int]) -> int:
+    if chunk_size is not None:
+        return max(1, min(n, int(chunk_size)))
+    c = max(1, WORKSPACE_BYTES // max(1, vocab * elem_bytes))
+    if c >= CHUNK_ALIGN:
+        c -= c % CHUNK_ALIGN
+    return max(1, min(n, c))
+
+
+class _FusedLinearJSD(torch.autograd.Function):
+    """Inputs are the valid rows only: hs [n, Hs], ht [n, Ht]. Output: the fp32 sum of the rows' divergences. The
+    gradient is computed in the forward (at unit output grad) and scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, bs, ht, wt, bt, beta, inv_t, chunk_size, triton_rows):
+        n, vocab = hs.shape[0], ws.shape[0]
+        need_dh, need_dw = hs.requires_grad, ws.requires_grad
+        need_db = bs is not None and bs.requires_grad
+        write_grad = need_dh or need_dw or need_db
+        loss = _common.new_empty((n,), dtype=torch.float32, device=hs.device)   # NaN under SWIFT_LIGER_POISON=1
+        dh = _common.new_empty_like(hs) if need_dh else None
+        dw = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if need_dw else None
+        db = torch.zeros(vocab, dtype=torch.float32, device=ws.device) if need_db else None
+        c = _chunk_rows(n, vocab, hs.element_size() + ht.element_size(), chunk_size)
+        ws_s = _common.new_empty((c, vocab), dtype=hs.dtype, device=hs.device)
+        ws_t = _common.new_empty((c, vocab), dtype=ht.dtype, device=ht.device)
+        mode = _mode(beta)
+        block = min(1024 if not _common.INTERPRET else 256, _common.next_pow2(vocab))
+        for r0 in range(0, n, c):
+            r1 = min(n, r0 + c)
+            zs, zt = ws_s[:r1 - r0], ws_t[:r1 - r0]
+            torch.matmul(hs[r0:r1], ws.t(), out=zs)
+            torch.matmul(ht[r0:r1], wt.t(), out=zt)
+            if bs is not None:
+                zs.add_(bs)
+            if bt is not None:
+                zt.add_(bt)
+            if triton_rows:
+                _jsd_rows_kernel[(r1 - r0,)](
+                    zs, zt, loss[r0:r1], zs.stride(0), zt.stride(0), vocab, inv_t, float(beta),
+                    math.log(beta) if mode == 2 else 0.0, math.log1p(-beta) if mode == 2 else 0.0,
+                    MODE=mode, WRITE_GRAD=write_grad, BLOCK=block, num_warps=_common.num_warps_for(block))
+            else:
+                loss[r0:r1] = _rows_torch(zs, zt, beta, inv_t, write_grad)
+            if need_dh:
+                torch.matmul(zs, ws, out=dh[r0:r1])
+            if need_dw:
+                dw += (zs.t() @ hs[r0:r1]).float()
+            if need_db:
+                db += zs.float().sum(0)
+        ctx.save_for_backward(dh, dw, db)
+        ctx.dtypes = (ws.dtype, None if bs is None else bs.dtype)
+        return loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad):   # grad: a scalar
+        dh, dw, db = ctx.saved_tensors
+        g_hs = None if dh is None else dh * grad.to(dh.dtype)
+        g_ws = None if dw is None else (dw * grad).to(ctx.dtypes[0])
+        g_bs = None if db is None else (db * grad).to(ctx.dtypes[1])
+        return g_hs, g_ws, g_bs, None, None, None, None, None, None, None
+
+
+def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_labels, student_bias,
+           teacher_bias, beta, temperature, reduction, chunk_size):
+    for name, t in (("student_hidden", student_hidden), ("teacher_hidden", teacher_hidden)):
+        _common.check_tensor(name, t, min_ndim=2)
+    _common.check_tensor("student_weight", student_weight, ndim=2)
+    _common.check_tensor("teacher_weight", teacher_weight, ndim=2)
+    if student_hidden.shape[-1] != student_weight.shape[1]:
+        raise ValueError(f"student_hidden [..., {student_hidden.shape[-1]}] does not match student_weight "
+                         f"{list(student_weight.shape)} ([V, H])")
+    if teacher_hidden.shape[-1] != teacher_weight.shape[1]:
+        raise ValueError(f"teacher_hidden [..., {teacher_hidden.shape[-1]}] does not match teacher_weight "
+                         f"{list(teacher_weight.shape)} ([V, H])")
+    if student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(f"student and teacher vocabularies differ ({student_weight.shape[0]} vs "
+                         f"{teacher_weight.shape[0]}): fused_linear_jsd needs one vocabulary")
+    if labels.shape != student_hidden.shape[:-1]:
+        raise ValueError(f"labels {list(labels.shape)} must be student_hidden's leading shape "
+                         f"{list(student_hidden.shape[:-1])}")
+    t_labels = labels if teacher_labels is None else teacher_labels
+    if t_labels.shape != teacher_hidden.shape[:-1]:
+        raise ValueError(f"{'labels' if teacher_labels is None else 'teacher_labels'} {list(t_labels.shape)} must "
+                         f"be teacher_hidden's leading shape {list(teacher_hidden.shape[:-1])}")
+    for name, t in (("labels", labels), ("teacher_labels", teacher_labels)):
+        if t is not None and (t.dtype.is_floating_point or t.dtype == torch.bool):
+            raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+    for name, b, w in (("student_bias", student_bias, student_weight), ("teacher_bias", teacher_bias, teacher_weight)):
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            raise ValueError(f"{name} must be [V] = [{w.shape[0]}], got {list(b.shape)}")
+    _common.check_same_device(student_hidden=student_hidden, student_weight=student_weight,
+                              teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, labels=labels,
+                              teacher_labels=teacher_labels, student_bias=student_bias, teacher_bias=teacher_bias)
+    _common.check_same_dtype(student_hidden=student_hidden, student_weight=student_weight, student_bias=student_bias)
+    _common.check_same_dtype(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_bias=teacher_bias)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
+
+
+def _autocast(*tensors):
+    dev = tensors[0].device.type
+    if not torch.is_autocast_enabled(dev):
+        return tensors
+    dtype = torch.get_autocast_dtype(dev)
+    return tuple(None if t is None else t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
+def _valid_rows(hidden, labels, ignore_index):
+    h = hidden.reshape(-1, hidden.shape[-1])
+    idx = (labels.reshape(-1) != ignore_index).nonzero().squeeze(-1)
+    return h.index_select(0, idx)
+
+
+def fused_linear_jsd(student_hidden: torch.Tensor, student_weight: torch.Tensor, teacher_hidden: torch.Tensor,
+                     teacher_weight: torch.Tensor, labels: torch.Tensor, *, student_bias: Optional[torch.Tensor] = None,
+                     teacher_bias: Optional[torch.Tensor] = None, teacher_labels: Optional[torch.Tensor] = None,
+                     beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100, reduction: str = "sum",
+                     chunk_size: Optional[int] = None) -> torch.Tensor:
+    """GKD's generalized JSD over the rows whose label is not ``ignore_index``; no [N, V] logits.
+
+    student_hidden [..., Hs] with student_weight [V, Hs] (+ student_bias [V]); teacher_hidden [..., Ht] with
+    teacher_weight [V, Ht] (+ teacher_bias); labels [...] = student_hidden's leading shape, already shifted (labels[t]
+    is the token predicted at t). teacher_labels (teacher_hidden's leading shape) picks the teacher's rows when its
+    prompt differs (ms-swift's OPSD); it must mark as many rows as labels. beta in [0, 1] (0: KL(teacher || student),
+    1: KL(student || teacher)), temperature > 0 divides both heads' logits.
+    Returns an fp32 scalar: the sum over valid rows (``reduction="sum"``, ms-swift's ``total``) or their mean (0.0
+    with no valid row, still connected to the student's graph). Gradients reach the student's hidden states, weight
+    and bias (a trainable head: fp32 sums of per-chunk products); the teacher gets none. The graph can be
+    backpropagated once. On CPU tensors (no Triton) the same chunks run in PyTorch.
+    """
+    (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias) = _autocast(
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
+    _check(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_labels, student_bias,
+           teacher_bias, beta, temperature, reduction, chunk_size)
+    hs = _valid_rows(student_hidden, labels, ignore_index)
+    with torch.no_grad():
+        ht = _valid_rows(teacher_hidden, labels if teacher_labels is None else teacher_labels, ignore_index)
+    if ht.shape[0] != hs.shape[0]:
+        raise ValueError(f"teacher_labels mark {ht.shape[0]} rows, labels {hs.shape[0]}: student and teacher must "
+                         f"score the same number of tokens")
+    total = _FusedLinearJSD.apply(hs.contiguous(), student_weight, student_bias, ht.contiguous(),
+                                  teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach(),
+                                  float(beta), 1.0 / float(temperature), chunk_size,
+                                  _common.use_triton(student_hidden))
+    return total / max(1, hs.shape[0]) if reduction == "mean" else total
+
+
+def fused_linear_jsd_reference(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, *,
+                               student_bias=None, teacher_bias=None, teacher_labels=None, beta=0.5, temperature=1.0,
+                               ignore_index=-100, reduction="sum", **_unused):
+    """ms-swift's logits path: both heads' [N, V] logits, ``.float()``, divided by the temperature, log-softmax and
+    the divergence as ``swift.rlhf_trainers.gkd_loss.jsd_loss`` writes it. Same arguments and result as
+    :func:`fused_linear_jsd`."""
+    s_mask = labels.reshape(-1) != ignore_index
+    t_mask = s_mask if teacher_labels is None else teacher_labels.reshape(-1) != ignore_index
+    s = torch.nn.functional.linear(student_hidden.reshape(-1, student_hidden.shape[-1])[s_mask], student_weight,
+                                   student_bias).float() / temperature
+    with torch.no_grad():
+        t = torch.nn.functional.linear(teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[t_mask],
+                                       teacher_weight, teacher_bias).float() / temperature
+    lp, lq = torch.log_softmax(s, -1), torch.log_softmax(t, -1)
+    if beta == 0:
+        rows = (lq.exp() * (lq - lp)).sum(-1)
+    elif beta == 1:
+        rows = (lp.exp() * (lp - lq)).sum(-1)
+    else:
+        lm = torch.logsumexp(torch.stack([lp + math.log1p(-beta), lq + math.log(beta)]), 0)
+        rows = beta * (lq.exp() * (lq - lm)).sum(-1) + (1 - beta) * (lp.exp() * (lp - lm)).sum(-1)
+    total = rows.sum()
+    return total / max(1, rows.shape[0]) if reduction == "mean" else total

@@ -1,0 +1,173 @@
+"""GKD's fused linear generalized JSD: Triton rows (interpreter on CPU) and the PyTorch chunks vs float64, and vs
+ms-swift's own gkd_loss on the logits."""
+
+import math
+
+import pytest
+import torch
+
+import helpers
+from helpers import assert_close, f64, inputs_unchanged, randn
+from swift_liger.ops.fused_linear_jsd_kernel import fused_linear_jsd, fused_linear_jsd_reference
+from test_logprobs_op import _Shapes
+
+# Rows and V are not multiples of any block; chunk 4 over ~13 valid rows gives 4 chunks.
+B, S, HS, HT, V, CHUNK = 2, 9, 24, 40, 301, 4
+SLACK = helpers.REDUCTION_SLACK
+
+
+def make(device, dtype=torch.float32, bias=False, w_grad=False, seed=0):
+    torch.manual_seed(seed)
+    hs = randn(B, S, HS, dtype=dtype, device=device, requires_grad=True)
+    ws = randn(V, HS, dtype=dtype, device=device, scale=HS ** -0.5 * 2, requires_grad=w_grad)
+    bs = randn(V, dtype=dtype, device=device, scale=0.3, requires_grad=w_grad) if bias else None
+    ht = randn(B, S, HT, dtype=dtype, device=device)
+    wt = randn(V, HT, dtype=dtype, device=device, scale=HT ** -0.5 * 2)
+    bt = randn(V, dtype=dtype, device=device, scale=0.3) if bias else None
+    labels = torch.randint(0, V, (B, S), device=device)
+    labels[0, :4] = -100   # a prompt
+    labels[1, -2:] = -100  # padding
+    return hs, ws, bs, ht, wt, bt, labels
+
+
+def float64_jsd(hs, ws, bs, ht, wt, bt, labels, beta, temperature, teacher_labels=None):
+    """From the definition, in float64: KL(q||p), KL(p||q) or beta KL(q||m) + (1-beta) KL(p||m)."""
+    leaves = [None if t is None else f64(t) for t in (hs, ws, bs)]
+    s_mask = labels.cpu().reshape(-1) != -100
+    t_mask = s_mask if teacher_labels is None else teacher_labels.cpu().reshape(-1) != -100
+    z = leaves[0].reshape(-1, HS)[s_mask] @ leaves[1].t() + (0 if bs is None else leaves[2])
+    t = f64(ht, False).reshape(-1, HT)[t_mask] @ f64(wt, False).t() + (0 if bt is None else f64(bt, False))
+    p, q = torch.softmax(z / temperature, -1), torch.softmax(t / temperature, -1)
+    if beta == 0:
+        rows = (q * (q.log() - p.log())).sum(-1)
+    elif beta == 1:
+        rows = (p * (p.log() - q.log())).sum(-1)
+    else:
+        m = (1 - beta) * p + beta * q
+        rows = beta * (q * (q.log() - m.log())).sum(-1) + (1 - beta) * (p * (p.log() - m.log())).sum(-1)
+    return rows.sum(), leaves
+
+
+def check(device, dtype, beta, *, bias=False, w_grad=False, temperature=1.0, reduction="sum"):
+    hs, ws, bs, ht, wt, bt, labels = make(device, dtype, bias, w_grad)
+    with inputs_unchanged(*[t for t in (hs, ws, bs, ht, wt, bt, labels) if t is not None]):
+        out = fused_linear_jsd(hs, ws, ht, wt, labels, student_bias=bs, teacher_bias=bt, beta=beta,
+                               temperature=temperature, reduction=reduction, chunk_size=CHUNK)
+        (out * 1.7).backward()
+    ref, leaves = float64_jsd(hs, ws, bs, ht, wt, bt, labels, beta, temperature)
+    if reduction == "mean":
+        ref = ref / int((labels != -100).sum())
+    assert out.dtype == torch.float32 and out.dim() == 0
+    assert_close(out, ref, dtype, slack=SLACK, name="loss")
+    (ref * 1.7).backward()
+    for name, t, r in zip(("hidden", "weight", "bias"), (hs, ws, bs), leaves):
+        if t is not None and t.requires_grad:
+            assert_close(t.grad, r.grad, dtype, slack=1.0 if name == "hidden" else SLACK, name=f"grad_{name}")
+    assert bool((hs.grad[labels == -100] == 0).all()), "ignored rows must get a zero gradient"
+    return out
+
+
+@pytest.mark.parametrize("dtype", helpers.DTYPES, ids=str)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_matches_float64(device, dtype, beta):
+    check(device, dtype, beta, bias=True)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.2, 1.0])
+def test_trainable_head_and_temperature(device, beta):
+    check(device, torch.float32, beta, bias=True, w_grad=True, temperature=0.7)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.9, 1.0])
+def test_reference_backend(device, monkeypatch, beta):
+    """The PyTorch chunks that users without CUDA run (SWIFT_LIGER_BACKEND=torch)."""
+    monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
+    check(device, torch.float32, beta, bias=True, w_grad=True, temperature=2.0, reduction="mean")
+
+
+def test_op_reference_matches_float64(device):
+    hs, ws, bs, ht, wt, bt, labels = make(device, bias=True)
+    for beta in (0.0, 0.3, 1.0):
+        got = fused_linear_jsd_reference(hs, ws, ht, wt, labels, student_bias=bs, teacher_bias=bt, beta=beta,
+                                         temperature=1.5)
+        assert_close(got, float64_jsd(hs, ws, bs, ht, wt, bt, labels, beta, 1.5)[0], torch.float32, slack=SLACK)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_matches_ms_swift_gkd_loss(device, beta):
+    """ms-swift 4.6's own loss on the logits (its HF trainer divides its total by the number of valid rows)."""
+    gkd = pytest.importorskip("swift.rlhf_trainers.gkd_loss")
+    hs, ws, _, ht, wt, _, labels = make(device)
+    s_logits = (hs.detach() @ ws.t()).cpu().double()
+    t_logits = (ht @ wt.t()).cpu().double()
+    total, num_valid = gkd.gkd_loss(s_logits, gkd.TeacherOutput(full_logits=t_logits, labels=labels.cpu()),
+                                    labels.cpu(), beta, 1.3)
+    ours = fused_linear_jsd(hs, ws, ht, wt, labels, beta=beta, temperature=1.3, reduction="mean")
+    assert_close(ours, total / num_valid, torch.float32, slack=SLACK, name="vs ms-swift")
+
+
+def test_teacher_labels_pick_other_rows(device):
+    """OPSD: the teacher scored another prompt, so its valid rows sit elsewhere (as many of them)."""
+    hs, ws, _, ht, wt, _, labels = make(device)
+    t_labels = torch.roll(labels, shifts=3, dims=1)
+    out = fused_linear_jsd(hs, ws, ht, wt, labels, teacher_labels=t_labels, beta=0.4, chunk_size=CHUNK)
+    out.backward()
+    ref, leaves = float64_jsd(hs, ws, None, ht, wt, None, labels, 0.4, 1.0, teacher_labels=t_labels)
+    assert_close(out, ref, torch.float32, slack=SLACK)
+    ref.backward()
+    assert_close(hs.grad, leaves[0].grad, torch.float32)
+    with pytest.raises(ValueError, match="teacher_labels mark"):
+        fused_linear_jsd(hs, ws, ht, wt, labels, teacher_labels=torch.full_like(labels, 5))
+
+
+def test_teacher_gets_no_gradient_and_no_valid_row(device):
+    hs, ws, _, ht, wt, _, labels = make(device)
+    ht.requires_grad_(True)
+    wt.requires_grad_(True)
+    fused_linear_jsd(hs, ws, ht, wt, labels).backward()
+    assert ht.grad is None and wt.grad is None and hs.grad is not None
+    hs.grad = None
+    out = fused_linear_jsd(hs, ws, ht, wt, torch.full_like(labels, -100), reduction="mean")
+    out.backward()
+    assert out.item() == 0.0 and bool((hs.grad == 0).all())
+
+
+def test_no_grad(device):
+    hs, ws, _, ht, wt, _, labels = make(device)
+    with torch.no_grad():
+        out = fused_linear_jsd(hs, ws, ht, wt, labels, beta=0.5)
+    assert not out.requires_grad
+    assert math.isfinite(float(out)) and float(out) > 0
+
+
+def test_never_materialises_all_logits(device):
+    hs, ws, _, ht, wt, _, labels = make(device, w_grad=True)
+    with _Shapes() as seen:
+        fused_linear_jsd(hs, ws, ht, wt, labels, chunk_size=CHUNK).backward()
+    with_v = [s for s in seen.shapes if len(s) >= 2 and s[-1] == V and s not in ((HS, V), (HT, V))]   # W^T views
+    assert with_v and max(s[0] for s in with_v) <= CHUNK, with_v
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(beta=1.5), "beta must be a number in"), (dict(beta=True), "beta must be"),
+    (dict(temperature=0), "temperature must be"), (dict(reduction="none"), "reduction must be one of"),
+    (dict(chunk_size=0), "chunk_size must be"),
+])
+def test_bad_options(device, kwargs, match):
+    hs, ws, _, ht, wt, _, labels = make(device)
+    with pytest.raises(ValueError, match=match):
+        fused_linear_jsd(hs, ws, ht, wt, labels, **kwargs)
+
+
+def test_bad_tensors(device):
+    hs, ws, _, ht, wt, _, labels = make(device)
+    with pytest.raises(ValueError, match="vocabularies differ"):
+        fused_linear_jsd(hs, ws, ht, wt[:-1], labels)
+    with pytest.raises(ValueError, match="does not match student_weight"):
+        fused_linear_jsd(hs[..., :-1], ws, ht, wt, labels)
+    with pytest.raises(ValueError, match="labels .* must be student_hidden's leading shape"):
+        fused_linear_jsd(hs, ws, ht, wt, labels[:, :-1])
+    with pytest.raises(ValueError, match="must be an integer tensor"):
+        fused_linear_jsd(hs, ws, ht, wt, labels.float())
+    with pytest.raises(TypeError, match="mixed dtypes"):
+        fused_linear_jsd(hs, ws.double().float().half(), ht, wt, labels)
