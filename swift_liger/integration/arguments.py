@@ -439,8 +439,9 @@ def validate(args) -> None:
 
 # rlhf types whose trainer takes its log-probs from hidden states with cross_entropy=fused_linear (preference.py);
 # simpo is in the list as written on the command line, ms-swift runs it as cpo. GRPO's per-token log-probs come from
-# hidden states unless it asks for entropies (--log_entropy, --top_entropy_quantile < 1).
-PREFERENCE_RLHF = ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")
+# hidden states unless it asks for entropies (--log_entropy, --top_entropy_quantile < 1). GKD's divergence comes from
+# the student's and the teacher's hidden states (preference.GKDSeam).
+PREFERENCE_RLHF = ("dpo", "orpo", "cpo", "simpo", "kto", "grpo", "gkd")
 
 
 def preference_fused(args, cfg) -> bool:
@@ -517,6 +518,9 @@ def finalize(args) -> None:
         elif weighted:
             state["notes"].append("cross_entropy=fused_linear: per-token losses for " + ", ".join(weighted)
                                   + " come from hidden states (the fused linear head), not [tokens, vocab] logits")
+        elif rlhf_type == "gkd":
+            state["notes"].append("cross_entropy=fused_linear: the gkd trainer computes its divergence from the "
+                                  "student's and the teacher's hidden states (ops.fused_linear_jsd)")
         elif rlhf_type in PREFERENCE_RLHF:
             state["notes"].append(f"cross_entropy=fused_linear: the {rlhf_type} trainer takes its log-probs from "
                                   "hidden states (ops.fused_linear_logprobs), for the policy and the reference pass")

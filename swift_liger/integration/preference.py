@@ -46,14 +46,15 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 
-from ..fusions.loss_head.handle import HeadHandle, head_for, why_not
+from ..fusions.loss_head.handle import HeadHandle, head_for, keep_logits, why_not
 
 # ms-swift rlhf_type (simpo runs as cpo) -> ms-swift trainer class name
 TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "orpo": "ORPOTrainer", "cpo": "CPOTrainer",
-            "grpo": "GRPOTrainer"}
-RLHF_TYPES = ("dpo", "orpo", "cpo", "simpo", "kto", "grpo")   # as the user writes --rlhf_type
+            "grpo": "GRPOTrainer", "gkd": "GKDTrainer"}
+RLHF_TYPES = ("dpo", "orpo", "cpo", "simpo", "kto", "grpo", "gkd")   # as the user writes --rlhf_type
 IGNORE = -100
-PATHS = ("fused_linear_logprobs", "logits")   # log-probs from hidden states / from materialised logits
+# log-probs from hidden states / GKD's divergence from both models' hidden states / either from materialised logits
+PATHS = ("fused_linear_logprobs", "fused_linear_jsd", "logits")
 
 
 class _Seam:
@@ -245,6 +246,99 @@ class GRPOSeam(_Seam):
         return res.logps, res.entropy
 
 
+class GKDSeam(_Seam):
+    """ms-swift's GKDTrainer: the generalized JSD between the student and the teacher from both models' final hidden
+    states and heads (ops.fused_linear_jsd: no [tokens, vocab] logits for either), with ms-swift's beta, temperature,
+    label shift and mean over the scored tokens, its teacher modes (a teacher model; self-distillation through the
+    adapter-disabled student; OPSD, where the teacher scores its own prompt) and ``sft_alpha`` (the student's own
+    loss from the same forward, through the fused linear CE). Top-k distillation (``gkd_logits_topk``), a teacher
+    served by API and evaluation passes run ms-swift's own code on logits."""
+
+    def _liger_gkd_handles(self, model):
+        """(student handle, teacher handle, teacher module) when the fused path applies to this call, else None
+        (the reason recorded)."""
+        reason = ""
+        if not model.training:
+            reason = "evaluation passes keep ms-swift's loss on logits"
+        elif getattr(self, "gkd_logits_topk", None) is not None:
+            reason = "gkd_logits_topk distils over the teacher's top-k logits"
+        elif getattr(self, "use_teacher_api", False):
+            reason = "the teacher is served by API (top-k log-probs, no hidden states)"
+        if reason:
+            st = self._liger_state()
+            st["reasons"][reason] = st["reasons"].get(reason, 0) + 1
+            return None
+        student = self._liger_handle(model)
+        teacher_model = model if getattr(self, "_is_self_distillation", False) else self.teacher_model
+        teacher = student if teacher_model is model else self._liger_handle(teacher_model)
+        if student is None or teacher is None:
+            return None
+        for h in (student, teacher):
+            if h.softcap() is not None:
+                st = self._liger_state()
+                why = f"the model softcaps its logits ({h.state.softcap_attr})"
+                st["reasons"][why] = st["reasons"].get(why, 0) + 1
+                return None
+        if student.vocab_size != teacher.vocab_size:
+            st = self._liger_state()
+            why = f"student and teacher vocabularies differ ({student.vocab_size} vs {teacher.vocab_size})"
+            st["reasons"][why] = st["reasons"].get(why, 0) + 1
+            return None
+        return student, teacher, teacher_model
+
+    def _liger_teacher_context(self, model, teacher_model):
+        """ms-swift's context for the teacher's forward (GKDTrainer.compute_loss)."""
+        from swift.trainers import disable_gradient_checkpointing
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        if teacher_model is model:   # self-distillation: the student with its adapters off, when it has them
+            if getattr(self, "_teacher_use_disable_adapter", False):
+                stack.enter_context(self.accelerator.unwrap_model(model).disable_adapter())
+        elif getattr(self.args, "offload_teacher_model", False):
+            stack.enter_context(self.load_teacher_model_context())
+        stack.enter_context(disable_gradient_checkpointing(teacher_model, self.args.gradient_checkpointing_kwargs))
+        return stack
+
+    def _liger_gkd_on_logits(self, model, inputs, return_outputs, num_items_in_batch):
+        """ms-swift's own compute_loss on the student's real logits (with sft_alpha the student is called with
+        labels, where a fused_linear model would otherwise return its loss without logits)."""
+        self._liger_count("logits")
+        with keep_logits(model):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        found = self._liger_gkd_handles(model)
+        if found is None:
+            return self._liger_gkd_on_logits(model, inputs, return_outputs, num_items_in_batch)
+        student, teacher, teacher_model = found
+        model_inputs, teacher_inputs = inputs["model_inputs"], inputs["teacher_model_inputs"]
+        labels, sft_alpha = model_inputs["labels"], float(getattr(self.args, "sft_alpha", 0) or 0)
+        forward = {k: v for k, v in model_inputs.items() if k != "labels"}
+        if sft_alpha > 0:   # the model's own loss too: the fused linear CE from the same hidden states
+            forward["labels"] = labels
+        with student.emitting_hidden():
+            out_student = model(**forward)
+            hidden = student.take(out_student.logits)
+        with self._liger_teacher_context(model, teacher_model), teacher.emitting_hidden():
+            teacher_hidden = teacher.take(teacher_model(**{k: v for k, v in teacher_inputs.items() if k != "labels"
+                                                           }).logits)
+        if hidden is None or teacher_hidden is None:   # a head stood aside: ms-swift's code (it runs both again)
+            return self._liger_gkd_on_logits(model, inputs, return_outputs, num_items_in_batch)
+        # ms-swift's _compute_jsd_loss: position t scores label t+1, mean over the scored tokens (0 with none)
+        loss = student.jsd(hidden, teacher, teacher_hidden.detach(), torch.roll(labels, shifts=-1, dims=1),
+                           teacher_labels=torch.roll(teacher_inputs["labels"], shifts=-1, dims=1),
+                           beta=float(self.beta), temperature=float(self.temperature), reduction="mean")
+        self._liger_count("fused_linear_jsd")
+        if sft_alpha > 0:
+            from swift.rlhf_trainers.gkd_loss import DataSource
+            if inputs["gkd_batch"].data_source != DataSource.STUDENT:
+                loss = loss + sft_alpha * out_student.loss
+        if return_outputs:   # its logits are hidden states: never handed out as logits
+            return loss, None
+        return loss
+
+
 class _SFTCall:
     """The SFTSeam.compute_loss call in progress: its trainer, head handle and the hidden states the model returned
     (taken once; both the per-token loss and the label smoother read them), and the head's arg max per position for
@@ -408,7 +502,7 @@ class SFTSeam(_Seam):
 
 
 SEAMS = {"DPOTrainer": DPOSeam, "KTOTrainer": KTOSeam, "ORPOTrainer": ORPOSeam, "CPOTrainer": CPOSeam,
-         "GRPOTrainer": GRPOSeam, "Seq2SeqTrainer": SFTSeam}
+         "GRPOTrainer": GRPOSeam, "GKDTrainer": GKDSeam, "Seq2SeqTrainer": SFTSeam}
 
 
 @functools.lru_cache(maxsize=None)

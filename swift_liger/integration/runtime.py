@@ -63,9 +63,15 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         p = trainer["log_prob_passes"]
         fused, stock = p["fused_linear_logprobs"], p["logits"]
         fused_ng, stock_ng = p["fused_linear_logprobs_no_grad"], p["logits_no_grad"]
-        line = (f"{when} {trainer['class']} took {fused + fused_ng} log-prob passes from hidden states "
-                f"(the fused linear head, no [tokens, vocab] logits; {fused} with gradient, {fused_ng} "
-                f"without) and {stock + stock_ng} from materialised logits")
+        jsd = p.get("fused_linear_jsd", 0) + p.get("fused_linear_jsd_no_grad", 0)
+        if jsd:   # GKD
+            line = (f"{when} {trainer['class']} computed {jsd} distillation losses (generalized JSD) from the "
+                    f"student's and the teacher's hidden states (no [tokens, vocab] logits) and {stock + stock_ng} "
+                    "from materialised logits")
+        else:
+            line = (f"{when} {trainer['class']} took {fused + fused_ng} log-prob passes from hidden states "
+                    f"(the fused linear head, no [tokens, vocab] logits; {fused} with gradient, {fused_ng} "
+                    f"without) and {stock + stock_ng} from materialised logits")
         if trainer["logits_fallback_reasons"]:
             line += " because " + "; ".join(trainer["logits_fallback_reasons"])
         lines.append(line)
@@ -73,7 +79,8 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         c = snap.get(role)
         if c is None or c["cross_entropy_mode"] == "off":
             continue
-        ran = [f"{k} {c[k]}" for k in ("fused_linear_cross_entropy", "cross_entropy", "fused_linear_logprobs") if c[k]]
+        ran = [f"{k} {c[k]}" for k in ("fused_linear_cross_entropy", "cross_entropy", "fused_linear_logprobs",
+                                       "fused_linear_jsd") if c.get(k)]
         if ran:
             line = f"{when} the {role} model's loss head ran " + ", ".join(ran)
         else:

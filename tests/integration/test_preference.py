@@ -102,8 +102,8 @@ def test_config_resolution_per_rlhf_type():
         assert preference_fused(args, cfg) and cross_entropy_fallback_reasons(args) == []
     sp = types.SimpleNamespace(rlhf_type="dpo", sequence_parallel_size=2, task_type="causal_lm")
     assert "sequence_parallel_size=2" in cross_entropy_fallback_reasons(sp)[0]
-    gkd = types.SimpleNamespace(rlhf_type="gkd", sequence_parallel_size=1, task_type="causal_lm")
-    assert not preference_fused(gkd, cfg) and "rlhf_type=gkd" in cross_entropy_fallback_reasons(gkd)[0]
+    ppo = types.SimpleNamespace(rlhf_type="ppo", sequence_parallel_size=1, task_type="causal_lm")
+    assert not preference_fused(ppo, cfg) and "rlhf_type=ppo" in cross_entropy_fallback_reasons(ppo)[0]
     assert not preference_fused(types.SimpleNamespace(rlhf_type="dpo"), LigerConfig(cross_entropy="fused"))
 
 
@@ -122,3 +122,121 @@ def test_first_step_lines_say_what_ran():
                         "materialised logits 0 times")
     # installed but never called: said so, and no lm_head count where the head is not patched
     assert "(cross_entropy=fused) ran none of swift_liger's losses" in lines[2] and "lm_head" not in lines[2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GKD: GKDSeam.compute_loss against ms-swift's own GKDTrainer.compute_loss on the stock models' logits
+# ---------------------------------------------------------------------------------------------------------------
+
+def _gkd_classes():
+    from swift.rlhf_trainers.gkd_trainer import GKDTrainer
+
+    class Base:   # what GKDTrainer.compute_loss reads from the trainer
+        compute_loss = GKDTrainer.compute_loss
+        _compute_jsd_loss = GKDTrainer._compute_jsd_loss
+        is_encoder_decoder = False
+
+        def __init__(self, teacher, beta, temperature, sft_alpha=0.0, self_distillation=False):
+            self.args = types.SimpleNamespace(sft_alpha=sft_alpha, report_to=[], gradient_checkpointing_kwargs=None,
+                                              offload_teacher_model=False)
+            self.template = types.SimpleNamespace(sequence_parallel_size=1)
+            self.teacher_model, self.beta, self.temperature = teacher, beta, temperature
+            self.gkd_logits_topk, self.use_teacher_api, self.use_liger_gkd_loss = None, False, False
+            self._is_self_distillation, self._teacher_use_disable_adapter = self_distillation, False
+            self.accelerator = types.SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True)
+
+        def get_use_logits_to_keep(self, default_value=True):
+            return False
+
+    class Trainer(preference.GKDSeam, Base):
+        pass
+
+    return Base, Trainer
+
+
+def _gkd_inputs(opsd=False, source="dataset"):
+    from swift.rlhf_trainers.gkd_loss import DataSource
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(2, VOCAB, (2, 10), generator=gen)
+    labels = ids.clone()
+    labels[:, :4] = -100
+    labels[1, -2:] = -100
+    student = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    teacher = student
+    if opsd:   # the teacher scores the same completions after a 3-token longer prompt
+        t_ids = torch.cat([torch.randint(2, VOCAB, (2, 3), generator=gen), ids], 1)
+        t_labels = torch.cat([torch.full((2, 3), -100), labels], 1)
+        teacher = {"input_ids": t_ids, "attention_mask": torch.ones_like(t_ids), "labels": t_labels}
+    return {"model_inputs": student, "teacher_model_inputs": teacher,
+            "gkd_batch": types.SimpleNamespace(data_source=DataSource(source))}
+
+
+def _gkd_pair(seed):
+    stock = build("llama", seed=seed)
+    with torch.no_grad():   # peaked next-token distributions (random init gives near-uniform ones, JSD ~0.003)
+        stock.lm_head.weight.mul_(40.0)
+    patched = copy.deepcopy(stock)
+    swift_liger.apply(patched, **{**ALL_OFF, "cross_entropy": "fused_linear"})
+    return stock, patched
+
+
+@pytest.mark.parametrize("beta, temperature, sft_alpha, opsd, self_distillation", [
+    (0.5, 1.0, 0.0, False, False), (0.0, 0.9, 0.0, False, False), (1.0, 1.3, 0.0, False, False),
+    (0.3, 1.0, 0.5, False, False), (0.5, 1.0, 0.0, True, False), (0.7, 2.0, 0.2, True, True),
+], ids=["jsd", "forward_kl", "reverse_kl", "sft_alpha", "opsd", "self_distillation_opsd"])
+def test_gkd_seam_equals_ms_swift(beta, temperature, sft_alpha, opsd, self_distillation):
+    Base, Trainer = _gkd_classes()
+    student_stock, student = _gkd_pair(0)
+    teacher_stock, teacher = _gkd_pair(1)
+    for m in (student_stock, student):
+        m.train()
+    inputs = _gkd_inputs(opsd)
+    expected_trainer = Base(None if self_distillation else teacher_stock, beta, temperature, sft_alpha,
+                            self_distillation)
+    expected = expected_trainer.compute_loss(student_stock, inputs)
+    expected.backward()
+    trainer = Trainer(None if self_distillation else teacher, beta, temperature, sft_alpha, self_distillation)
+    grad_modes = []   # the teacher's forward runs without autograd, as ms-swift's
+    hook = teacher.register_forward_pre_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
+    got = trainer.compute_loss(student, inputs)
+    hook.remove()
+    assert grad_modes == ([] if self_distillation else [False])
+    got.backward()
+    torch.testing.assert_close(got.detach(), expected.detach(), atol=1e-6, rtol=2e-5)
+    assert float(expected) > 0.05   # the teacher differs from the student (self-distillation: its own longer prompt)
+    for (name, p), (_, q) in zip(student_stock.named_parameters(), student.named_parameters()):
+        scale = max(1e-3, p.grad.abs().max().item())
+        torch.testing.assert_close(q.grad, p.grad, atol=2e-5 * scale, rtol=2e-4, msg=name)
+    assert trainer.liger_calls["fused_linear_jsd"] == 1 and trainer.liger_calls["logits"] == 0
+    counts = call_counts(student)
+    assert counts["fused_linear_jsd"] == 1 and counts["lm_head_logits"] == 0
+    assert counts["fused_linear_cross_entropy"] == (1 if sft_alpha else 0)
+    if not self_distillation:
+        assert call_counts(teacher)["lm_head_logits"] == 0
+        assert all(p.grad is None for p in teacher.parameters())
+
+
+def test_gkd_seam_falls_back_and_says_why():
+    Base, Trainer = _gkd_classes()
+    student_stock, student = _gkd_pair(0)
+    teacher_stock, teacher = _gkd_pair(1)
+    inputs = _gkd_inputs()
+    student.train()
+    topk = Trainer(teacher, 0.5, 1.0, sft_alpha=0.5)   # with labels: the patched student must keep its logits
+    topk.gkd_logits_topk = 5
+    student_stock.train()
+    expected = Base(teacher_stock, 0.5, 1.0, sft_alpha=0.5)
+    expected.gkd_logits_topk = 5
+    torch.testing.assert_close(topk.compute_loss(student, inputs), expected.compute_loss(student_stock, inputs),
+                               atol=2e-5, rtol=2e-5)
+    assert topk.liger_calls["logits"] == 1 and topk.liger_calls["fused_linear_jsd"] == 0
+    assert any("gkd_logits_topk" in r for r in preference.fallback_reasons(topk))
+    unpatched = Trainer(teacher_stock, 0.5, 1.0)   # a teacher we did not patch: its logits, ms-swift's loss
+    unpatched.compute_loss(student, inputs)
+    assert unpatched.liger_calls["logits"] == 1
+    assert any("not patched" in r for r in preference.fallback_reasons(unpatched))
+    student.eval()
+    ev = Trainer(teacher, 0.5, 1.0)
+    with torch.no_grad():
+        ev.compute_loss(student, inputs)
+    assert any("evaluation" in r for r in preference.fallback_reasons(ev))

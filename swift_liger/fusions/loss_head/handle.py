@@ -22,7 +22,7 @@ import torch
 
 from ...patching.state import find_states
 from .forward import head_is_ours
-from .sharding import lm_head_cross_entropy, lm_head_logprobs
+from .sharding import lm_head_cross_entropy, lm_head_jsd, lm_head_logprobs
 from .state import KEY, HeadState
 
 
@@ -144,6 +144,22 @@ class HeadHandle:
         options = self._with_softcap(options)
         self.state.calls["fused_linear_logprobs"] += 1
         return lm_head_logprobs(self.state.lm_head, hidden, labels, **options)
+
+    def softcap(self) -> Optional[float]:
+        """The logit softcap the head-skipped forward leaves to the loss (Gemma-2/3), or None."""
+        st = self.state
+        cap = getattr(self.root.config, st.softcap_attr, None) if st.softcap_attr else None
+        return float(cap) if cap else None
+
+    def jsd(self, hidden: torch.Tensor, teacher: "HeadHandle", teacher_hidden: torch.Tensor, labels: torch.Tensor,
+            **options):
+        """ops.fused_linear_jsd with this head as the student's and ``teacher``'s as the teacher's (GKD), heads
+        gathered when ZeRO-3 / FSDP2 shard them. Neither head may softcap (the op has no softcap)."""
+        for h in (self, teacher):
+            if h.softcap() is not None:
+                raise ValueError(f"fused_linear_jsd has no logit softcap; {h.state.softcap_attr}={h.softcap()}")
+        self.state.calls["fused_linear_jsd"] += 1
+        return lm_head_jsd(self.state.lm_head, hidden, teacher.state.lm_head, teacher_hidden, labels, **options)
 
     def cross_entropy(self, hidden: torch.Tensor, labels: torch.Tensor, **options):
         """ops.fused_linear_cross_entropy(hidden, lm_head.weight, labels, lm_head.bias, **options) (labels already

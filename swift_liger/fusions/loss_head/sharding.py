@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple, Union
 import torch
 
 from ...ops.fused_linear_cross_entropy_kernel import fused_linear_cross_entropy
+from ...ops.fused_linear_jsd_kernel import fused_linear_jsd
 from ...ops.logprobs_op import fused_linear_logprobs
 
 __all__ = [
@@ -223,6 +224,18 @@ def lm_head_cross_entropy(module: torch.nn.Module, hidden: torch.Tensor, labels:
     """``fused_linear_cross_entropy(hidden, module.weight, labels, module.bias, **options)`` for a possibly sharded
     head (see :func:`_head_op`)."""
     return _head_op(module, fused_linear_cross_entropy, hidden, labels, **options)
+
+
+def lm_head_jsd(student: torch.nn.Module, hidden: torch.Tensor, teacher: torch.nn.Module, teacher_hidden: torch.Tensor,
+                labels: torch.Tensor, **options):
+    """``fused_linear_jsd(hidden, student.weight, teacher_hidden, teacher.weight, labels, ...)`` for possibly sharded
+    heads: the student's as in :func:`_head_op` (its gradients the engine's way), the teacher's gathered for the call
+    (it gets no gradient; the op reads it in the forward only)."""
+    def op(h, w, y, b, **opts):
+        with gathered_lm_head(teacher, teacher_hidden.dtype) as (tw, tb):
+            return fused_linear_jsd(h, w, teacher_hidden, tw.detach(), y, student_bias=b,
+                                    teacher_bias=None if tb is None else tb.detach(), **opts)
+    return _head_op(student, op, hidden, labels, **options)
 
 
 def lm_head_logprobs(module: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **options):

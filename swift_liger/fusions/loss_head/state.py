@@ -9,9 +9,9 @@ from typing import Any, Callable, Dict, Optional
 KEY = "cross_entropy"                          # the fusion's key, and its PatchState part
 EMIT_HIDDEN_ATTR = "_swift_liger_emit_hidden"  # on the patched lm_head: return the input hidden states this call
 
-# Counted per patched model: our fused linear CE and CE (the model's loss_function), fused log-probs for a trainer
-# (handle.py), forwards that returned [.., V] logits.
-CALLS = ("fused_linear_cross_entropy", "cross_entropy", "fused_linear_logprobs", "lm_head_logits")
+# Counted per patched model: our fused linear CE and CE (the model's loss_function), fused log-probs and GKD's fused
+# divergence (this model's head as the student's) for a trainer (handle.py), forwards that returned [.., V] logits.
+CALLS = ("fused_linear_cross_entropy", "cross_entropy", "fused_linear_logprobs", "fused_linear_jsd", "lm_head_logits")
 
 
 class HeadState:

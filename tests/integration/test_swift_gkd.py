@@ -1,0 +1,87 @@
+"""End-to-end: `swift rlhf --rlhf_type gkd` (distillation from a teacher model) on the tiny offline models: the
+qwen3-shaped student learns from the llama-shaped teacher (the same tokenizer), 3 optimizer steps of 2 micro-batches.
+With --use_liger the generalized JSD comes from both models' hidden states (preference.GKDSeam,
+ops.fused_linear_jsd): every logged metric must equal the unpatched run's, and, without on-policy generation, no
+lm_head materialises [rows, V] logits (the probe of test_swift_rlhf.py counts them in every process).
+
+Cases: LoRA JSD (beta 0.5, temperature 0.9) through the real Triton kernels in the interpreter; full fine-tuning
+with forward KL (beta 0) plus the student's own loss (sft_alpha 0.5); reverse KL (beta 1) on the student's own
+generations (lmbda 1: ms-swift's pt engine generates on CPU, logits there are the decoder's) on the CPU reference
+backend (SWIFT_LIGER_BACKEND=torch).
+"""
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from swift_runner import CPU_FLAGS, compare_metrics, run_swift, swift_env
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+PROBE = os.path.join(os.path.dirname(__file__), "probe")
+NOT_COMPARED = {"step_time(s)", "tokens/s", "rss(GiB)", "elapsed_time", "remaining_time", "train_speed(s/it)",
+                "memory(GiB)", "global_step/max_steps", "peak_alloc(GiB)", "peak_reserved(GiB)", "step_time"}
+# name: (flags, backend of the patched run)
+CASES = {
+    "jsd_lora": (["--tuner_type", "lora", "--beta", "0.5", "--temperature", "0.9", "--lmbda", "0"], "triton"),
+    "fkl_full_sft": (["--tuner_type", "full", "--beta", "0", "--sft_alpha", "0.5", "--lmbda", "0"], "torch"),
+    "rkl_on_policy": (["--tuner_type", "lora", "--beta", "1", "--lmbda", "1", "--max_completion_length", "8"],
+                      "torch"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gkd_runs")
+    with open(os.path.join(tiny_qwen3["model"], "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    specs = {}
+    for name, (flags, backend) in CASES.items():
+        argv = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *CPU_FLAGS, "--rlhf_type", "gkd",
+                "--teacher_model", tiny_llama["model"], "--teacher_model_type", "llama",
+                "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2", "--max_length", "64",
+                "--max_steps", str(STEPS), "--report_to", "none", "--learning_rate", "1e-4", "--save_strategy", "no",
+                "--use_vllm", "false", *flags]
+        for patched in (False, True):
+            run_name = f"{name}_{'liger' if patched else 'base'}"
+            env = swift_env(PYTHONPATH=os.pathsep.join(p for p in (PROBE, os.environ.get("PYTHONPATH")) if p),
+                            SWIFT_LIGER_PROBE_VOCAB=vocab, SWIFT_LIGER_PROBE_OUT=str(root / f"{run_name}.probe"))
+            if patched and backend == "torch":
+                env["SWIFT_LIGER_BACKEND"] = "torch"
+                env.pop("TRITON_INTERPRET", None)
+            specs[run_name] = (argv + (["--use_liger"] if patched else []), env)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
+        results = {n: f.result() for n, f in futures.items()}
+    for name, run in results.items():
+        seen = [json.loads(p.read_text()) for p in root.glob(f"{name}.probe.*.json")]
+        run.probe = {"processes": len(seen), "lm_head_logits": sum(s["lm_head_logits"] for s in seen)}
+    return results
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_metric_matches_unpatched(runs, case):
+    base, liger = runs[f"{case}_base"].check().steps(), runs[f"{case}_liger"].check().steps()
+    assert [r["step"] for r in base] == [r["step"] for r in liger] == list(range(1, STEPS + 1))
+    compared = compare_metrics(base, liger, NOT_COMPARED)
+    assert {"loss", "grad_norm", "epoch"} <= compared, compared
+    assert base[0]["loss"] != base[-1]["loss"]   # it trained
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_divergence_from_hidden_states_and_the_record_says_so(runs, case):
+    base, liger = runs[f"{case}_base"].check(), runs[f"{case}_liger"].check()
+    total = liger.patch_record()["runtime"]["total"]
+    passes = total["trainer"]["log_prob_passes"]
+    assert passes["fused_linear_jsd"] == 2 * STEPS and passes["logits"] == passes["logits_no_grad"] == 0, passes
+    assert total["policy"]["fused_linear_jsd"] == 2 * STEPS, total["policy"]
+    assert total["policy"]["fused_linear_cross_entropy"] == (2 * STEPS if "sft" in case else 0), total["policy"]
+    assert "in the first step GKDTrainer computed 2 distillation losses (generalized JSD) from the student's and the " \
+           "teacher's hidden states (no [tokens, vocab] logits) and 0 from materialised logits" in liger.log
+    assert "teacher model: cross_entropy=fused_linear for GKD's divergence from its hidden states" in liger.log
+    if "on_policy" not in case:   # generation decodes through logits; the training passes do not
+        assert base.probe["lm_head_logits"] > 0 and liger.probe["lm_head_logits"] == 0, (base.probe, liger.probe)
