@@ -116,6 +116,45 @@ def run_swift(subcommand, argv, output_dir, env=None, timeout=600) -> SwiftRun:
     return start_swift(subcommand, argv, output_dir, env).wait(timeout)
 
 
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe")
+
+
+def model_vocab(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def paired_specs(cases: dict, root, vocab: int) -> dict:
+    """{name: (argv, backend)} -> {name_base / name_liger: (argv, env)}: each case unpatched and with --use_liger,
+    both with the logits probe (probe/sitecustomize.py) on; backend "torch" runs the patched one on the CPU reference
+    (SWIFT_LIGER_BACKEND=torch), "triton" on the real kernels in the interpreter."""
+    specs = {}
+    for name, (argv, backend) in cases.items():
+        for patched in (False, True):
+            run_name = f"{name}_{'liger' if patched else 'base'}"
+            env = swift_env(PYTHONPATH=os.pathsep.join(p for p in (PROBE, os.environ.get("PYTHONPATH")) if p),
+                            SWIFT_LIGER_PROBE_VOCAB=vocab, SWIFT_LIGER_PROBE_OUT=str(root / f"{run_name}.probe"))
+            if patched and backend == "torch":
+                env["SWIFT_LIGER_BACKEND"] = "torch"
+                env.pop("TRITON_INTERPRET", None)
+            specs[run_name] = (argv + (["--use_liger"] if patched else []), env)
+    return specs
+
+
+def run_probed(subcommand: str, specs: dict, root) -> dict:
+    """Run {name: (argv, env)} two at a time, in the dict's order; each SwiftRun gets .probe: the processes the probe
+    saw and the [rows, V] logits their lm_heads materialised (sum), the most rows at once (max)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {n: pool.submit(run_swift, subcommand, a, str(root / n), e) for n, (a, e) in specs.items()}
+        results = {n: f.result() for n, f in futures.items()}
+    for name, run in results.items():   # one probe file per process (the CLI launcher and its training child)
+        seen = [json.loads(p.read_text()) for p in root.glob(f"{name}.probe.*.json")]
+        run.probe = {"processes": len(seen), "lm_head_logits": sum(s["lm_head_logits"] for s in seen),
+                     "max_rows": max((s["max_rows"] for s in seen), default=0)}
+    return results
+
+
 def close(a, b, atol=1e-5, rtol=1e-4) -> bool:
     return math.isclose(a, b, rel_tol=rtol, abs_tol=atol) or (math.isnan(a) and math.isnan(b))
 

@@ -11,18 +11,13 @@ backend (SWIFT_LIGER_BACKEND=torch).
 """
 from __future__ import annotations
 
-import json
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from swift_runner import CPU_FLAGS, compare_metrics, run_swift, swift_env
+from swift_runner import CPU_FLAGS, compare_metrics, model_vocab, paired_specs, run_probed
 
 pytestmark = pytest.mark.slow
 
 STEPS = 3
-PROBE = os.path.join(os.path.dirname(__file__), "probe")
 NOT_COMPARED = {"step_time(s)", "tokens/s", "rss(GiB)", "elapsed_time", "remaining_time", "train_speed(s/it)",
                 "memory(GiB)", "global_step/max_steps", "peak_alloc(GiB)", "peak_reserved(GiB)", "step_time"}
 # name: (flags, backend of the patched run)
@@ -37,30 +32,13 @@ CASES = {
 @pytest.fixture(scope="module")
 def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("gkd_runs")
-    with open(os.path.join(tiny_qwen3["model"], "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    specs = {}
-    for name, (flags, backend) in CASES.items():
-        argv = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *CPU_FLAGS, "--rlhf_type", "gkd",
-                "--teacher_model", tiny_llama["model"], "--teacher_model_type", "llama",
-                "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2", "--max_length", "64",
-                "--max_steps", str(STEPS), "--report_to", "none", "--learning_rate", "1e-4", "--save_strategy", "no",
-                "--use_vllm", "false", *flags]
-        for patched in (False, True):
-            run_name = f"{name}_{'liger' if patched else 'base'}"
-            env = swift_env(PYTHONPATH=os.pathsep.join(p for p in (PROBE, os.environ.get("PYTHONPATH")) if p),
-                            SWIFT_LIGER_PROBE_VOCAB=vocab, SWIFT_LIGER_PROBE_OUT=str(root / f"{run_name}.probe"))
-            if patched and backend == "torch":
-                env["SWIFT_LIGER_BACKEND"] = "torch"
-                env.pop("TRITON_INTERPRET", None)
-            specs[run_name] = (argv + (["--use_liger"] if patched else []), env)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
-        results = {n: f.result() for n, f in futures.items()}
-    for name, run in results.items():
-        seen = [json.loads(p.read_text()) for p in root.glob(f"{name}.probe.*.json")]
-        run.probe = {"processes": len(seen), "lm_head_logits": sum(s["lm_head_logits"] for s in seen)}
-    return results
+    base = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *CPU_FLAGS, "--rlhf_type", "gkd",
+            "--teacher_model", tiny_llama["model"], "--teacher_model_type", "llama",
+            "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2", "--max_length", "64",
+            "--max_steps", str(STEPS), "--report_to", "none", "--learning_rate", "1e-4", "--save_strategy", "no",
+            "--use_vllm", "false"]
+    cases = {name: (base + flags, backend) for name, (flags, backend) in CASES.items()}
+    return run_probed("rlhf", paired_specs(cases, root, model_vocab(tiny_qwen3["model"])), root)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

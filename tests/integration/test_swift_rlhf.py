@@ -9,20 +9,17 @@ backend users without CUDA run (SWIFT_LIGER_BACKEND=torch), so the trainer plumb
 from __future__ import annotations
 
 import glob
-import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from swift_runner import CPU_FLAGS, compare_metrics, run_swift, swift_env
+from swift_runner import CPU_FLAGS, compare_metrics, model_vocab, paired_specs, run_probed
 
 pytestmark = pytest.mark.slow
 
 STEPS = 5
 SMALL = ["--per_device_train_batch_size", "1", "--max_length", "64", "--gradient_accumulation_steps", "2",
          "--max_steps", str(STEPS), "--report_to", "none", "--learning_rate", "1e-4"]
-PROBE = os.path.join(os.path.dirname(__file__), "probe")
 # timing and process metrics differ between runs by nature; everything else ms-swift logs must agree
 NOT_COMPARED = {"step_time(s)", "tokens/s", "rss(GiB)", "elapsed_time", "remaining_time", "train_speed(s/it)",
                 "memory(GiB)", "global_step/max_steps", "peak_alloc(GiB)", "peak_reserved(GiB)"}
@@ -44,11 +41,6 @@ CASES = {
 }
 
 
-def _vocab(model_dir):
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)["vocab_size"]
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("rlhf_runs")
@@ -59,24 +51,9 @@ def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
         argv = [*tiny["swift_flags"], "--dataset", tiny[data], *CPU_FLAGS, *SMALL, *flags]
         if "--save_strategy" not in flags:
             argv += ["--save_strategy", "no"]
-        for patched in (False, True):
-            run_name = f"{name}_{'liger' if patched else 'base'}"
-            env = swift_env(PYTHONPATH=os.pathsep.join(p for p in (PROBE, os.environ.get("PYTHONPATH")) if p),
-                            SWIFT_LIGER_PROBE_VOCAB=_vocab(tiny["model"]),
-                            SWIFT_LIGER_PROBE_OUT=str(root / f"{run_name}.probe"))
-            if patched and backend == "torch":
-                env["SWIFT_LIGER_BACKEND"] = "torch"
-                env.pop("TRITON_INTERPRET", None)
-            specs[run_name] = (argv + (["--use_liger"] if patched else []), env)
+        specs.update(paired_specs({name: (argv, backend)}, root, model_vocab(tiny["model"])))
     order = sorted(specs, key=lambda n: (CASES[n.rsplit("_", 1)[0]][3] != "triton", n))   # slow ones first
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {n: pool.submit(run_swift, "rlhf", specs[n][0], str(root / n), specs[n][1]) for n in order}
-        results = {n: f.result() for n, f in futures.items()}
-    for name, run in results.items():   # one probe file per process (the CLI launcher and its training child)
-        seen = [json.loads(p.read_text()) for p in root.glob(f"{name}.probe.*.json")]
-        run.probe = {"processes": len(seen), "lm_head_logits": sum(s["lm_head_logits"] for s in seen),
-                     "max_rows": max((s["max_rows"] for s in seen), default=0)}
-    return results
+    return run_probed("rlhf", {n: specs[n] for n in order}, root)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -8,17 +8,14 @@ execute the real Triton kernels in the interpreter, the other two the CPU refere
 from __future__ import annotations
 
 import json
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from swift_runner import CPU_FLAGS, compare_metrics, run_swift, swift_env
+from swift_runner import CPU_FLAGS, compare_metrics, model_vocab, paired_specs, run_probed
 
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-PROBE = os.path.join(os.path.dirname(__file__), "probe")
 NOT_COMPARED = {"step_time(s)", "tokens/s", "rss(GiB)", "elapsed_time", "remaining_time", "train_speed(s/it)",
                 "memory(GiB)", "global_step/max_steps"}
 CASES = {   # name: (flags, backend of the patched run)
@@ -45,28 +42,11 @@ def runs(tiny_qwen3, tmp_path_factory):
     root = tmp_path_factory.mktemp("sft_weight_runs")
     data = root / "react.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _react_rows(64)))
-    with open(os.path.join(tiny_qwen3["model"], "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
     base_argv = [*tiny_qwen3["swift_flags"], "--dataset", str(data), "--tuner_type", "lora", *CPU_FLAGS,
                  "--per_device_train_batch_size", "1", "--max_length", "96", "--gradient_accumulation_steps", "2",
                  "--max_steps", str(STEPS), "--report_to", "none", "--save_strategy", "no", "--learning_rate", "1e-3"]
-    specs = {}
-    for name, (flags, backend) in CASES.items():
-        for patched in (False, True):
-            run_name = f"{name}_{'liger' if patched else 'base'}"
-            env = swift_env(PYTHONPATH=os.pathsep.join(p for p in (PROBE, os.environ.get("PYTHONPATH")) if p),
-                            SWIFT_LIGER_PROBE_VOCAB=vocab, SWIFT_LIGER_PROBE_OUT=str(root / f"{run_name}.probe"))
-            if patched and backend == "torch":
-                env["SWIFT_LIGER_BACKEND"] = "torch"
-                env.pop("TRITON_INTERPRET", None)
-            specs[run_name] = (base_argv + flags + (["--use_liger"] if patched else []), env)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {n: pool.submit(run_swift, "sft", argv, str(root / n), env) for n, (argv, env) in specs.items()}
-        results = {n: f.result() for n, f in futures.items()}
-    for name, run in results.items():
-        seen = [json.loads(p.read_text()) for p in root.glob(f"{name}.probe.*.json")]
-        run.probe = {"lm_head_logits": sum(s["lm_head_logits"] for s in seen), "processes": len(seen)}
-    return results
+    cases = {name: (base_argv + flags, backend) for name, (flags, backend) in CASES.items()}
+    return run_probed("sft", paired_specs(cases, root, model_vocab(tiny_qwen3["model"])), root)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
