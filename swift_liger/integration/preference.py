@@ -279,9 +279,9 @@ class GKDSeam(_Seam):
                 why = f"the model softcaps its logits ({h.state.softcap_attr})"
                 st["reasons"][why] = st["reasons"].get(why, 0) + 1
                 return None
-        if student.vocab_size != teacher.vocab_size:
+        if student.vocab_size > teacher.vocab_size:   # a wider teacher is padded as ms-swift pads it (in the op)
             st = self._liger_state()
-            why = f"student and teacher vocabularies differ ({student.vocab_size} vs {teacher.vocab_size})"
+            why = f"the student's vocabulary is wider than the teacher's ({student.vocab_size} vs {teacher.vocab_size})"
             st["reasons"][why] = st["reasons"].get(why, 0) + 1
             return None
         return student, teacher, teacher_model

@@ -146,14 +146,14 @@ class _FusedLinearJSD(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hs, ws, bs, ht, wt, bt, beta, inv_t, chunk_size, triton_rows):
-        n, vocab = hs.shape[0], ws.shape[0]
+        n, vs, vocab = hs.shape[0], ws.shape[0], wt.shape[0]   # vs <= vocab: the teacher's may be padded wider
         need_dh, need_dw = hs.requires_grad, ws.requires_grad
         need_db = bs is not None and bs.requires_grad
         write_grad = need_dh or need_dw or need_db
         loss = _common.new_empty((n,), dtype=torch.float32, device=hs.device)   # NaN under SWIFT_LIGER_POISON=1
         dh = _common.new_empty_like(hs) if need_dh else None
         dw = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if need_dw else None
-        db = torch.zeros(vocab, dtype=torch.float32, device=ws.device) if need_db else None
+        db = torch.zeros(vs, dtype=torch.float32, device=ws.device) if need_db else None
         c = _chunk_rows(n, vocab, hs.element_size() + ht.element_size(), chunk_size)
         ws_s = _common.new_empty((c, vocab), dtype=hs.dtype, device=hs.device)
         ws_t = _common.new_empty((c, vocab), dtype=ht.dtype, device=ht.device)
@@ -162,12 +162,16 @@ class _FusedLinearJSD(torch.autograd.Function):
         for r0 in range(0, n, c):
             r1 = min(n, r0 + c)
             zs, zt = ws_s[:r1 - r0], ws_t[:r1 - r0]
-            torch.matmul(hs[r0:r1], ws.t(), out=zs)
             torch.matmul(ht[r0:r1], wt.t(), out=zt)
-            if bs is not None:
-                zs.add_(bs)
             if bt is not None:
                 zt.add_(bt)
+            if vs == vocab:
+                torch.matmul(hs[r0:r1], ws.t(), out=zs)
+            else:   # ms-swift's _align_vocab: the student's missing columns take the teacher's logits (no gradient)
+                zs[:, :vs].copy_(hs[r0:r1] @ ws.t())
+                zs[:, vs:].copy_(zt[:, vs:])
+            if bs is not None:
+                zs[:, :vs].add_(bs)
             if triton_rows:
                 _jsd_rows_kernel[(r1 - r0,)](
                     zs, zt, loss[r0:r1], zs.stride(0), zt.stride(0), vocab, inv_t, float(beta),
@@ -175,12 +179,13 @@ class _FusedLinearJSD(torch.autograd.Function):
                     MODE=mode, WRITE_GRAD=write_grad, BLOCK=block, num_warps=_common.num_warps_for(block))
             else:
                 loss[r0:r1] = _rows_torch(zs, zt, beta, inv_t, write_grad)
+            g = zs if vs == vocab else zs[:, :vs]   # the padded columns' gradient has nowhere to go
             if need_dh:
-                torch.matmul(zs, ws, out=dh[r0:r1])
+                torch.matmul(g, ws, out=dh[r0:r1])
             if need_dw:
-                dw += (zs.t() @ hs[r0:r1]).float()
+                dw += (g.t() @ hs[r0:r1]).float()
             if need_db:
-                db += zs.float().sum(0)
+                db += g.float().sum(0)
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (ws.dtype, None if bs is None else bs.dtype)
         return loss.sum()
@@ -206,9 +211,9 @@ def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, label
     if teacher_hidden.shape[-1] != teacher_weight.shape[1]:
         raise ValueError(f"teacher_hidden [..., {teacher_hidden.shape[-1]}] does not match teacher_weight "
                          f"{list(teacher_weight.shape)} ([V, H])")
-    if student_weight.shape[0] != teacher_weight.shape[0]:
-        raise ValueError(f"student and teacher vocabularies differ ({student_weight.shape[0]} vs "
-                         f"{teacher_weight.shape[0]}): fused_linear_jsd needs one vocabulary")
+    if student_weight.shape[0] > teacher_weight.shape[0]:
+        raise ValueError(f"the student's vocabulary ({student_weight.shape[0]}) is wider than the teacher's "
+                         f"({teacher_weight.shape[0]}): fused_linear_jsd needs the teacher's to be as wide or wider")
     if labels.shape != student_hidden.shape[:-1]:
         raise ValueError(f"labels {list(labels.shape)} must be student_hidden's leading shape "
                          f"{list(student_hidden.shape[:-1])}")
@@ -258,8 +263,10 @@ def fused_linear_jsd(student_hidden: torch.Tensor, student_weight: torch.Tensor,
                      chunk_size: Optional[int] = None) -> torch.Tensor:
     """GKD's generalized JSD over the rows whose label is not ``ignore_index``; no [N, V] logits.
 
-    student_hidden [..., Hs] with student_weight [V, Hs] (+ student_bias [V]); teacher_hidden [..., Ht] with
-    teacher_weight [V, Ht] (+ teacher_bias); labels [...] = student_hidden's leading shape, already shifted (labels[t]
+    student_hidden [..., Hs] with student_weight [Vs, Hs] (+ student_bias [Vs]); teacher_hidden [..., Ht] with
+    teacher_weight [V, Ht] (+ teacher_bias [V]), V >= Vs (a teacher whose embedding rows are padded wider, e.g. a
+    Qwen2.5-7B teacher's 152064 for a 1.5B student's 151936: as ms-swift, the student's missing columns take the
+    teacher's logits); labels [...] = student_hidden's leading shape, already shifted (labels[t]
     is the token predicted at t). teacher_labels (teacher_hidden's leading shape) picks the teacher's rows when its
     prompt differs (ms-swift's OPSD); it must mark as many rows as labels. beta in [0, 1] (0: KL(teacher || student),
     1: KL(student || teacher)), temperature > 0 divides both heads' logits.
@@ -298,6 +305,8 @@ def fused_linear_jsd_reference(student_hidden, student_weight, teacher_hidden, t
     with torch.no_grad():
         t = torch.nn.functional.linear(teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[t_mask],
                                        teacher_weight, teacher_bias).float() / temperature
+    if s.shape[-1] < t.shape[-1]:   # ms-swift's _align_vocab: the teacher's logits fill the student's missing columns
+        s = torch.cat([s, t[:, s.shape[-1]:]], -1)
     lp, lq = torch.log_softmax(s, -1), torch.log_softmax(t, -1)
     if beta == 0:
         rows = (lq.exp() * (lq - lp)).sum(-1)

@@ -106,6 +106,34 @@ def test_matches_ms_swift_gkd_loss(device, beta):
     assert_close(ours, total / num_valid, torch.float32, slack=SLACK, name="vs ms-swift")
 
 
+@pytest.mark.parametrize("beta, backend", [(0.0, "triton"), (0.5, "triton"), (1.0, "triton"), (0.5, "torch")])
+def test_wider_teacher_vocabulary_as_ms_swift_pads_it(device, monkeypatch, beta, backend):
+    """A teacher head padded wider than the student's (Qwen2.5-7B 152064 vs 1.5B 151936): ms-swift fills the
+    student's missing columns with the teacher's logits (swift/rlhf_trainers/gkd_loss.py _align_vocab)."""
+    gkd = pytest.importorskip("swift.rlhf_trainers.gkd_loss")
+    if backend == "torch":
+        monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
+    hs, ws, bs, ht, wt, bt, labels = make(device, bias=True, w_grad=True)
+    ws_narrow = ws.detach()[:V - 7].clone().requires_grad_()
+    bs_narrow = bs.detach()[:V - 7].clone().requires_grad_()
+    out = fused_linear_jsd(hs, ws_narrow, ht, wt, labels, student_bias=bs_narrow, teacher_bias=bt, beta=beta,
+                           temperature=1.2, reduction="mean", chunk_size=CHUNK)
+    out.backward()
+    leaves = [f64(t) for t in (hs, ws_narrow, bs_narrow)]
+    s_logits = leaves[0] @ leaves[1].t() + leaves[2]
+    t_logits = f64(ht, False) @ f64(wt, False).t() + f64(bt, False)
+    total, num_valid = gkd.gkd_loss(s_logits, gkd.TeacherOutput(full_logits=t_logits, labels=labels.cpu()),
+                                    labels.cpu(), beta, 1.2)
+    ref = total / num_valid
+    assert_close(out, ref, torch.float32, slack=SLACK, name="loss")
+    ref.backward()
+    for name, t, r in zip(("hidden", "weight", "bias"), (hs, ws_narrow, bs_narrow), leaves):
+        assert_close(t.grad, r.grad, torch.float32, slack=SLACK, name=f"grad_{name}")
+    got_ref = fused_linear_jsd_reference(hs.detach(), ws_narrow.detach(), ht, wt, labels, student_bias=bs_narrow,
+                                         teacher_bias=bt, beta=beta, temperature=1.2, reduction="mean")
+    assert_close(got_ref, ref, torch.float32, slack=SLACK, name="op reference")
+
+
 def test_teacher_labels_pick_other_rows(device):
     """OPSD: the teacher scored another prompt, so its valid rows sit elsewhere (as many of them)."""
     hs, ws, _, ht, wt, _, labels = make(device)
@@ -161,7 +189,7 @@ def test_bad_options(device, kwargs, match):
 
 def test_bad_tensors(device):
     hs, ws, _, ht, wt, _, labels = make(device)
-    with pytest.raises(ValueError, match="vocabularies differ"):
+    with pytest.raises(ValueError, match="vocabulary .* is wider than the teacher's"):
         fused_linear_jsd(hs, ws, ht, wt[:-1], labels)
     with pytest.raises(ValueError, match="does not match student_weight"):
         fused_linear_jsd(hs[..., :-1], ws, ht, wt, labels)
