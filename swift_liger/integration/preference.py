@@ -20,6 +20,9 @@ odds ratio, CPO/SimPO's gamma and length normalisation, KTO's KL term) is ms-swi
   completions, at the sampling temperature, and their entropies when the trainer asks: `--log_entropy`,
   `--top_entropy_quantile` < 1) from hidden states, in one pass of the head. Every loss_type, epsilon, delta, beta,
   importance-sampling level, advantage estimator and entropy mask is ms-swift's code, unchanged.
+* GKD: `compute_loss` runs the student and the teacher with their heads skipped and takes ms-swift's generalized JSD
+  (beta, temperature, label shift, mean over the scored tokens; sft_alpha's own loss from the same forward) from both
+  hidden states with ops.fused_linear_jsd; the teacher modes, the data sources and the loss formula are ms-swift's.
 * SFT / pt with per-token weights (a non-binary `--loss_scale`, `--enable_dft_loss`, `--enable_channel_loss`) or
   `--label_smoothing_factor`: ms-swift's Seq2SeqTrainer pops the labels, calls the model and turns `outputs.logits`
   into the loss with `per_token_loss_func` or transformers' LabelSmoother; `SFTSeam.compute_loss` runs that inside
@@ -252,37 +255,35 @@ class GKDSeam(_Seam):
     label shift and mean over the scored tokens, its teacher modes (a teacher model; self-distillation through the
     adapter-disabled student; OPSD, where the teacher scores its own prompt) and ``sft_alpha`` (the student's own
     loss from the same forward, through the fused linear CE). Top-k distillation (``gkd_logits_topk``), a teacher
-    served by API and evaluation passes run ms-swift's own code on logits."""
+    served by API, a softcapped head, a student vocabulary wider than the teacher's and evaluation passes run
+    ms-swift's own code on logits."""
 
     def _liger_gkd_handles(self, model):
         """(student handle, teacher handle, teacher module) when the fused path applies to this call, else None
         (the reason recorded)."""
-        reason = ""
+        why = ""
         if not model.training:
-            reason = "evaluation passes keep ms-swift's loss on logits"
+            why = "evaluation passes keep ms-swift's loss on logits"
         elif getattr(self, "gkd_logits_topk", None) is not None:
-            reason = "gkd_logits_topk distils over the teacher's top-k logits"
+            why = "gkd_logits_topk distils over the teacher's top-k logits"
         elif getattr(self, "use_teacher_api", False):
-            reason = "the teacher is served by API (top-k log-probs, no hidden states)"
-        if reason:
-            st = self._liger_state()
-            st["reasons"][reason] = st["reasons"].get(reason, 0) + 1
-            return None
-        student = self._liger_handle(model)
-        teacher_model = model if getattr(self, "_is_self_distillation", False) else self.teacher_model
-        teacher = student if teacher_model is model else self._liger_handle(teacher_model)
-        if student is None or teacher is None:
-            return None
-        for h in (student, teacher):
-            if h.softcap() is not None:
-                st = self._liger_state()
-                why = f"the model softcaps its logits ({h.state.softcap_attr})"
-                st["reasons"][why] = st["reasons"].get(why, 0) + 1
+            why = "the teacher is served by API (top-k log-probs, no hidden states)"
+        student = teacher = teacher_model = None
+        if not why:
+            student = self._liger_handle(model)
+            teacher_model = model if getattr(self, "_is_self_distillation", False) else self.teacher_model
+            teacher = student if teacher_model is model else self._liger_handle(teacher_model)
+            if student is None or teacher is None:   # _liger_handle recorded why
                 return None
-        if student.vocab_size > teacher.vocab_size:   # a wider teacher is padded as ms-swift pads it (in the op)
-            st = self._liger_state()
-            why = f"the student's vocabulary is wider than the teacher's ({student.vocab_size} vs {teacher.vocab_size})"
-            st["reasons"][why] = st["reasons"].get(why, 0) + 1
+            capped = [h.state.softcap_attr for h in (student, teacher) if h.softcap() is not None]
+            if capped:
+                why = f"the model softcaps its logits ({capped[0]})"
+            elif student.vocab_size > teacher.vocab_size:   # a wider teacher is aligned in the op, as ms-swift does
+                why = (f"the student's vocabulary is wider than the teacher's ({student.vocab_size} vs "
+                       f"{teacher.vocab_size})")
+        if why:
+            reasons = self._liger_state()["reasons"]
+            reasons[why] = reasons.get(why, 0) + 1
             return None
         return student, teacher, teacher_model
 
