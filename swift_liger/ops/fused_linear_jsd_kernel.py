@@ -29,9 +29,8 @@ import triton
 import triton.language as tl
 
 from . import _common
+from .fused_linear_cross_entropy_kernel import autocast_inputs, default_chunk_size
 
-WORKSPACE_BYTES = 256 << 20   # both [C, V] workspaces together
-CHUNK_ALIGN = 128             # rows per chunk: a multiple of the GEMM M tile (when there are that many rows)
 REDUCTIONS = ("sum", "mean")
 
 
@@ -131,15 +130,6 @@ def _rows_torch(zs: torch.Tensor, zt: torch.Tensor, beta: float, inv_t: float, w
     return loss
 
 
-def _chunk_rows(n: int, vocab: int, elem_bytes: int, chunk_size: Optional[int]) -> int:
-    if chunk_size is not None:
-        return max(1, min(n, int(chunk_size)))
-    c = max(1, WORKSPACE_BYTES // max(1, vocab * elem_bytes))
-    if c >= CHUNK_ALIGN:
-        c -= c % CHUNK_ALIGN
-    return max(1, min(n, c))
-
-
 class _FusedLinearJSD(torch.autograd.Function):
     """Inputs are the valid rows only: hs [n, Hs], ht [n, Ht]. Output: the fp32 sum of the rows' divergences. The
     gradient is computed in the forward (at unit output grad) and scaled in the backward."""
@@ -154,7 +144,9 @@ class _FusedLinearJSD(torch.autograd.Function):
         dh = _common.new_empty_like(hs) if need_dh else None
         dw = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if need_dw else None
         db = torch.zeros(vs, dtype=torch.float32, device=ws.device) if need_db else None
-        c = _chunk_rows(n, vocab, hs.element_size() + ht.element_size(), chunk_size)
+        # both [C, V] workspaces together within the loss head's workspace budget (256 MiB)
+        elem = hs.element_size() + ht.element_size()
+        c = max(1, min(n, chunk_size)) if chunk_size else default_chunk_size(n, vocab, elem)
         ws_s = _common.new_empty((c, vocab), dtype=hs.dtype, device=hs.device)
         ws_t = _common.new_empty((c, vocab), dtype=ht.dtype, device=ht.device)
         mode = _mode(beta)
@@ -242,14 +234,6 @@ def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, label
         raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
 
 
-def _autocast(*tensors):
-    dev = tensors[0].device.type
-    if not torch.is_autocast_enabled(dev):
-        return tensors
-    dtype = torch.get_autocast_dtype(dev)
-    return tuple(None if t is None else t.to(dtype) if t.is_floating_point() else t for t in tensors)
-
-
 def _valid_rows(hidden, labels, ignore_index):
     h = hidden.reshape(-1, hidden.shape[-1])
     idx = (labels.reshape(-1) != ignore_index).nonzero().squeeze(-1)
@@ -275,8 +259,8 @@ def fused_linear_jsd(student_hidden: torch.Tensor, student_weight: torch.Tensor,
     and bias (a trainable head: fp32 sums of per-chunk products); the teacher gets none. The graph can be
     backpropagated once. On CPU tensors (no Triton) the same chunks run in PyTorch.
     """
-    (student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias) = _autocast(
-        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias)
+    student_hidden, student_weight, student_bias = autocast_inputs(student_hidden, student_weight, student_bias)
+    teacher_hidden, teacher_weight, teacher_bias = autocast_inputs(teacher_hidden, teacher_weight, teacher_bias)
     _check(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_labels, student_bias,
            teacher_bias, beta, temperature, reduction, chunk_size)
     hs = _valid_rows(student_hidden, labels, ignore_index)

@@ -130,12 +130,12 @@ class HeadHandle:
                            "treat it as logits")
 
     def _with_softcap(self, options: dict) -> dict:
-        st = self.state
-        cap = getattr(self.root.config, st.softcap_attr, None) if st.softcap_attr else None
+        cap = self.softcap()
         if cap:   # the forward skipped its softcap along with the lm_head (Gemma-2/3)
             if options.get("softcap") not in (None, cap):
-                raise ValueError(f"softcap={options['softcap']} differs from the model's {st.softcap_attr}={cap}")
-            options["softcap"] = float(cap)
+                raise ValueError(f"softcap={options['softcap']} differs from the model's "
+                                 f"{self.state.softcap_attr}={cap}")
+            options["softcap"] = cap
         return options
 
     def logprobs(self, hidden: torch.Tensor, labels: torch.Tensor, **options):
