@@ -42,6 +42,7 @@ def runs(tiny_qwen3, tmp_path_factory):
                      {}),
         "bad_backend": (base + ["--use_liger"], {"SWIFT_LIGER_BACKEND": "bogus"}),
         "bad_fast_launch": (base + ["--use_liger"], {"SWIFT_LIGER_FAST_LAUNCH": "yes"}),
+        "bad_graph_layers": (base + ["--use_liger"], {"SWIFT_LIGER_GRAPH_LAYERS": "on"}),
         "strict_unsupported": (phi_argv + ["--use_liger", "--liger_strict", "true"], {}),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -58,6 +59,7 @@ def runs(tiny_qwen3, tmp_path_factory):
     ("bad_mode", "mode must be one of absolute, streaming, got 'ring'"),
     ("bad_backend", "SWIFT_LIGER_BACKEND must be one of auto, triton, torch; got 'bogus'"),
     ("bad_fast_launch", "SWIFT_LIGER_FAST_LAUNCH must be 0 or 1, got 'yes'"),
+    ("bad_graph_layers", "SWIFT_LIGER_GRAPH_LAYERS must be measure or always, got 'on'"),
     ("strict_unsupported", f"model type 'phi' is not supported (swift_liger patches {', '.join(sorted(FAMILIES))})"),
 ])
 def test_refused_before_the_model_loads_and_no_run_directory(runs, name, message):
