@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import random
+import re
 import shlex
 import shutil
 import statistics
@@ -75,7 +76,9 @@ VARIANT_ENV = {"swift_liger_graphs_always": {"SWIFT_LIGER_GRAPH_LAYERS": "always
 SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
                      "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
 SHAPES = {name: dims for name, dims in shapes.SHAPES.items() if dims.family in SWIFT_MODEL_FLAGS and name != "tiny"}
-TASKS = ("sft", "dpo", "orpo", "cpo", "simpo", "kto")
+TASKS = ("sft", "dpo", "orpo", "cpo", "simpo", "kto", "grpo", "gkd")
+GRPO_PROMPT_TOKENS = 96   # grpo.jsonl: one short user turn; the completions (tokens of --seq) are the rows' bulk
+GRPO_PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_plugin.py")
 CPU_FLAGS = ["--torch_dtype", "float32", "--bf16", "false", "--fp16", "false"]
 # Room left under --seq for the chat template's tokens and BPE boundary effects; rows stay under max_length.
 SEQ_MARGIN = 64
@@ -177,6 +180,9 @@ def build(args) -> dict:
                       "rejected_response": _fill(text, tokenizer, rest)})
     pref = os.path.join(args.outdir, "pref.jsonl")
     tiny.write_jsonl(pref, pairs)
+    grpo = os.path.join(args.outdir, "grpo.jsonl")   # prompts only: GRPO generates the completions
+    tiny.write_jsonl(grpo, [{"messages": [{"role": "user", "content": _fill(text, tokenizer, GRPO_PROMPT_TOKENS)}]}
+                            for _ in range(args.pref_rows)])
     pref_lengths = _row_lengths(tokenizer, [{"messages": r["messages"]} for r in pairs]) + _row_lengths(
         tokenizer, [{"messages": tiny._chat(r["messages"][0]["content"], r["rejected_response"])} for r in pairs])
     t_data = time.time() - t0 - t_tok
@@ -195,7 +201,7 @@ def build(args) -> dict:
     tokenizer.save_pretrained(model_dir)
     del model
     t_save = time.time() - t0 - t_tok - t_data - t_init
-    info = {"model": model_dir, "sft": sft, "pref": pref,
+    info = {"model": model_dir, "sft": sft, "pref": pref, "grpo": grpo,
             "swift_flags": ["--model", model_dir, *SWIFT_MODEL_FLAGS[arch], "--dataset", sft],
             "params": params, "config": {"shape": args.shape, "model_type": arch, "tied": tied,
                                          **{k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads",
@@ -220,20 +226,39 @@ def _model_flags(model) -> list:
         return SWIFT_MODEL_FLAGS[json.load(f)["model_type"]]
 
 
+def task_flags(task: str, seq: int, teacher=None, generations: int = 8) -> list:
+    """`swift rlhf` flags of the on-policy tasks. grpo: --num_generations completions of exactly --seq tokens per
+    prompt, one prompt's group per micro-batch, from grpo_plugin's instant rollout (the training phase at full
+    length, generation skipped); gkd: off-policy distillation (--lmbda 0: the dataset's responses, no generation)
+    from the --teacher model, ms-swift's default beta 0.5 and temperature 0.9."""
+    if task == "grpo":
+        return ["--use_vllm", "false", "--external_plugins", GRPO_PLUGIN, "--reward_funcs", "swift_liger_bench_reward",
+                "--num_generations", str(generations),
+                "--max_completion_length", str(seq), "--max_length", str(seq + 2 * GRPO_PROMPT_TOKENS)]
+    if task == "gkd":
+        if not teacher:
+            raise SystemExit("--task gkd needs --teacher MODEL_DIR")
+        with open(os.path.join(teacher, "config.json")) as f:
+            teacher_type = json.load(f)["model_type"]
+        return ["--teacher_model", teacher, "--teacher_model_type", teacher_type, "--lmbda", "0", "--seq_kd", "false"]
+    return []
+
+
 def swift_command(model, dataset, variant, output_dir, seq, steps, extra=(), python=None, task="sft",
-                  tuner="lora", grad_accum=1) -> list:
+                  tuner="lora", grad_accum=1, teacher=None, generations=8) -> list:
     sub = ["sft"] if task == "sft" else ["rlhf", "--rlhf_type", task]
     tuner_flags = ["--tuner_type", "full"] if tuner == "full" else [
         "--tuner_type", "lora", "--target_modules", "all-linear", "--lora_rank", "16", "--lora_alpha", "32"]
     return [python or sys.executable, "-m", "swift.cli.main", *sub,
             "--model", model, *_model_flags(model), "--dataset", dataset, *tuner_flags,
             "--torch_dtype", "bfloat16", "--attn_impl", "sdpa", "--gradient_checkpointing", "true",
-            "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", str(grad_accum),
+            "--per_device_train_batch_size", str(generations if task == "grpo" else 1),
+            "--gradient_accumulation_steps", str(grad_accum),
             "--max_length", str(seq), "--max_steps", str(steps), "--logging_steps", "1",
             "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0",
             "--dataset_num_proc", "1", "--check_model", "false", "--learning_rate", "1e-5", "--seed", "42",
             "--liger_metrics", "true", "--output_dir", output_dir,
-            *VARIANT_FLAGS[variant], *extra]
+            *task_flags(task, seq, teacher, generations), *VARIANT_FLAGS[variant], *extra]
 
 
 def summarize(rows, warmup) -> dict:
@@ -282,7 +307,8 @@ def run(args) -> dict:
     output_dir = os.path.abspath(os.path.join(args.out, name))
     shutil.rmtree(output_dir, ignore_errors=True)
     cmd = swift_command(args.model, args.dataset, args.variant, output_dir, args.seq, args.steps, extra,
-                        task=args.task, tuner=args.tuner, grad_accum=args.grad_accum)
+                        task=args.task, tuner=args.tuner, grad_accum=args.grad_accum, teacher=args.teacher,
+                        generations=args.generations)
     log_path = os.path.join(args.out, f"{name}.log")
     env = dict(os.environ, **OFFLINE_ENV, **VARIANT_ENV.get(args.variant, {}))
     env.pop("SWIFT_LIGER_DISABLE_HOOK", None)
@@ -313,9 +339,14 @@ def run(args) -> dict:
     if counted:
         result["first_step"] = counted
     if rc != 0 or not rows:
-        why = f"timed out after {args.timeout}s" if timed_out else f"exit code {rc}"
-        errors = tail(log_text, 6, 800, prefer=lambda ln: "Error" in ln or "error:" in ln or "Exception" in ln)
-        result["error"] = f"{why}: {errors}"
+        if timed_out:   # killed: the log has no error of its own (backend import notices are not one)
+            result["error"] = f"timed out after {args.timeout}s, {len(rows)} of {args.steps} steps logged"
+        else:   # the raised exception's own line ("torch.OutOfMemoryError: ..."), else any line naming an error
+            raised = re.compile(r"^[\w.]*(Error|Exception)\b")
+            errors = tail(log_text, 2, 800, prefer=raised.match)
+            if not raised.match(errors):
+                errors = tail(log_text, 6, 800, prefer=lambda ln: "Error" in ln or "error:" in ln or "Exception" in ln)
+            result["error"] = f"exit code {rc}: {errors}"
     write_json(os.path.join(args.out, f"{name}.json"), result)
     s = result["summary"]
     for r in rows:
@@ -380,6 +411,23 @@ def report(args) -> str:
         seqs = f"{pt['min']}–{pt['max']} tokens each" if pt else f"just under {seq} tokens each"
         micro = (f"batch 1 × one preference pair per micro-batch (chosen and rejected sequences {seqs}, "
                  f"`--max_length {seq}`), `--gradient_accumulation_steps {first.get('grad_accum', 1)}`")
+    if args.task == "grpo":
+        cmd = first["command"].split()
+        g = _last_flag(cmd, "--num_generations")
+        micro = (f"one prompt of ~{GRPO_PROMPT_TOKENS} tokens × {g} completions of exactly {seq} tokens per "
+                 f"micro-batch (`swift_liger/bench/grpo_plugin.py`: an instant rollout of random tokens, so the "
+                 f"step is the training phase: reference log-probs, the policy's forward and backward, the "
+                 f"optimizer), ms-swift's GRPO defaults (beta 0.04, loss_type grpo)")
+    elif args.task == "gkd":
+        teacher = _last_flag(first["command"].split(), "--teacher_model")
+        tb = os.path.join(os.path.dirname(teacher), "build.json")
+        if os.path.exists(tb):   # a build of this tool: name its shape
+            with open(tb) as f:
+                t = json.load(f)
+            teacher = (f"{t['config']['shape']}-shaped, {t['config']['layers']} layers, vocab {t['config']['vocab']}, "
+                       f"{t['params'] / 1e9:.2f} B params")
+        micro = (f"batch 1 × one row ({rows_tok}), off-policy distillation (`--lmbda 0 --seq_kd false`) from "
+                 f"a random-init teacher ({teacher}), ms-swift's defaults beta 0.5, temperature 0.9")
     dtype = first.get("dtype") or "bfloat16"
     lines += [f"The real `{cli}` CLI (one process per variant) on a random-init {shape_name}-shaped model "
               f"({shape}); {micro}, {dtype}, SDPA, gradient "
@@ -452,6 +500,8 @@ def main(argv=None):
     r.add_argument("--task", default="sft", choices=TASKS, help="sft, or the --rlhf_type of `swift rlhf`")
     r.add_argument("--tuner", default="lora", choices=("lora", "full"))
     r.add_argument("--grad-accum", type=int, default=1, help="--gradient_accumulation_steps")
+    r.add_argument("--teacher", default=None, help="gkd: the teacher's model directory (another build's model)")
+    r.add_argument("--generations", type=int, default=8, help="grpo: completions per prompt (one group per batch)")
     r.add_argument("--out", required=True)
     r.add_argument("--steps", type=int, default=12, help="--max_steps of the run (warm-up included)")
     r.add_argument("--warmup", type=int, default=3, help="first steps left out of tokens/s")
