@@ -10,6 +10,8 @@
 #   EXTRA="--label_smoothing_factor 0.1" NAME=...              more swift flags for every run (name the report apart)
 #   TUNER=full  VARIANTS="swift_liger plain"  VARIANTS_orpo="plain"  STEPS=8 WARMUP=3  DEADLINE=530 (whole call, s)
 #   TEST_PATHS="tests/ops/test_logprobs_op.py ..."              run these tests on the GPU first (SWIFT_LIGER_TEST_GPU=1)
+#   TASKS=grpo SEQ=2048                                      8 completions of 2048 tokens per prompt (instant rollout)
+#   TASKS=gkd TEACHER_SHAPE=qwen2.5-7b SHAPE=qwen2.5-1.5b    distillation from a second build (the teacher)
 set -uo pipefail
 OUT=${OUT:-.out}; R=${R:-/tmp/swift_cli_runs}; DEADLINE=${DEADLINE:-530}
 SHAPE=${SHAPE:-llama3-8b}; SEQ=${SEQ:-8192}; TASKS=${TASKS:-sft}; TUNER=${TUNER:-lora}; GA=${GA:-1}
@@ -36,13 +38,23 @@ else
   du -sh "$M/model"
 fi
 cp "$M/build.json" "$OUT/swift_cli/"
+TEACHER=()
+if [ -n "${TEACHER_SHAPE:-}" ]; then
+  MT=/tmp/model_${TEACHER_SHAPE}_${SEQ}
+  if [ ! -f "$MT/build.json" ]; then
+    echo "== build teacher $MT"
+    timeout 300 python3 -m swift_liger.bench.swift_cli build "$MT" --shape "$TEACHER_SHAPE" --seq "$SEQ" \
+      --device cuda >"$OUT/swift_cli/build_teacher.log" 2>&1 || { echo "teacher build failed"; exit 1; }
+  fi
+  TEACHER=(--teacher "$MT/model")
+fi
 echo "== built at ${SECONDS}s"
 
 read -r -a TASK_LIST <<<"$TASKS"
 variants_of() { local name="VARIANTS_$1"; echo "${!name:-${VARIANTS:-swift_liger liger_kernel plain}}"; }
 total=0; for task in "${TASK_LIST[@]}"; do total=$(( total + $(wc -w <<<"$(variants_of "$task")") )); done; i=0
 for task in "${TASK_LIST[@]}"; do
-  data="$M/pref.jsonl"; [ "$task" = sft ] && data="$M/sft.jsonl"
+  case $task in sft|gkd) data="$M/sft.jsonl";; grpo) data="$M/grpo.jsonl";; *) data="$M/pref.jsonl";; esac
   read -r -a VLIST <<<"$(variants_of "$task")"   # most important first
   for v in "${VLIST[@]}"; do
     after=$(( total - i - 1 )); i=$(( i + 1 ))
@@ -53,7 +65,7 @@ for task in "${TASK_LIST[@]}"; do
     stem=$v; [ "$task/$TUNER" != sft/lora ] && stem=${task}_${TUNER}_$v
     echo "== $task $TUNER $v (timeout ${t}s, at ${SECONDS}s)"
     timeout $((t + 20)) python3 -m swift_liger.bench.swift_cli run "$M/model" "$data" --task "$task" --tuner "$TUNER" \
-      --grad-accum "$GA" --variant "$v" --out "$R" --steps "$STEPS" --warmup "$WARMUP" --seq "$SEQ" --timeout "$t" \
+      --grad-accum "$GA" "${TEACHER[@]}" --variant "$v" --out "$R" --steps "$STEPS" --warmup "$WARMUP" --seq "$SEQ" --timeout "$t" \
       ${BATCH:+--extra=--per_device_train_batch_size=$BATCH} ${EXTRA:+--extra="$EXTRA"} \
       2>&1 | grep -v "^\[$v\] -m swift" | cut -c1-300
     rc=${PIPESTATUS[0]}
