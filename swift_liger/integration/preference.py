@@ -254,9 +254,10 @@ class GKDSeam(_Seam):
     states and heads (ops.fused_linear_jsd: no [tokens, vocab] logits for either), with ms-swift's beta, temperature,
     label shift and mean over the scored tokens, its teacher modes (a teacher model; self-distillation through the
     adapter-disabled student; OPSD, where the teacher scores its own prompt) and ``sft_alpha`` (the student's own
-    loss from the same forward, through the fused linear CE). Top-k distillation (``gkd_logits_topk``), a teacher
-    served by API, a softcapped head, a student vocabulary wider than the teacher's and evaluation passes run
-    ms-swift's own code on logits."""
+    loss from the same forward, through the fused linear CE) and top-k distillation (``gkd_logits_topk``: the
+    divergence over the teacher's k largest logits per token, the student's logits at those ids only). A teacher
+    served by API, a softcapped head, a student vocabulary wider than the teacher's (top-k excepted: its ids index
+    the student's head) and evaluation passes run ms-swift's own code on logits."""
 
     def _liger_gkd_handles(self, model):
         """(student handle, teacher handle, teacher module) when the fused path applies to this call, else None
@@ -264,8 +265,6 @@ class GKDSeam(_Seam):
         why = ""
         if not model.training:
             why = "evaluation passes keep ms-swift's loss on logits"
-        elif getattr(self, "gkd_logits_topk", None) is not None:
-            why = "gkd_logits_topk distils over the teacher's top-k logits"
         elif getattr(self, "use_teacher_api", False):
             why = "the teacher is served by API (top-k log-probs, no hidden states)"
         student = teacher = teacher_model = None
@@ -278,7 +277,7 @@ class GKDSeam(_Seam):
             capped = [h.state.softcap_attr for h in (student, teacher) if h.softcap() is not None]
             if capped:
                 why = f"the model softcaps its logits ({capped[0]})"
-            elif student.vocab_size > teacher.vocab_size:   # a wider teacher is aligned in the op, as ms-swift does
+            elif getattr(self, "gkd_logits_topk", None) is None and student.vocab_size > teacher.vocab_size:   # a wider teacher is aligned in the op, as ms-swift does
                 why = (f"the student's vocabulary is wider than the teacher's ({student.vocab_size} vs "
                        f"{teacher.vocab_size})")
         if why:
@@ -329,7 +328,8 @@ class GKDSeam(_Seam):
         # ms-swift's _compute_jsd_loss: position t scores label t+1, mean over the scored tokens (0 with none)
         loss = student.jsd(hidden, teacher, teacher_hidden.detach(), torch.roll(labels, shifts=-1, dims=1),
                            teacher_labels=torch.roll(teacher_inputs["labels"], shifts=-1, dims=1),
-                           beta=float(self.beta), temperature=float(self.temperature), reduction="mean")
+                           beta=float(self.beta), temperature=float(self.temperature), reduction="mean",
+                           topk=getattr(self, "gkd_logits_topk", None))
         self._liger_count("fused_linear_jsd")
         if sft_alpha > 0:
             from swift.rlhf_trainers.gkd_loss import DataSource

@@ -18,6 +18,12 @@ student's row in place), then dh = dlogits @ W_s (one GEMM) and, for a trainable
 (fp32 sum of per-chunk products). So 3 GEMMs per chunk with a frozen student head (LoRA), 4 with a trainable one,
 and no [N, V] tensor: Qwen2.5-7B teacher / 1.5B student heads (V = 152064) over 8k rows hold 0.25 GiB of workspace
 where the logits path holds 2 x 2.3 GiB of bf16 logits plus their fp32 log-softmax chunks.
+
+Top-k distillation (``topk=k``, ms-swift's ``--gkd_logits_topk``): per row the teacher's k largest logits and their
+vocabulary ids; the student's logits at those ids only (h_s . W_s[ids], one [k, Hs] gather of head rows per row, no
+student GEMM over the vocabulary); the same divergence over the k entries, each side's softmax renormalised over them.
+The teacher's GEMM into its [C, V] workspace is the only vocabulary-wide work; the rest is k entries per row, so it
+runs in PyTorch on every device (a row kernel over k values would not pay).
 """
 from __future__ import annotations
 
@@ -191,8 +197,62 @@ class _FusedLinearJSD(torch.autograd.Function):
         return g_hs, g_ws, g_bs, None, None, None, None, None, None, None
 
 
+# student head rows gathered per sub-chunk of top-k rows: [c, k, Hs] within this budget
+TOPK_GATHER_BYTES = 64 << 20
+
+
+class _FusedLinearTopkJSD(torch.autograd.Function):
+    """The top-k path of _FusedLinearJSD: valid rows only, the gradient computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, bs, ht, wt, bt, beta, inv_t, chunk_size, k):
+        n, hdim, vocab = hs.shape[0], hs.shape[1], wt.shape[0]
+        need_dh, need_dw = hs.requires_grad, ws.requires_grad
+        need_db = bs is not None and bs.requires_grad
+        write_grad = need_dh or need_dw or need_db
+        loss = _common.new_empty((n,), dtype=torch.float32, device=hs.device)
+        dh = _common.new_empty_like(hs) if need_dh else None
+        dw = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if need_dw else None
+        db = torch.zeros(ws.shape[0], dtype=torch.float32, device=ws.device) if need_db else None
+        c = max(1, min(n, chunk_size)) if chunk_size else default_chunk_size(n, vocab, ht.element_size())
+        c2 = max(1, TOPK_GATHER_BYTES // (k * hdim * max(4, hs.element_size())))
+        zt_ws = _common.new_empty((c, vocab), dtype=ht.dtype, device=ht.device)
+        for r0 in range(0, n, c):
+            r1 = min(n, r0 + c)
+            zt = zt_ws[:r1 - r0]
+            torch.matmul(ht[r0:r1], wt.t(), out=zt)
+            if bt is not None:
+                zt.add_(bt)
+            top, ids = zt.topk(k, dim=-1)   # ms-swift's to_topk: the teacher's logits in its own dtype
+            if vocab > ws.shape[0] and int(ids.max()) >= ws.shape[0]:   # a padded teacher column made its top-k
+                raise ValueError(f"topk: a teacher top-{k} id ({int(ids.max())}) is beyond the student's vocabulary "
+                                 f"({ws.shape[0]}); ms-swift's gather of the student's logits fails there too")
+            for q0 in range(r0, r1, c2):
+                q1 = min(r1, q0 + c2)
+                sel = ids[q0 - r0:q1 - r0]
+                w_rows = ws[sel]   # [c2, k, Hs]
+                zs = torch.einsum("ch,ckh->ck", hs[q0:q1], w_rows).float()
+                if bs is not None:
+                    zs += bs[sel].float()
+                loss[q0:q1] = _rows_torch(zs, top[q0 - r0:q1 - r0], beta, inv_t, write_grad)
+                if need_dh:   # zs holds dL/ds now
+                    dh[q0:q1] = torch.einsum("ck,ckh->ch", zs, w_rows.float()).to(dh.dtype)
+                if need_dw:
+                    dw.index_put_((sel.reshape(-1),), (zs[..., None] * hs[q0:q1, None, :].float()).reshape(-1, hdim),
+                                  accumulate=True)
+                if need_db:
+                    db.index_put_((sel.reshape(-1),), zs.reshape(-1), accumulate=True)
+        ctx.save_for_backward(dh, dw, db)
+        ctx.dtypes = (ws.dtype, None if bs is None else bs.dtype)
+        return loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _FusedLinearJSD.backward(ctx, grad)
+
+
 def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_labels, student_bias,
-           teacher_bias, beta, temperature, reduction, chunk_size):
+           teacher_bias, beta, temperature, reduction, chunk_size, topk=None):
     for name, t in (("student_hidden", student_hidden), ("teacher_hidden", teacher_hidden)):
         _common.check_tensor(name, t, min_ndim=2)
     _common.check_tensor("student_weight", student_weight, ndim=2)
@@ -203,7 +263,11 @@ def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, label
     if teacher_hidden.shape[-1] != teacher_weight.shape[1]:
         raise ValueError(f"teacher_hidden [..., {teacher_hidden.shape[-1]}] does not match teacher_weight "
                          f"{list(teacher_weight.shape)} ([V, H])")
-    if student_weight.shape[0] > teacher_weight.shape[0]:
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or
+                             not 1 <= topk <= teacher_weight.shape[0]):
+        raise ValueError(f"topk must be an int in [1, {teacher_weight.shape[0]}] (the teacher's vocabulary) or None, "
+                         f"got {topk!r}")
+    if topk is None and student_weight.shape[0] > teacher_weight.shape[0]:
         raise ValueError(f"the student's vocabulary ({student_weight.shape[0]}) is wider than the teacher's "
                          f"({teacher_weight.shape[0]}): fused_linear_jsd needs the teacher's to be as wide or wider")
     if labels.shape != student_hidden.shape[:-1]:
@@ -244,7 +308,7 @@ def fused_linear_jsd(student_hidden: torch.Tensor, student_weight: torch.Tensor,
                      teacher_weight: torch.Tensor, labels: torch.Tensor, *, student_bias: Optional[torch.Tensor] = None,
                      teacher_bias: Optional[torch.Tensor] = None, teacher_labels: Optional[torch.Tensor] = None,
                      beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100, reduction: str = "sum",
-                     chunk_size: Optional[int] = None) -> torch.Tensor:
+                     chunk_size: Optional[int] = None, topk: Optional[int] = None) -> torch.Tensor:
     """GKD's generalized JSD over the rows whose label is not ``ignore_index``; no [N, V] logits.
 
     student_hidden [..., Hs] with student_weight [Vs, Hs] (+ student_bias [Vs]); teacher_hidden [..., Ht] with
@@ -253,7 +317,10 @@ def fused_linear_jsd(student_hidden: torch.Tensor, student_weight: torch.Tensor,
     teacher's logits); labels [...] = student_hidden's leading shape, already shifted (labels[t]
     is the token predicted at t). teacher_labels (teacher_hidden's leading shape) picks the teacher's rows when its
     prompt differs (ms-swift's OPSD); it must mark as many rows as labels. beta in [0, 1] (0: KL(teacher || student),
-    1: KL(student || teacher)), temperature > 0 divides both heads' logits.
+    1: KL(student || teacher)), temperature > 0 divides both heads' logits. ``topk=k``: the divergence over each
+    row's k largest teacher logits only (ms-swift's ``gkd_logits_topk``; both softmaxes renormalised over those k
+    ids; with a teacher head wider than the student's, every top-k id must fall inside the student's vocabulary, as
+    ms-swift's gather needs).
     Returns an fp32 scalar: the sum over valid rows (``reduction="sum"``, ms-swift's ``total``) or their mean (0.0
     with no valid row, still connected to the student's graph). Gradients reach the student's hidden states, weight
     and bias (a trainable head: fp32 sums of per-chunk products); the teacher gets none. The graph can be
@@ -262,23 +329,26 @@ def fused_linear_jsd(student_hidden: torch.Tensor, student_weight: torch.Tensor,
     student_hidden, student_weight, student_bias = autocast_inputs(student_hidden, student_weight, student_bias)
     teacher_hidden, teacher_weight, teacher_bias = autocast_inputs(teacher_hidden, teacher_weight, teacher_bias)
     _check(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_labels, student_bias,
-           teacher_bias, beta, temperature, reduction, chunk_size)
+           teacher_bias, beta, temperature, reduction, chunk_size, topk)
     hs = _valid_rows(student_hidden, labels, ignore_index)
     with torch.no_grad():
         ht = _valid_rows(teacher_hidden, labels if teacher_labels is None else teacher_labels, ignore_index)
     if ht.shape[0] != hs.shape[0]:
         raise ValueError(f"teacher_labels mark {ht.shape[0]} rows, labels {hs.shape[0]}: student and teacher must "
                          f"score the same number of tokens")
-    total = _FusedLinearJSD.apply(hs.contiguous(), student_weight, student_bias, ht.contiguous(),
-                                  teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach(),
-                                  float(beta), 1.0 / float(temperature), chunk_size,
-                                  _common.use_triton(student_hidden))
+    teacher_args = (ht.contiguous(), teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach(),
+                    float(beta), 1.0 / float(temperature), chunk_size)
+    if topk is not None:
+        total = _FusedLinearTopkJSD.apply(hs.contiguous(), student_weight, student_bias, *teacher_args, topk)
+    else:
+        total = _FusedLinearJSD.apply(hs.contiguous(), student_weight, student_bias, *teacher_args,
+                                      _common.use_triton(student_hidden))
     return total / max(1, hs.shape[0]) if reduction == "mean" else total
 
 
 def fused_linear_jsd_reference(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, *,
                                student_bias=None, teacher_bias=None, teacher_labels=None, beta=0.5, temperature=1.0,
-                               ignore_index=-100, reduction="sum", **_unused):
+                               ignore_index=-100, reduction="sum", topk=None, **_unused):
     """ms-swift's logits path: both heads' [N, V] logits, ``.float()``, divided by the temperature, log-softmax and
     the divergence as ``swift.rlhf_trainers.gkd_loss.jsd_loss`` writes it. Same arguments and result as
     :func:`fused_linear_jsd`."""
@@ -289,7 +359,11 @@ def fused_linear_jsd_reference(student_hidden, student_weight, teacher_hidden, t
     with torch.no_grad():
         t = torch.nn.functional.linear(teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[t_mask],
                                        teacher_weight, teacher_bias).float() / temperature
-    if s.shape[-1] < t.shape[-1]:   # ms-swift's _align_vocab: the teacher's logits fill the student's missing columns
+    if topk is not None:   # ms-swift's to_topk on the teacher's logits, the student's gathered at those ids
+        top, ids = torch.nn.functional.linear(teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[t_mask].detach(),
+                                              teacher_weight.detach(), teacher_bias).topk(topk, dim=-1)
+        s, t = s.gather(-1, ids), top.float() / temperature
+    elif s.shape[-1] < t.shape[-1]:   # ms-swift's _align_vocab: the teacher's logits fill the student's missing columns
         s = torch.cat([s, t[:, s.shape[-1]:]], -1)
     lp, lq = torch.log_softmax(s, -1), torch.log_softmax(t, -1)
     if beta == 0:

@@ -180,11 +180,13 @@ def _gkd_pair(seed):
     return stock, patched
 
 
-@pytest.mark.parametrize("beta, temperature, sft_alpha, opsd, self_distillation", [
-    (0.5, 1.0, 0.0, False, False), (0.0, 0.9, 0.0, False, False), (1.0, 1.3, 0.0, False, False),
-    (0.3, 1.0, 0.5, False, False), (0.5, 1.0, 0.0, True, False), (0.7, 2.0, 0.2, True, True),
-], ids=["jsd", "forward_kl", "reverse_kl", "sft_alpha", "opsd", "self_distillation_opsd"])
-def test_gkd_seam_equals_ms_swift(beta, temperature, sft_alpha, opsd, self_distillation):
+@pytest.mark.parametrize("beta, temperature, sft_alpha, opsd, self_distillation, topk", [
+    (0.5, 1.0, 0.0, False, False, None), (0.0, 0.9, 0.0, False, False, None), (1.0, 1.3, 0.0, False, False, None),
+    (0.3, 1.0, 0.5, False, False, None), (0.5, 1.0, 0.0, True, False, None), (0.7, 2.0, 0.2, True, True, None),
+    (0.5, 1.0, 0.0, False, False, 5), (0.0, 0.9, 0.5, True, False, 8), (1.0, 1.2, 0.0, True, True, 3),
+], ids=["jsd", "forward_kl", "reverse_kl", "sft_alpha", "opsd", "self_distillation_opsd", "topk",
+        "topk_forward_kl_sft_alpha_opsd", "topk_reverse_kl_self_distillation_opsd"])
+def test_gkd_seam_equals_ms_swift(beta, temperature, sft_alpha, opsd, self_distillation, topk):
     Base, Trainer = _gkd_classes()
     student_stock, student = _gkd_pair(0)
     teacher_stock, teacher = _gkd_pair(1)
@@ -193,9 +195,11 @@ def test_gkd_seam_equals_ms_swift(beta, temperature, sft_alpha, opsd, self_disti
     inputs = _gkd_inputs(opsd)
     expected_trainer = Base(None if self_distillation else teacher_stock, beta, temperature, sft_alpha,
                             self_distillation)
+    expected_trainer.gkd_logits_topk = topk
     expected = expected_trainer.compute_loss(student_stock, inputs)
     expected.backward()
     trainer = Trainer(None if self_distillation else teacher, beta, temperature, sft_alpha, self_distillation)
+    trainer.gkd_logits_topk = topk
     grad_modes = []   # the teacher's forward runs without autograd, as ms-swift's
     hook = teacher.register_forward_pre_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
     got = trainer.compute_loss(student, inputs)
@@ -222,15 +226,18 @@ def test_gkd_seam_falls_back_and_says_why():
     teacher_stock, teacher = _gkd_pair(1)
     inputs = _gkd_inputs()
     student.train()
-    topk = Trainer(teacher, 0.5, 1.0, sft_alpha=0.5)   # with labels: the patched student must keep its logits
-    topk.gkd_logits_topk = 5
+    with torch.no_grad():   # a teacher served by API: its top-k log-probs arrive with the batch
+        top = torch.log_softmax(teacher_stock(input_ids=inputs["model_inputs"]["input_ids"]).logits, -1).topk(5, -1)
+    inputs["gkd_batch"].teacher_topk_logprobs, inputs["gkd_batch"].teacher_topk_indices = top.values, top.indices
+    api = Trainer(None, 0.5, 1.0, sft_alpha=0.5)   # with labels: the patched student must keep its logits
+    api.use_teacher_api = True
     student_stock.train()
-    expected = Base(teacher_stock, 0.5, 1.0, sft_alpha=0.5)
-    expected.gkd_logits_topk = 5
-    torch.testing.assert_close(topk.compute_loss(student, inputs), expected.compute_loss(student_stock, inputs),
+    expected = Base(None, 0.5, 1.0, sft_alpha=0.5)
+    expected.use_teacher_api = True
+    torch.testing.assert_close(api.compute_loss(student, inputs), expected.compute_loss(student_stock, inputs),
                                atol=2e-5, rtol=2e-5)
-    assert topk.liger_calls["logits"] == 1 and topk.liger_calls["fused_linear_jsd"] == 0
-    assert any("gkd_logits_topk" in r for r in preference.fallback_reasons(topk))
+    assert api.liger_calls["logits"] == 1 and api.liger_calls["fused_linear_jsd"] == 0
+    assert any("served by API" in r for r in preference.fallback_reasons(api))
     unpatched = Trainer(teacher_stock, 0.5, 1.0)   # a teacher we did not patch: its logits, ms-swift's loss
     unpatched.compute_loss(student, inputs)
     assert unpatched.liger_calls["logits"] == 1

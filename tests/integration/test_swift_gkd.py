@@ -7,7 +7,8 @@ lm_head materialises [rows, V] logits (the probe of test_swift_rlhf.py counts th
 Cases: LoRA JSD (beta 0.5, temperature 0.9) through the real Triton kernels in the interpreter; full fine-tuning
 with forward KL (beta 0) plus the student's own loss (sft_alpha 0.5); reverse KL (beta 1) on the student's own
 generations (lmbda 1: ms-swift's pt engine generates on CPU, logits there are the decoder's) on the CPU reference
-backend (SWIFT_LIGER_BACKEND=torch).
+backend (SWIFT_LIGER_BACKEND=torch); top-k distillation (--gkd_logits_topk 8: the divergence over the teacher's 8
+largest logits per token) on the reference backend.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ CASES = {
     "fkl_full_sft": (["--tuner_type", "full", "--beta", "0", "--sft_alpha", "0.5", "--lmbda", "0"], "torch"),
     "rkl_on_policy": (["--tuner_type", "lora", "--beta", "1", "--lmbda", "1", "--max_completion_length", "8"],
                       "torch"),
+    "topk_lora": (["--tuner_type", "lora", "--beta", "0.5", "--gkd_logits_topk", "8", "--lmbda", "0"], "torch"),
 }
 
 

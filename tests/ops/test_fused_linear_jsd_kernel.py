@@ -199,3 +199,113 @@ def test_bad_tensors(device):
         fused_linear_jsd(hs, ws, ht, wt, labels.float())
     with pytest.raises(TypeError, match="mixed dtypes"):
         fused_linear_jsd(hs, ws.double().float().half(), ht, wt, labels)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# topk: ms-swift's --gkd_logits_topk (the divergence over the teacher's k largest logits per row)
+# ---------------------------------------------------------------------------------------------------------------
+
+def float64_topk_jsd(hs, ws, bs, ht, wt, bt, labels, beta, temperature, k):
+    """From the definition, in float64: the teacher's k largest logits per row, the student's at the same ids, both
+    softmaxes over those k, then the divergence of float64_jsd."""
+    leaves = [None if t is None else f64(t) for t in (hs, ws, bs)]
+    mask = labels.cpu().reshape(-1) != -100
+    z = leaves[0].reshape(-1, HS)[mask] @ leaves[1].t() + (0 if bs is None else leaves[2])
+    t = f64(ht, False).reshape(-1, HT)[mask] @ f64(wt, False).t() + (0 if bt is None else f64(bt, False))
+    top, ids = t.topk(k, dim=-1)
+    p, q = torch.softmax(z.gather(-1, ids) / temperature, -1), torch.softmax(top / temperature, -1)
+    if beta == 0:
+        rows = (q * (q.log() - p.log())).sum(-1)
+    elif beta == 1:
+        rows = (p * (p.log() - q.log())).sum(-1)
+    else:
+        m = (1 - beta) * p + beta * q
+        rows = beta * (q * (q.log() - m.log())).sum(-1) + (1 - beta) * (p * (p.log() - m.log())).sum(-1)
+    return rows.sum(), leaves
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("k", [7, 64])
+def test_topk_matches_float64(device, beta, k):
+    hs, ws, bs, ht, wt, bt, labels = make(device, bias=True, w_grad=True)
+    with inputs_unchanged(hs, ws, bs, ht, wt, bt, labels):
+        out = fused_linear_jsd(hs, ws, ht, wt, labels, student_bias=bs, teacher_bias=bt, beta=beta,
+                               temperature=0.8, chunk_size=CHUNK, topk=k)
+        (out * 1.7).backward()
+    ref, leaves = float64_topk_jsd(hs, ws, bs, ht, wt, bt, labels, beta, 0.8, k)
+    assert float(ref.detach()) > 0.05
+    assert_close(out, ref, torch.float32, slack=SLACK, name="loss")
+    (ref * 1.7).backward()
+    for name, t, r in zip(("hidden", "weight", "bias"), (hs, ws, bs), leaves):
+        assert_close(t.grad, r.grad, torch.float32, slack=1.0 if name == "hidden" else SLACK, name=f"grad_{name}")
+    assert bool((hs.grad[labels == -100] == 0).all())
+
+
+def test_topk_of_the_whole_vocabulary_is_the_full_divergence(device):
+    hs, ws, bs, ht, wt, bt, labels = make(device, bias=True)
+    full = fused_linear_jsd(hs, ws, ht, wt, labels, student_bias=bs, teacher_bias=bt, beta=0.3, chunk_size=CHUNK)
+    top = fused_linear_jsd(hs, ws, ht, wt, labels, student_bias=bs, teacher_bias=bt, beta=0.3, chunk_size=CHUNK,
+                           topk=V)
+    assert_close(top, full, torch.float32, slack=SLACK)
+
+
+def test_topk_gathers_in_sub_chunks(device, monkeypatch):
+    """The student's head rows are gathered a few rows at a time (TOPK_GATHER_BYTES): same loss and gradient."""
+    from swift_liger.ops import fused_linear_jsd_kernel as mod
+    hs, ws, _, ht, wt, _, labels = make(device, w_grad=True)
+    out = fused_linear_jsd(hs, ws, ht, wt, labels, beta=0.5, topk=16)
+    out.backward()
+    grads = hs.grad.clone(), ws.grad.clone()
+    hs.grad = ws.grad = None
+    monkeypatch.setattr(mod, "TOPK_GATHER_BYTES", 2 * 16 * HS * 4)   # 2 rows per gather
+    small = fused_linear_jsd(hs, ws, ht, wt, labels, beta=0.5, topk=16)
+    small.backward()
+    assert_close(small, out, torch.float32, slack=SLACK)
+    assert_close(hs.grad, grads[0], torch.float32)
+    assert_close(ws.grad, grads[1], torch.float32)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_topk_matches_ms_swift(device, beta):
+    """ms-swift's own top-k path: TeacherOutput.to_topk on the teacher's logits, the student's gathered (its
+    _compute_jsd_loss), divided by the number of valid rows."""
+    gkd = pytest.importorskip("swift.rlhf_trainers.gkd_loss")
+    hs, ws, _, ht, wt, _, labels = make(device)
+    s_logits = (hs.detach() @ ws.t()).cpu().double()
+    t_out = gkd.TeacherOutput(full_logits=(ht @ wt.t()).cpu().double(), labels=labels.cpu()).to_topk(9)
+    total, num_valid = gkd.gkd_loss(s_logits, t_out, labels.cpu(), beta, 1.3)
+    ours = fused_linear_jsd(hs, ws, ht, wt, labels, beta=beta, temperature=1.3, reduction="mean", topk=9)
+    ref = fused_linear_jsd_reference(hs, ws, ht, wt, labels, beta=beta, temperature=1.3, reduction="mean", topk=9)
+    assert_close(ours, total / num_valid, torch.float32, slack=SLACK, name="vs ms-swift")
+    assert_close(ref, total / num_valid, torch.float32, slack=SLACK, name="reference vs ms-swift")
+
+
+def test_topk_with_a_wider_student_and_refusals(device):
+    hs, ws, _, ht, wt, _, labels = make(device)
+    wider = torch.cat([ws.detach(), randn(5, HS, device=device)]).requires_grad_()   # ids < V index it as before
+    out = fused_linear_jsd(hs, wider, ht, wt, labels, beta=0.5, topk=12)
+    out.backward()
+    ref, leaves = float64_topk_jsd(hs, ws, None, ht, wt, None, labels, 0.5, 1.0, 12)
+    assert_close(out, ref, torch.float32, slack=SLACK)
+    assert bool((wider.grad[V:] == 0).all())
+    # a teacher head padded wider (Qwen2.5-7B for a 1.5B student): fine while its top-k ids index the student's head
+    narrow = ws.detach()[:V - 7].clone().requires_grad_()
+    wt_pad = wt.clone()
+    wt_pad[V - 7:] = 0   # padded rows: logit 0, below every row's 12 largest
+    out = fused_linear_jsd(hs, narrow, ht, wt_pad, labels, beta=0.5, topk=12)
+    ref, _ = float64_topk_jsd(hs, narrow.detach(), None, ht, wt_pad, None, labels, 0.5, 1.0, 12)
+    assert_close(out, ref, torch.float32, slack=SLACK)
+    wt_pad[V - 7:] = wt[:7] * 50   # now they lead: ms-swift's gather would fail, ours says why
+    with pytest.raises(ValueError, match="topk: a teacher top-12 id .* is beyond the student's vocabulary"):
+        fused_linear_jsd(hs, narrow, ht, wt_pad, labels, topk=12)
+    for bad in (0, V + 1, True, 2.0):
+        with pytest.raises(ValueError, match="topk must be an int in"):
+            fused_linear_jsd(hs, ws, ht, wt, labels, topk=bad)
+
+
+def test_topk_never_materialises_all_logits(device):
+    hs, ws, _, ht, wt, _, labels = make(device, w_grad=True)
+    with _Shapes() as seen:
+        fused_linear_jsd(hs, ws, ht, wt, labels, chunk_size=CHUNK, topk=5).backward()
+    with_v = [s for s in seen.shapes if len(s) >= 2 and s[-1] == V and s not in ((HS, V), (HT, V))]
+    assert with_v and max(s[0] for s in with_v) <= CHUNK, with_v
