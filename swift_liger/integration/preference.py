@@ -256,28 +256,29 @@ class GKDSeam(_Seam):
     adapter-disabled student; OPSD, where the teacher scores its own prompt) and ``sft_alpha`` (the student's own
     loss from the same forward, through the fused linear CE) and top-k distillation (``gkd_logits_topk``: the
     divergence over the teacher's k largest logits per token, the student's logits at those ids only). A teacher
-    served by API, a softcapped head, a student vocabulary wider than the teacher's (top-k excepted: its ids index
-    the student's head) and evaluation passes run ms-swift's own code on logits."""
+    served by API sends its top-k log-probs with the batch: the student's logits at those ids come the same way
+    (ops.fused_linear_jsd_topk). A softcapped head, a student vocabulary wider than the teacher's (top-k excepted:
+    its ids index the student's head) and evaluation passes run ms-swift's own code on logits."""
 
     def _liger_gkd_handles(self, model):
-        """(student handle, teacher handle, teacher module) when the fused path applies to this call, else None
-        (the reason recorded)."""
+        """(student handle, teacher handle, teacher module) when the fused path applies to this call (teacher handle
+        and module None for a teacher served by API), else None (the reason recorded)."""
         why = ""
         if not model.training:
             why = "evaluation passes keep ms-swift's loss on logits"
-        elif getattr(self, "use_teacher_api", False):
-            why = "the teacher is served by API (top-k log-probs, no hidden states)"
         student = teacher = teacher_model = None
+        api = bool(getattr(self, "use_teacher_api", False))   # its top-k log-probs arrive with the batch
         if not why:
             student = self._liger_handle(model)
-            teacher_model = model if getattr(self, "_is_self_distillation", False) else self.teacher_model
-            teacher = student if teacher_model is model else self._liger_handle(teacher_model)
-            if student is None or teacher is None:   # _liger_handle recorded why
+            if not api:
+                teacher_model = model if getattr(self, "_is_self_distillation", False) else self.teacher_model
+                teacher = student if teacher_model is model else self._liger_handle(teacher_model)
+            if student is None or (teacher is None and not api):   # _liger_handle recorded why
                 return None
-            capped = [h.state.softcap_attr for h in (student, teacher) if h.softcap() is not None]
+            capped = [h.state.softcap_attr for h in (student, teacher) if h is not None and h.softcap() is not None]
             if capped:
                 why = f"the model softcaps its logits ({capped[0]})"
-            elif getattr(self, "gkd_logits_topk", None) is None and student.vocab_size > teacher.vocab_size:   # a wider teacher is aligned in the op, as ms-swift does
+            elif not api and getattr(self, "gkd_logits_topk", None) is None and student.vocab_size > teacher.vocab_size:   # a wider teacher is aligned in the op, as ms-swift does
                 why = (f"the student's vocabulary is wider than the teacher's ({student.vocab_size} vs "
                        f"{teacher.vocab_size})")
         if why:
@@ -320,6 +321,15 @@ class GKDSeam(_Seam):
         with student.emitting_hidden():
             out_student = model(**forward)
             hidden = student.take(out_student.logits)
+        if teacher is None:   # served by API: the teacher's top-k log-probs per position of its labels
+            batch = inputs["gkd_batch"]
+            if hidden is None:
+                return self._liger_gkd_on_logits(model, inputs, return_outputs, num_items_in_batch)
+            loss = student.jsd_topk(hidden, torch.roll(labels, shifts=-1, dims=1), batch.teacher_topk_logprobs,
+                                    batch.teacher_topk_indices,
+                                    teacher_labels=torch.roll(teacher_inputs["labels"], shifts=-1, dims=1),
+                                    beta=float(self.beta), temperature=float(self.temperature), reduction="mean")
+            return self._liger_gkd_finish(loss, inputs, out_student, sft_alpha, return_outputs)
         with self._liger_teacher_context(model, teacher_model), teacher.emitting_hidden():
             teacher_hidden = teacher.take(teacher_model(**{k: v for k, v in teacher_inputs.items() if k != "labels"
                                                            }).logits)
@@ -330,6 +340,9 @@ class GKDSeam(_Seam):
                            teacher_labels=torch.roll(teacher_inputs["labels"], shifts=-1, dims=1),
                            beta=float(self.beta), temperature=float(self.temperature), reduction="mean",
                            topk=getattr(self, "gkd_logits_topk", None))
+        return self._liger_gkd_finish(loss, inputs, out_student, sft_alpha, return_outputs)
+
+    def _liger_gkd_finish(self, loss, inputs, out_student, sft_alpha, return_outputs):
         self._liger_count("fused_linear_jsd")
         if sft_alpha > 0:
             from swift.rlhf_trainers.gkd_loss import DataSource

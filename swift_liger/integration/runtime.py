@@ -65,9 +65,9 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         fused_ng, stock_ng = p["fused_linear_logprobs_no_grad"], p["logits_no_grad"]
         jsd = p.get("fused_linear_jsd", 0) + p.get("fused_linear_jsd_no_grad", 0)
         if jsd:   # GKD
-            line = (f"{when} {trainer['class']} computed {jsd} distillation losses (generalized JSD) from the "
-                    f"student's and the teacher's hidden states (no [tokens, vocab] logits) and {stock + stock_ng} "
-                    "from materialised logits")
+            line = (f"{when} {trainer['class']} computed {jsd} distillation losses (generalized JSD) from hidden "
+                    f"states (the student's; the teacher's, or its top-k log-probs when served by API; no [tokens, "
+                    f"vocab] logits) and {stock + stock_ng} from materialised logits")
         else:
             line = (f"{when} {trainer['class']} took {fused + fused_ng} log-prob passes from hidden states "
                     f"(the fused linear head, no [tokens, vocab] logits; {fused} with gradient, {fused_ng} "

@@ -16,7 +16,7 @@ from .cross_entropy_kernel import CrossEntropyFunction, cross_entropy, cross_ent
 from .decode_attention_kernel import decode_attention, decode_attention_reference
 from .fused_linear_cross_entropy_kernel import (FusedLinearCrossEntropyFunction, fused_linear_cross_entropy,
                                                 fused_linear_cross_entropy_reference)
-from .fused_linear_jsd_kernel import fused_linear_jsd, fused_linear_jsd_reference
+from .fused_linear_jsd_kernel import fused_linear_jsd, fused_linear_jsd_reference, fused_linear_jsd_topk
 from .kv_ring_write_kernel import kv_ring_write, kv_ring_write_reference, kv_sink_rotate, kv_sink_rotate_reference
 from .logprobs_op import LogprobsOutput, fused_linear_logprobs, fused_linear_logprobs_reference
 from .lora_linear_op import lora_linear, lora_linear_reference
@@ -35,7 +35,7 @@ __all__ = [
     "cross_entropy", "cross_entropy_reference", "CrossEntropyFunction",
     "fused_linear_cross_entropy", "fused_linear_cross_entropy_reference", "FusedLinearCrossEntropyFunction",
     "fused_linear_logprobs", "fused_linear_logprobs_reference", "LogprobsOutput",
-    "fused_linear_jsd", "fused_linear_jsd_reference",
+    "fused_linear_jsd", "fused_linear_jsd_reference", "fused_linear_jsd_topk",
     "lora_linear", "lora_linear_reference",
     "decode_attention", "decode_attention_reference",
     "kv_ring_write", "kv_ring_write_reference", "kv_sink_rotate", "kv_sink_rotate_reference",

@@ -201,21 +201,53 @@ class _FusedLinearJSD(torch.autograd.Function):
 TOPK_GATHER_BYTES = 64 << 20
 
 
+class _TopkGrads:
+    """The student's loss per row and gradient buffers of a top-k pass (valid rows only)."""
+
+    def __init__(self, hs, ws, bs):
+        self.need_dh, self.need_dw = hs.requires_grad, ws.requires_grad
+        self.need_db = bs is not None and bs.requires_grad
+        self.write = self.need_dh or self.need_dw or self.need_db
+        self.loss = _common.new_empty((hs.shape[0],), dtype=torch.float32, device=hs.device)
+        self.dh = _common.new_empty_like(hs) if self.need_dh else None
+        self.dw = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if self.need_dw else None
+        self.db = torch.zeros(ws.shape[0], dtype=torch.float32, device=ws.device) if self.need_db else None
+
+    def rows(self, hs, ws, bs, top, ids, r0, beta, inv_t):
+        """Rows r0 .. r0 + len(top) of hs against the teacher's top-k values and ids there: the student's logits at
+        those ids (its head rows gathered a few rows at a time), the divergence and its gradient."""
+        k, hdim = top.shape[1], hs.shape[1]
+        c2 = max(1, TOPK_GATHER_BYTES // (k * hdim * max(4, hs.element_size())))
+        for q0 in range(0, top.shape[0], c2):
+            q1 = min(top.shape[0], q0 + c2)
+            sel, h = ids[q0:q1], hs[r0 + q0:r0 + q1]
+            w_rows = ws[sel]   # [c2, k, Hs]
+            zs = torch.einsum("ch,ckh->ck", h, w_rows).float()
+            if bs is not None:
+                zs += bs[sel].float()
+            self.loss[r0 + q0:r0 + q1] = _rows_torch(zs, top[q0:q1], beta, inv_t, self.write)
+            if self.need_dh:   # zs holds dL/ds now
+                self.dh[r0 + q0:r0 + q1] = torch.einsum("ck,ckh->ch", zs, w_rows.float()).to(self.dh.dtype)
+            if self.need_dw:
+                self.dw.index_put_((sel.reshape(-1),), (zs[..., None] * h[:, None, :].float()).reshape(-1, hdim),
+                                   accumulate=True)
+            if self.need_db:
+                self.db.index_put_((sel.reshape(-1),), zs.reshape(-1), accumulate=True)
+
+    def save(self, ctx, ws, bs):
+        ctx.save_for_backward(self.dh, self.dw, self.db)
+        ctx.dtypes = (ws.dtype, None if bs is None else bs.dtype)
+        return self.loss.sum()
+
+
 class _FusedLinearTopkJSD(torch.autograd.Function):
     """The top-k path of _FusedLinearJSD: valid rows only, the gradient computed in the forward."""
 
     @staticmethod
     def forward(ctx, hs, ws, bs, ht, wt, bt, beta, inv_t, chunk_size, k):
-        n, hdim, vocab = hs.shape[0], hs.shape[1], wt.shape[0]
-        need_dh, need_dw = hs.requires_grad, ws.requires_grad
-        need_db = bs is not None and bs.requires_grad
-        write_grad = need_dh or need_dw or need_db
-        loss = _common.new_empty((n,), dtype=torch.float32, device=hs.device)
-        dh = _common.new_empty_like(hs) if need_dh else None
-        dw = torch.zeros(ws.shape, dtype=torch.float32, device=ws.device) if need_dw else None
-        db = torch.zeros(ws.shape[0], dtype=torch.float32, device=ws.device) if need_db else None
+        n, vocab = hs.shape[0], wt.shape[0]
+        out = _TopkGrads(hs, ws, bs)
         c = max(1, min(n, chunk_size)) if chunk_size else default_chunk_size(n, vocab, ht.element_size())
-        c2 = max(1, TOPK_GATHER_BYTES // (k * hdim * max(4, hs.element_size())))
         zt_ws = _common.new_empty((c, vocab), dtype=ht.dtype, device=ht.device)
         for r0 in range(0, n, c):
             r1 = min(n, r0 + c)
@@ -227,28 +259,26 @@ class _FusedLinearTopkJSD(torch.autograd.Function):
             if vocab > ws.shape[0] and int(ids.max()) >= ws.shape[0]:   # a padded teacher column made its top-k
                 raise ValueError(f"topk: a teacher top-{k} id ({int(ids.max())}) is beyond the student's vocabulary "
                                  f"({ws.shape[0]}); ms-swift's gather of the student's logits fails there too")
-            for q0 in range(r0, r1, c2):
-                q1 = min(r1, q0 + c2)
-                sel = ids[q0 - r0:q1 - r0]
-                w_rows = ws[sel]   # [c2, k, Hs]
-                zs = torch.einsum("ch,ckh->ck", hs[q0:q1], w_rows).float()
-                if bs is not None:
-                    zs += bs[sel].float()
-                loss[q0:q1] = _rows_torch(zs, top[q0 - r0:q1 - r0], beta, inv_t, write_grad)
-                if need_dh:   # zs holds dL/ds now
-                    dh[q0:q1] = torch.einsum("ck,ckh->ch", zs, w_rows.float()).to(dh.dtype)
-                if need_dw:
-                    dw.index_put_((sel.reshape(-1),), (zs[..., None] * hs[q0:q1, None, :].float()).reshape(-1, hdim),
-                                  accumulate=True)
-                if need_db:
-                    db.index_put_((sel.reshape(-1),), zs.reshape(-1), accumulate=True)
-        ctx.save_for_backward(dh, dw, db)
-        ctx.dtypes = (ws.dtype, None if bs is None else bs.dtype)
-        return loss.sum()
+            out.rows(hs, ws, bs, top, ids, r0, beta, inv_t)
+        return out.save(ctx, ws, bs)
 
     @staticmethod
     def backward(ctx, grad):
         return _FusedLinearJSD.backward(ctx, grad)
+
+
+class _StudentTopkJSD(torch.autograd.Function):
+    """fused_linear_jsd_topk: the teacher's top-k given (valid rows only)."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, bs, top, ids, beta, inv_t):
+        out = _TopkGrads(hs, ws, bs)
+        out.rows(hs, ws, bs, top, ids, 0, beta, inv_t)
+        return out.save(ctx, ws, bs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _FusedLinearJSD.backward(ctx, grad)[:7]
 
 
 def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_labels, student_bias,
@@ -343,6 +373,67 @@ def fused_linear_jsd(student_hidden: torch.Tensor, student_weight: torch.Tensor,
     else:
         total = _FusedLinearJSD.apply(hs.contiguous(), student_weight, student_bias, *teacher_args,
                                       _common.use_triton(student_hidden))
+    return total / max(1, hs.shape[0]) if reduction == "mean" else total
+
+
+def fused_linear_jsd_topk(student_hidden: torch.Tensor, student_weight: torch.Tensor, labels: torch.Tensor,
+                          teacher_topk_values: torch.Tensor, teacher_topk_ids: torch.Tensor, *,
+                          student_bias: Optional[torch.Tensor] = None, teacher_labels: Optional[torch.Tensor] = None,
+                          beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100,
+                          reduction: str = "sum") -> torch.Tensor:
+    """:func:`fused_linear_jsd` with ``topk`` when the teacher's top-k arrives precomputed (ms-swift's teacher served
+    by API, ``--teacher_model_server``): the student's logits at the given ids only, no [N, V] logits.
+
+    student_hidden [..., Hs], student_weight [Vs, Hs] (+ student_bias [Vs]), labels [...] (already shifted);
+    teacher_topk_values / teacher_topk_ids [..., k] (the teacher's top-k log-probs, or logits: the softmax over the k
+    entries is the same) with the leading shape of teacher_labels (default: labels), ids < Vs. As ms-swift's
+    ``extract_active``, rows whose k values are all -inf (positions the teacher did not cover) are left out of the sum
+    and of the mean. Returns an fp32 scalar; gradients reach the student's hidden states, weight and bias.
+    """
+    student_hidden, student_weight, student_bias = autocast_inputs(student_hidden, student_weight, student_bias)
+    _common.check_tensor("student_hidden", student_hidden, min_ndim=2)
+    _common.check_tensor("student_weight", student_weight, ndim=2)
+    if student_hidden.shape[-1] != student_weight.shape[1]:
+        raise ValueError(f"student_hidden [..., {student_hidden.shape[-1]}] does not match student_weight "
+                         f"{list(student_weight.shape)} ([V, H])")
+    if labels.shape != student_hidden.shape[:-1]:
+        raise ValueError(f"labels {list(labels.shape)} must be student_hidden's leading shape "
+                         f"{list(student_hidden.shape[:-1])}")
+    t_labels = labels if teacher_labels is None else teacher_labels
+    if teacher_topk_values.shape != teacher_topk_ids.shape or teacher_topk_values.shape[:-1] != t_labels.shape:
+        raise ValueError(f"teacher_topk_values {list(teacher_topk_values.shape)} and teacher_topk_ids "
+                         f"{list(teacher_topk_ids.shape)} must both be [{', '.join(map(str, t_labels.shape))}, k]")
+    if not teacher_topk_values.is_floating_point() or teacher_topk_ids.dtype.is_floating_point:
+        raise ValueError(f"teacher_topk_values must be floating point and teacher_topk_ids integer, got "
+                         f"{teacher_topk_values.dtype} and {teacher_topk_ids.dtype}")
+    if student_bias is not None and tuple(student_bias.shape) != (student_weight.shape[0],):
+        raise ValueError(f"student_bias must be [V] = [{student_weight.shape[0]}], got {list(student_bias.shape)}")
+    _common.check_same_device(student_hidden=student_hidden, student_weight=student_weight, labels=labels,
+                              teacher_topk_values=teacher_topk_values, teacher_topk_ids=teacher_topk_ids,
+                              teacher_labels=teacher_labels, student_bias=student_bias)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    k = teacher_topk_values.shape[-1]
+    s_idx = (labels.reshape(-1) != ignore_index).nonzero().squeeze(-1)
+    t_idx = (t_labels.reshape(-1) != ignore_index).nonzero().squeeze(-1)
+    if s_idx.numel() != t_idx.numel():
+        raise ValueError(f"teacher_labels mark {t_idx.numel()} rows, labels {s_idx.numel()}: student and teacher must "
+                         f"score the same number of tokens")
+    top = teacher_topk_values.detach().reshape(-1, k).index_select(0, t_idx)
+    ids = teacher_topk_ids.reshape(-1, k).index_select(0, t_idx)
+    covered = ~torch.isinf(top).all(-1)   # ms-swift's extract_active drops positions the teacher did not cover
+    if not bool(covered.all()):
+        s_idx, top, ids = s_idx[covered], top[covered], ids[covered]
+    if ids.numel() and (int(ids.max()) >= student_weight.shape[0] or int(ids.min()) < 0):
+        raise ValueError(f"teacher_topk_ids must index the student's vocabulary [0, {student_weight.shape[0]}), got "
+                         f"ids in [{int(ids.min())}, {int(ids.max())}]")
+    hs = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, s_idx)
+    total = _StudentTopkJSD.apply(hs.contiguous(), student_weight, student_bias, top.contiguous(), ids.contiguous(),
+                                  float(beta), 1.0 / float(temperature))
     return total / max(1, hs.shape[0]) if reduction == "mean" else total
 
 

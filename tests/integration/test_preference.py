@@ -220,30 +220,54 @@ def test_gkd_seam_equals_ms_swift(beta, temperature, sft_alpha, opsd, self_disti
         assert all(p.grad is None for p in teacher.parameters())
 
 
+@pytest.mark.parametrize("beta, sft_alpha", [(0.5, 0.0), (0.0, 0.5), (1.0, 0.0)])
+def test_gkd_seam_with_a_teacher_served_by_api(beta, sft_alpha):
+    """--teacher_model_server: the teacher's top-k log-probs arrive with the batch (-inf where it did not cover a
+    position); the student's logits at those ids come from its hidden states (ops.fused_linear_jsd_topk)."""
+    Base, Trainer = _gkd_classes()
+    student_stock, student = _gkd_pair(0)
+    teacher_stock, _ = _gkd_pair(1)
+    for m in (student_stock, student):
+        m.train()
+    inputs = _gkd_inputs()
+    with torch.no_grad():
+        top = torch.log_softmax(teacher_stock(input_ids=inputs["model_inputs"]["input_ids"]).logits, -1).topk(6, -1)
+    values = top.values.clone()
+    values[0, 5] = float("-inf")   # a scored position the teacher left uncovered: dropped, as ms-swift drops it
+    inputs["gkd_batch"].teacher_topk_logprobs, inputs["gkd_batch"].teacher_topk_indices = values, top.indices
+    expected_trainer = Base(None, beta, 0.9, sft_alpha)
+    expected_trainer.use_teacher_api = True
+    expected = expected_trainer.compute_loss(student_stock, inputs)
+    expected.backward()
+    trainer = Trainer(None, beta, 0.9, sft_alpha)
+    trainer.use_teacher_api = True
+    got = trainer.compute_loss(student, inputs)
+    got.backward()
+    torch.testing.assert_close(got.detach(), expected.detach(), atol=1e-6, rtol=2e-5)
+    assert float(expected.detach()) > 0.05
+    for (name, p), (_, q) in zip(student_stock.named_parameters(), student.named_parameters()):
+        scale = max(1e-3, p.grad.abs().max().item())
+        torch.testing.assert_close(q.grad, p.grad, atol=2e-5 * scale, rtol=2e-4, msg=name)
+    assert trainer.liger_calls["fused_linear_jsd"] == 1 and trainer.liger_calls["logits"] == 0
+    assert call_counts(student)["lm_head_logits"] == 0
+
+
 def test_gkd_seam_falls_back_and_says_why():
     Base, Trainer = _gkd_classes()
     student_stock, student = _gkd_pair(0)
     teacher_stock, teacher = _gkd_pair(1)
     inputs = _gkd_inputs()
-    student.train()
-    with torch.no_grad():   # a teacher served by API: its top-k log-probs arrive with the batch
-        top = torch.log_softmax(teacher_stock(input_ids=inputs["model_inputs"]["input_ids"]).logits, -1).topk(5, -1)
-    inputs["gkd_batch"].teacher_topk_logprobs, inputs["gkd_batch"].teacher_topk_indices = top.values, top.indices
-    api = Trainer(None, 0.5, 1.0, sft_alpha=0.5)   # with labels: the patched student must keep its logits
-    api.use_teacher_api = True
-    student_stock.train()
-    expected = Base(None, 0.5, 1.0, sft_alpha=0.5)
-    expected.use_teacher_api = True
-    torch.testing.assert_close(api.compute_loss(student, inputs), expected.compute_loss(student_stock, inputs),
-                               atol=2e-5, rtol=2e-5)
-    assert api.liger_calls["logits"] == 1 and api.liger_calls["fused_linear_jsd"] == 0
-    assert any("served by API" in r for r in preference.fallback_reasons(api))
     unpatched = Trainer(teacher_stock, 0.5, 1.0)   # a teacher we did not patch: its logits, ms-swift's loss
+    student.train()
     unpatched.compute_loss(student, inputs)
     assert unpatched.liger_calls["logits"] == 1
     assert any("not patched" in r for r in preference.fallback_reasons(unpatched))
-    student.eval()
-    ev = Trainer(teacher, 0.5, 1.0)
+    for m in (student, student_stock):
+        m.eval()
+    ev = Trainer(teacher, 0.5, 1.0, sft_alpha=0.5)   # with labels: the patched student must keep its logits
     with torch.no_grad():
-        ev.compute_loss(student, inputs)
+        got = ev.compute_loss(student, inputs)
+        expected = Base(teacher_stock, 0.5, 1.0, sft_alpha=0.5).compute_loss(student_stock, inputs)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    assert ev.liger_calls["logits_no_grad"] == 1 and ev.liger_calls["fused_linear_jsd_no_grad"] == 0
     assert any("evaluation" in r for r in preference.fallback_reasons(ev))

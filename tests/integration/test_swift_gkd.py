@@ -60,8 +60,9 @@ def test_divergence_from_hidden_states_and_the_record_says_so(runs, case):
     assert passes["fused_linear_jsd"] == 2 * STEPS and passes["logits"] == passes["logits_no_grad"] == 0, passes
     assert total["policy"]["fused_linear_jsd"] == 2 * STEPS, total["policy"]
     assert total["policy"]["fused_linear_cross_entropy"] == (2 * STEPS if "sft" in case else 0), total["policy"]
-    assert "in the first step GKDTrainer computed 2 distillation losses (generalized JSD) from the student's and the " \
-           "teacher's hidden states (no [tokens, vocab] logits) and 0 from materialised logits" in liger.log
+    assert "in the first step GKDTrainer computed 2 distillation losses (generalized JSD) from hidden states (the " \
+           "student's; the teacher's, or its top-k log-probs when served by API; no [tokens, vocab] logits) and 0 " \
+           "from materialised logits" in liger.log
     assert "teacher model: cross_entropy=fused_linear for GKD's divergence from its hidden states" in liger.log
     if "on_policy" not in case:   # generation decodes through logits; the training passes do not
         assert base.probe["lm_head_logits"] > 0 and liger.probe["lm_head_logits"] == 0, (base.probe, liger.probe)

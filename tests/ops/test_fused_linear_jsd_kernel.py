@@ -8,7 +8,7 @@ import torch
 
 import helpers
 from helpers import assert_close, f64, inputs_unchanged, randn
-from swift_liger.ops.fused_linear_jsd_kernel import fused_linear_jsd, fused_linear_jsd_reference
+from swift_liger.ops.fused_linear_jsd_kernel import fused_linear_jsd, fused_linear_jsd_reference, fused_linear_jsd_topk
 from test_logprobs_op import _Shapes
 
 # Rows and V are not multiples of any block; chunk 4 over ~13 valid rows gives 4 chunks.
@@ -309,3 +309,65 @@ def test_topk_never_materialises_all_logits(device):
         fused_linear_jsd(hs, ws, ht, wt, labels, chunk_size=CHUNK, topk=5).backward()
     with_v = [s for s in seen.shapes if len(s) >= 2 and s[-1] == V and s not in ((HS, V), (HT, V))]
     assert with_v and max(s[0] for s in with_v) <= CHUNK, with_v
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fused_linear_jsd_topk: the teacher's top-k given (ms-swift's teacher served by API)
+# ---------------------------------------------------------------------------------------------------------------
+
+def api_topk(ht, wt, labels, k, uncovered=()):
+    """What ms-swift assembles from a teacher server: its top-k log-probs per position, -inf where not covered."""
+    with torch.no_grad():
+        top = torch.log_softmax((ht @ wt.t()).float(), -1).topk(k, -1)
+    values = top.values.clone()
+    for pos in uncovered:
+        values[pos] = float("-inf")
+    return values, top.indices
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_topk_given_matches_ms_swift(device, beta):
+    """ms-swift's own loss and gradient (gkd_loss in top-k mode on the student's float64 logits), with a teacher
+    scoring other rows (OPSD) and a scored position it did not cover."""
+    gkd = pytest.importorskip("swift.rlhf_trainers.gkd_loss")
+    hs, ws, bs, ht, wt, _, labels = make(device, bias=True, w_grad=True)
+    t_labels = torch.roll(labels, shifts=2, dims=1)
+    covered_gap = tuple(int(i) for i in (t_labels[1] != -100).nonzero()[1])   # a scored teacher row, uncovered
+    values, ids = api_topk(ht, wt, t_labels, 10, uncovered=[(1, covered_gap[0])])
+    with inputs_unchanged(hs, ws, bs, values, ids, labels, t_labels):
+        out = fused_linear_jsd_topk(hs, ws, labels, values, ids, student_bias=bs, teacher_labels=t_labels, beta=beta,
+                                    temperature=0.9, reduction="mean")
+        out.backward()
+    leaves = [f64(t) for t in (hs, ws, bs)]
+    s_logits = leaves[0] @ leaves[1].t() + leaves[2]
+    teacher = gkd.TeacherOutput(topk_logprobs=values.cpu().double(), topk_indices=ids.cpu(), labels=t_labels.cpu())
+    total, num_valid = gkd.gkd_loss(s_logits.cpu(), teacher, labels.cpu(), beta, 0.9)
+    assert int(num_valid) == int((labels != -100).sum()) - 1   # the uncovered row left out
+    ref = total / num_valid
+    assert_close(out, ref, torch.float32, slack=SLACK, name="loss")
+    ref.backward()
+    for name, t, r in zip(("hidden", "weight", "bias"), (hs, ws, bs), leaves):
+        assert_close(t.grad, r.grad, torch.float32, slack=1.0 if name == "hidden" else SLACK, name=f"grad_{name}")
+
+
+def test_topk_given_equals_topk_from_the_teacher_head(device):
+    hs, ws, _, ht, wt, _, labels = make(device)
+    values, ids = api_topk(ht, wt, labels, 7)
+    given = fused_linear_jsd_topk(hs, ws, labels, values, ids, beta=0.3, temperature=1.2)
+    computed = fused_linear_jsd(hs, ws, ht, wt, labels, beta=0.3, temperature=1.2, topk=7)
+    assert_close(given, computed, torch.float32, slack=SLACK)
+
+
+def test_topk_given_refusals(device):
+    hs, ws, _, ht, wt, _, labels = make(device)
+    values, ids = api_topk(ht, wt, labels, 4)
+    with pytest.raises(ValueError, match="teacher_topk_ids must index the student's vocabulary"):
+        fused_linear_jsd_topk(hs, ws[:V // 4], labels, values, ids)
+    with pytest.raises(ValueError, match="must both be"):
+        fused_linear_jsd_topk(hs, ws, labels, values[:, :-1], ids[:, :-1])
+    with pytest.raises(ValueError, match="floating point and teacher_topk_ids integer"):
+        fused_linear_jsd_topk(hs, ws, labels, values, ids.float())
+    with pytest.raises(ValueError, match="teacher_labels mark"):
+        fused_linear_jsd_topk(hs, ws, labels, values, ids, teacher_labels=torch.full_like(labels, 3))
+    with pytest.raises(ValueError, match="beta must be"):
+        fused_linear_jsd_topk(hs, ws, labels, values, ids, beta=2)

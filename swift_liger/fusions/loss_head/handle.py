@@ -22,7 +22,7 @@ import torch
 
 from ...patching.state import find_states
 from .forward import head_is_ours
-from .sharding import lm_head_cross_entropy, lm_head_jsd, lm_head_logprobs
+from .sharding import lm_head_cross_entropy, lm_head_jsd, lm_head_jsd_topk, lm_head_logprobs
 from .state import KEY, HeadState
 
 
@@ -160,6 +160,15 @@ class HeadHandle:
                 raise ValueError(f"fused_linear_jsd has no logit softcap; {h.state.softcap_attr}={h.softcap()}")
         self.state.calls["fused_linear_jsd"] += 1
         return lm_head_jsd(self.state.lm_head, hidden, teacher.state.lm_head, teacher_hidden, labels, **options)
+
+    def jsd_topk(self, hidden: torch.Tensor, labels: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
+                 **options):
+        """ops.fused_linear_jsd_topk with this head as the student's and the teacher's top-k values and ids given
+        (a teacher served by API), the head gathered when ZeRO-3 / FSDP2 shard it. No softcap."""
+        if self.softcap() is not None:
+            raise ValueError(f"fused_linear_jsd_topk has no logit softcap; {self.state.softcap_attr}={self.softcap()}")
+        self.state.calls["fused_linear_jsd"] += 1
+        return lm_head_jsd_topk(self.state.lm_head, hidden, labels, values, ids, **options)
 
     def cross_entropy(self, hidden: torch.Tensor, labels: torch.Tensor, **options):
         """ops.fused_linear_cross_entropy(hidden, lm_head.weight, labels, lm_head.bias, **options) (labels already

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple, Union
 import torch
 
 from ...ops.fused_linear_cross_entropy_kernel import fused_linear_cross_entropy
-from ...ops.fused_linear_jsd_kernel import fused_linear_jsd
+from ...ops.fused_linear_jsd_kernel import fused_linear_jsd, fused_linear_jsd_topk
 from ...ops.logprobs_op import fused_linear_logprobs
 
 __all__ = [
@@ -235,6 +235,15 @@ def lm_head_jsd(student: torch.nn.Module, hidden: torch.Tensor, teacher: torch.n
         with gathered_lm_head(teacher, teacher_hidden.dtype) as (tw, tb):
             return fused_linear_jsd(h, w, teacher_hidden, tw.detach(), y, student_bias=b,
                                     teacher_bias=None if tb is None else tb.detach(), **opts)
+    return _head_op(student, op, hidden, labels, **options)
+
+
+def lm_head_jsd_topk(student: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, values: torch.Tensor,
+                     ids: torch.Tensor, **options):
+    """``fused_linear_jsd_topk(hidden, student.weight, labels, values, ids, ...)`` for a possibly sharded student head
+    (see :func:`_head_op`): the teacher's top-k given."""
+    def op(h, w, y, b, **opts):
+        return fused_linear_jsd_topk(h, w, y, values, ids, student_bias=b, **opts)
     return _head_op(student, op, hidden, labels, **options)
 
 
