@@ -3,7 +3,8 @@
 plain, --use_liger_kernel and --use_liger (a run that ran out of memory is marked OOM). One run's own JSON (swift_cli
 `run`'s file, e.g. the longest completion length) is a point of its variant alone.
 
-    python3 tools/rl_cli_report.py docs/benchmarks/swift_cli_qwen2_5_1_5b_grpo_lora.json ... --out docs/benchmarks/rl_cli_h200
+    python3 tools/rl_cli_report.py docs/benchmarks/swift_cli_qwen2_5_1_5b_grpo_lora.json ... \
+        --out docs/benchmarks/rl_cli_h200
 """
 import argparse
 import json
@@ -37,6 +38,8 @@ def _point(results: list, shape: str, source: str) -> dict:
     else:
         teacher = os.path.basename(os.path.dirname(_flag(first["command"], "--teacher_model") or "?/?"))
         what = f"1 x {first['seq']} tokens, teacher {teacher.split('_')[1] if '_' in teacher else teacher}"
+        if _flag(first["command"], "--gkd_logits_topk"):
+            what += f", top-{_flag(first['command'], '--gkd_logits_topk')}"
     return {"task": task, "shape": shape, "batch": what, "source": source,
             "runs": {r["variant"]: _run_entry(r) for r in results}}
 
@@ -74,8 +77,8 @@ def markdown(points: list, note: str = "") -> str:
              "length (reference log-probs, policy forward and backward, optimizer). GKD: off-policy, 7B-shaped "
              "teacher, 1.5B-shaped student. tokens/s: median after warm-up; memory: max over steps of "
              "`torch.cuda.max_memory_allocated`.", "",
-             "| task | model | per micro-batch | plain tok/s | Liger tok/s | ours tok/s | ours vs plain | ours vs Liger |"
-             " plain GiB | Liger GiB | ours GiB | ours vs plain memory | report |",
+             "| task | model | per micro-batch | plain tok/s | Liger tok/s | ours tok/s | ours vs plain |"
+             " ours vs Liger | plain GiB | Liger GiB | ours GiB | ours vs plain memory | report |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for p in points:
         r = p["runs"]
@@ -107,6 +110,7 @@ def plot(points: list, path: str) -> None:
     def short(p):   # "GRPO 1.5B\n8 x 2048"
         size = p["shape"].split("-")[-1].upper()
         batch = p["batch"].replace(" completion tokens", "").replace(" tokens, teacher ", "\nteacher ")
+        batch = batch.replace(", top-", "\ntop-")
         return f"{p['task'].upper()} {size}\n{batch.replace('qwen2.5-', '')}"
     names = [short(p) for p in points]
     width = 0.27
@@ -144,8 +148,8 @@ def main():
     args = ap.parse_args()
     points = load(args.reports)
     with open(args.out + ".json", "w") as f:
-        json.dump({"command": "python3 tools/rl_cli_report.py " + " ".join(args.reports) + f" --out {args.out}", "note": args.note,
-                   "points": points}, f, indent=1)
+        command = "python3 tools/rl_cli_report.py " + " ".join(args.reports) + f" --out {args.out}"
+        json.dump({"command": command, "note": args.note, "points": points}, f, indent=1)
     md = markdown(points, args.note)
     with open(args.out + ".md", "w") as f:
         f.write(md)
