@@ -6,8 +6,9 @@ the tokens of the generated rows the loss trained on (GRPO's training_step gets 
 tokens among them. A pair of runs with --log_entropy and --top_entropy_quantile 0.5 asks for entropies too: the
 patched one takes them from the same pass of the head (entropy metrics, threshold and the masked loss equal the
 unpatched run's). Another pair changes the loss settings ms-swift owns (dr_grpo, epsilon_high, two-sided delta,
-sequence-level importance sampling): every metric equal again, since only the log-probs come from us. And
-`--padding_free true --use_liger` (no flash-attn: our packed-row attention) logs the padded run's metrics.
+sequence-level importance sampling), and a pair per other loss_type (bnpo, dapo with beta 0, cispo, sapo): every
+metric equal again, since only the log-probs come from us. And `--padding_free true --use_liger` (no flash-attn: our
+packed-row attention) logs the padded run's metrics.
 """
 from __future__ import annotations
 
@@ -39,27 +40,36 @@ NOT_COMPARED = {"step_time(s)", "tokens/s", "completion_tokens/s", "rss(GiB)", "
                 "train_speed(s/it)", "memory(GiB)", "global_step/max_steps", "step_time"}
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_qwen3, tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo_runs")
+def grpo_argv(tiny_qwen3, root) -> list:
     plugin = root / "reward.py"
     plugin.write_text(REWARD)
-    argv = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *CPU_FLAGS, "--rlhf_type", "grpo",
+    return [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *CPU_FLAGS, "--rlhf_type", "grpo",
             "--tuner_type", "lora", "--use_vllm", "false", "--external_plugins", str(plugin),
             "--reward_funcs", "length_reward", "--num_generations", str(GENERATIONS),
             "--per_device_train_batch_size", str(BATCH), "--gradient_accumulation_steps", str(ACCUM),
             "--max_completion_length", str(COMPLETION), "--max_length", "64", "--max_steps", "2",
             "--report_to", "none", "--save_strategy", "no"]
-    liger_env = swift_env(SWIFT_LIGER_BACKEND="torch")
-    liger_env.pop("TRITON_INTERPRET", None)
+
+
+def liger_env() -> dict:
+    env = swift_env(SWIFT_LIGER_BACKEND="torch")
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_runs")
+    argv = grpo_argv(tiny_qwen3, root)
+    env = liger_env()
     entropy = ["--log_entropy", "true", "--top_entropy_quantile", "0.5"]
-    specs = {"base": (argv, swift_env()), "liger": (argv + ["--use_liger"], liger_env),
+    specs = {"base": (argv, swift_env()), "liger": (argv + ["--use_liger"], env),
              "entropy_base": (argv + entropy, swift_env()),
-             "entropy_liger": (argv + entropy + ["--use_liger"], liger_env),
+             "entropy_liger": (argv + entropy + ["--use_liger"], env),
              "settings_base": (argv + SETTINGS, swift_env()),
-             "settings_liger": (argv + SETTINGS + ["--use_liger"], liger_env),
+             "settings_liger": (argv + SETTINGS + ["--use_liger"], env),
              # --use_liger picks --attn_impl swift_liger: each batch's rows as one packed row, no padding
-             "padding_free_liger": (argv + ["--padding_free", "true", "--use_liger"], liger_env)}
+             "padding_free_liger": (argv + ["--padding_free", "true", "--use_liger"], env)}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
         return {n: f.result() for n, f in futures.items()}
@@ -109,6 +119,36 @@ def test_padding_free_logs_the_padded_runs_metrics(runs):
     passes = runtime["trainer"]["log_prob_passes"]
     assert passes["fused_linear_logprobs"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
     assert runtime["attention"]["impl"] == "swift_liger" and runtime["attention"]["varlen"] > 0, runtime
+
+
+# The other loss_types ms-swift 4.6 trains (grpo and dr_grpo run above), dapo with beta 0 (no reference pass). Its
+# real and fipo stop at the first step in the unpatched run too ("OPD-RL (teacher) does not support loss_type"):
+# ms-swift 4.6.0 counts every GRPO run without a teacher as dynamic self-distillation.
+LOSS_TYPES = {"bnpo": [], "dapo": ["--beta", "0"], "cispo": [], "sapo": []}
+
+
+@pytest.fixture(scope="module")
+def loss_runs(tiny_qwen3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_loss_runs")
+    argv = grpo_argv(tiny_qwen3, root)
+    specs = {}
+    for loss_type, extra in LOSS_TYPES.items():
+        flags = argv + ["--loss_type", loss_type, *extra]
+        specs[f"{loss_type}_base"] = (flags, swift_env())
+        specs[f"{loss_type}_liger"] = (flags + ["--use_liger"], liger_env())
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
+        return {n: f.result() for n, f in futures.items()}
+
+
+@pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
+def test_every_loss_type_matches_unpatched(loss_runs, loss_type):
+    base, liger = loss_runs[f"{loss_type}_base"].check(), loss_runs[f"{loss_type}_liger"].check()
+    compared = compare_metrics(base.steps(), liger.steps(), NOT_COMPARED)
+    assert {"loss", "grad_norm", "reward"} <= compared, compared
+    assert ("kl" in compared) == (loss_type != "dapo"), compared   # beta 0: no KL term, no reference pass
+    passes = liger.patch_record()["runtime"]["total"]["trainer"]["log_prob_passes"]
+    assert passes["fused_linear_logprobs"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
 
 
 def test_grpo_logs_tokens_and_completion_tokens_per_second(runs):
