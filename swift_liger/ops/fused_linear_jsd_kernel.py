@@ -281,15 +281,31 @@ class _StudentTopkJSD(torch.autograd.Function):
         return _FusedLinearJSD.backward(ctx, grad)[:7]
 
 
-def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_labels, student_bias,
-           teacher_bias, beta, temperature, reduction, chunk_size, topk=None):
-    for name, t in (("student_hidden", student_hidden), ("teacher_hidden", teacher_hidden)):
-        _common.check_tensor(name, t, min_ndim=2)
+def _check_student(student_hidden, student_weight, labels):
+    _common.check_tensor("student_hidden", student_hidden, min_ndim=2)
     _common.check_tensor("student_weight", student_weight, ndim=2)
-    _common.check_tensor("teacher_weight", teacher_weight, ndim=2)
     if student_hidden.shape[-1] != student_weight.shape[1]:
         raise ValueError(f"student_hidden [..., {student_hidden.shape[-1]}] does not match student_weight "
                          f"{list(student_weight.shape)} ([V, H])")
+    if labels.shape != student_hidden.shape[:-1]:
+        raise ValueError(f"labels {list(labels.shape)} must be student_hidden's leading shape "
+                         f"{list(student_hidden.shape[:-1])}")
+
+
+def _check_options(beta, temperature, reduction):
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+
+
+def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, labels, teacher_labels, student_bias,
+           teacher_bias, beta, temperature, reduction, chunk_size, topk=None):
+    _check_student(student_hidden, student_weight, labels)
+    _common.check_tensor("teacher_hidden", teacher_hidden, min_ndim=2)
+    _common.check_tensor("teacher_weight", teacher_weight, ndim=2)
     if teacher_hidden.shape[-1] != teacher_weight.shape[1]:
         raise ValueError(f"teacher_hidden [..., {teacher_hidden.shape[-1]}] does not match teacher_weight "
                          f"{list(teacher_weight.shape)} ([V, H])")
@@ -300,9 +316,6 @@ def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, label
     if topk is None and student_weight.shape[0] > teacher_weight.shape[0]:
         raise ValueError(f"the student's vocabulary ({student_weight.shape[0]}) is wider than the teacher's "
                          f"({teacher_weight.shape[0]}): fused_linear_jsd needs the teacher's to be as wide or wider")
-    if labels.shape != student_hidden.shape[:-1]:
-        raise ValueError(f"labels {list(labels.shape)} must be student_hidden's leading shape "
-                         f"{list(student_hidden.shape[:-1])}")
     t_labels = labels if teacher_labels is None else teacher_labels
     if t_labels.shape != teacher_hidden.shape[:-1]:
         raise ValueError(f"{'labels' if teacher_labels is None else 'teacher_labels'} {list(t_labels.shape)} must "
@@ -318,12 +331,7 @@ def _check(student_hidden, student_weight, teacher_hidden, teacher_weight, label
                               teacher_labels=teacher_labels, student_bias=student_bias, teacher_bias=teacher_bias)
     _common.check_same_dtype(student_hidden=student_hidden, student_weight=student_weight, student_bias=student_bias)
     _common.check_same_dtype(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_bias=teacher_bias)
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
-        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    _check_options(beta, temperature, reduction)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
 
@@ -391,14 +399,7 @@ def fused_linear_jsd_topk(student_hidden: torch.Tensor, student_weight: torch.Te
     and of the mean. Returns an fp32 scalar; gradients reach the student's hidden states, weight and bias.
     """
     student_hidden, student_weight, student_bias = autocast_inputs(student_hidden, student_weight, student_bias)
-    _common.check_tensor("student_hidden", student_hidden, min_ndim=2)
-    _common.check_tensor("student_weight", student_weight, ndim=2)
-    if student_hidden.shape[-1] != student_weight.shape[1]:
-        raise ValueError(f"student_hidden [..., {student_hidden.shape[-1]}] does not match student_weight "
-                         f"{list(student_weight.shape)} ([V, H])")
-    if labels.shape != student_hidden.shape[:-1]:
-        raise ValueError(f"labels {list(labels.shape)} must be student_hidden's leading shape "
-                         f"{list(student_hidden.shape[:-1])}")
+    _check_student(student_hidden, student_weight, labels)
     t_labels = labels if teacher_labels is None else teacher_labels
     if teacher_topk_values.shape != teacher_topk_ids.shape or teacher_topk_values.shape[:-1] != t_labels.shape:
         raise ValueError(f"teacher_topk_values {list(teacher_topk_values.shape)} and teacher_topk_ids "
@@ -411,12 +412,7 @@ def fused_linear_jsd_topk(student_hidden: torch.Tensor, student_weight: torch.Te
     _common.check_same_device(student_hidden=student_hidden, student_weight=student_weight, labels=labels,
                               teacher_topk_values=teacher_topk_values, teacher_topk_ids=teacher_topk_ids,
                               teacher_labels=teacher_labels, student_bias=student_bias)
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
-        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    _check_options(beta, temperature, reduction)
     k = teacher_topk_values.shape[-1]
     s_idx = (labels.reshape(-1) != ignore_index).nonzero().squeeze(-1)
     t_idx = (t_labels.reshape(-1) != ignore_index).nonzero().squeeze(-1)

@@ -30,6 +30,16 @@ def make(device, dtype=torch.float32, bias=False, w_grad=False, seed=0):
     return hs, ws, bs, ht, wt, bt, labels
 
 
+def divergence(p, q, beta):
+    """Per row: KL(q||p), KL(p||q) or beta KL(q||m) + (1-beta) KL(p||m), m = (1-beta) p + beta q."""
+    if beta == 0:
+        return (q * (q.log() - p.log())).sum(-1)
+    if beta == 1:
+        return (p * (p.log() - q.log())).sum(-1)
+    m = (1 - beta) * p + beta * q
+    return beta * (q * (q.log() - m.log())).sum(-1) + (1 - beta) * (p * (p.log() - m.log())).sum(-1)
+
+
 def float64_jsd(hs, ws, bs, ht, wt, bt, labels, beta, temperature, teacher_labels=None):
     """From the definition, in float64: KL(q||p), KL(p||q) or beta KL(q||m) + (1-beta) KL(p||m)."""
     leaves = [None if t is None else f64(t) for t in (hs, ws, bs)]
@@ -38,14 +48,7 @@ def float64_jsd(hs, ws, bs, ht, wt, bt, labels, beta, temperature, teacher_label
     z = leaves[0].reshape(-1, HS)[s_mask] @ leaves[1].t() + (0 if bs is None else leaves[2])
     t = f64(ht, False).reshape(-1, HT)[t_mask] @ f64(wt, False).t() + (0 if bt is None else f64(bt, False))
     p, q = torch.softmax(z / temperature, -1), torch.softmax(t / temperature, -1)
-    if beta == 0:
-        rows = (q * (q.log() - p.log())).sum(-1)
-    elif beta == 1:
-        rows = (p * (p.log() - q.log())).sum(-1)
-    else:
-        m = (1 - beta) * p + beta * q
-        rows = beta * (q * (q.log() - m.log())).sum(-1) + (1 - beta) * (p * (p.log() - m.log())).sum(-1)
-    return rows.sum(), leaves
+    return divergence(p, q, beta).sum(), leaves
 
 
 def check(device, dtype, beta, *, bias=False, w_grad=False, temperature=1.0, reduction="sum"):
@@ -214,14 +217,7 @@ def float64_topk_jsd(hs, ws, bs, ht, wt, bt, labels, beta, temperature, k):
     t = f64(ht, False).reshape(-1, HT)[mask] @ f64(wt, False).t() + (0 if bt is None else f64(bt, False))
     top, ids = t.topk(k, dim=-1)
     p, q = torch.softmax(z.gather(-1, ids) / temperature, -1), torch.softmax(top / temperature, -1)
-    if beta == 0:
-        rows = (q * (q.log() - p.log())).sum(-1)
-    elif beta == 1:
-        rows = (p * (p.log() - q.log())).sum(-1)
-    else:
-        m = (1 - beta) * p + beta * q
-        rows = beta * (q * (q.log() - m.log())).sum(-1) + (1 - beta) * (p * (p.log() - m.log())).sum(-1)
-    return rows.sum(), leaves
+    return divergence(p, q, beta).sum(), leaves
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
