@@ -233,8 +233,7 @@ def task_flags(task: str, seq: int, teacher=None, generations: int = 8) -> list:
     from the --teacher model, ms-swift's default beta 0.5 and temperature 0.9."""
     if task == "grpo":
         return ["--use_vllm", "false", "--external_plugins", GRPO_PLUGIN, "--reward_funcs", "swift_liger_bench_reward",
-                "--num_generations", str(generations),
-                "--max_completion_length", str(seq), "--max_length", str(seq + 2 * GRPO_PROMPT_TOKENS)]
+                "--num_generations", str(generations), "--max_completion_length", str(seq)]
     if task == "gkd":
         if not teacher:
             raise SystemExit("--task gkd needs --teacher MODEL_DIR")
@@ -254,7 +253,8 @@ def swift_command(model, dataset, variant, output_dir, seq, steps, extra=(), pyt
             "--torch_dtype", "bfloat16", "--attn_impl", "sdpa", "--gradient_checkpointing", "true",
             "--per_device_train_batch_size", str(generations if task == "grpo" else 1),
             "--gradient_accumulation_steps", str(grad_accum),
-            "--max_length", str(seq), "--max_steps", str(steps), "--logging_steps", "1",
+            "--max_length", str(seq + 2 * GRPO_PROMPT_TOKENS if task == "grpo" else seq),   # grpo: prompt + seq
+            "--max_steps", str(steps), "--logging_steps", "1",
             "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0",
             "--dataset_num_proc", "1", "--check_model", "false", "--learning_rate", "1e-5", "--seed", "42",
             "--liger_metrics", "true", "--output_dir", output_dir,

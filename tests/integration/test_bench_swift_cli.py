@@ -60,7 +60,7 @@ def test_grpo_trains_on_completions_of_exactly_seq_tokens(runs):
         assert r["completions/mean_length"] == r["completions/min_length"] == r["completions/max_length"] == COMPLETION
     assert any("GRPOTrainer took" in ln and "0 from materialised logits" in ln for ln in res["first_step"])
     cmd = res["command"].split()
-    assert cmd.count("--per_device_train_batch_size") == 1
+    assert cmd.count("--per_device_train_batch_size") == cmd.count("--max_length") == 1
     assert cmd[cmd.index("--num_generations") + 1] == cmd[cmd.index("--per_device_train_batch_size") + 1] == "4"
 
 
