@@ -3,13 +3,17 @@
     python -m swift_liger.bench.swift_cli build OUTDIR [--shape llama3-8b|qwen2.5-7b|qwen2.5-1.5b --seq 8192]
     python -m swift_liger.bench.swift_cli run OUTDIR/model OUTDIR/sft.jsonl --variant swift_liger --out DIR
     python -m swift_liger.bench.swift_cli run OUTDIR/model OUTDIR/pref.jsonl --task dpo --variant plain --out DIR
+    python -m swift_liger.bench.swift_cli run OUTDIR/model OUTDIR/grpo.jsonl --task grpo --seq 2048 --variant plain ...
+    python -m swift_liger.bench.swift_cli run OUTDIR/model OUTDIR/sft.jsonl --task gkd --teacher OTHER/model ...
     python -m swift_liger.bench.swift_cli report DIR --out docs/benchmarks --name swift_cli_llama3_8b_lora
 
 `build` writes OUTDIR/model (the shape's config, random init in bf16 on the device, safetensors, plus an offline
 ChatML BPE tokenizer from swift_liger.testing.tiny), OUTDIR/sft.jsonl, whose rows encode to just under --seq tokens
 with ms-swift's chat template (ms-swift's default truncation_strategy 'delete' drops longer rows), and
 OUTDIR/pref.jsonl: a prompt of --prompt-frac of --seq and a chosen and a rejected response that each fill the rest,
-so chosen and rejected sequences are each just under --seq tokens (a pair is 2 x --seq).
+so chosen and rejected sequences are each just under --seq tokens (a pair is 2 x --seq), and OUTDIR/grpo.jsonl:
+short prompts for GRPO, whose completions (exactly --seq tokens, 8 per prompt) come from grpo_plugin.py's instant
+rollout (see task_flags).
 
 `run` launches `python -m swift.cli.main sft` (or `rlhf --rlhf_type TASK`; LoRA r=16 on all linears or --tuner
 full, bf16, SDPA, gradient checkpointing, batch 1, one row = one micro-batch) and reads the run's logging.jsonl. The per-step step_time(s) / tokens/s /

@@ -278,7 +278,8 @@ class GKDSeam(_Seam):
             capped = [h.state.softcap_attr for h in (student, teacher) if h is not None and h.softcap() is not None]
             if capped:
                 why = f"the model softcaps its logits ({capped[0]})"
-            elif not api and getattr(self, "gkd_logits_topk", None) is None and student.vocab_size > teacher.vocab_size:   # a wider teacher is aligned in the op, as ms-swift does
+            elif (not api and getattr(self, "gkd_logits_topk", None) is None
+                  and student.vocab_size > teacher.vocab_size):   # a wider teacher is aligned in the op, as ms-swift
                 why = (f"the student's vocabulary is wider than the teacher's ({student.vocab_size} vs "
                        f"{teacher.vocab_size})")
         if why:
