@@ -238,9 +238,10 @@ def _config_for(args, role):
     if role == "ref" and preference_fused(args, cfg):
         notes = [n for n in notes if not n.startswith("cross_entropy")]
         notes.append("ref model: cross_entropy=fused_linear for the reference log-probs from hidden states")
-    elif role == "teacher" and getattr(args, "rlhf_type", None) == "gkd" and preference_fused(args, cfg):
+    elif role == "teacher" and getattr(args, "rlhf_type", None) in ("gkd", "grpo") and preference_fused(args, cfg):
         notes = [n for n in notes if not n.startswith("cross_entropy")]
-        notes.append("teacher model: cross_entropy=fused_linear for GKD's divergence from its hidden states")
+        what = "GKD's divergence" if args.rlhf_type == "gkd" else "GRPO's teacher log-probs (OPD-RL)"
+        notes.append(f"teacher model: cross_entropy=fused_linear for {what} from its hidden states")
     elif role in SIDE_ROLES and cfg.cross_entropy != "off":
         cfg = dataclasses.replace(cfg, cross_entropy="off")
         notes = [n for n in notes if not n.startswith("cross_entropy")]  # the policy's fallback is not theirs

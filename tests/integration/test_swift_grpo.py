@@ -7,8 +7,9 @@ tokens among them. A pair of runs with --log_entropy and --top_entropy_quantile 
 patched one takes them from the same pass of the head (entropy metrics, threshold and the masked loss equal the
 unpatched run's). Another pair changes the loss settings ms-swift owns (dr_grpo, epsilon_high, two-sided delta,
 sequence-level importance sampling), and a pair per other loss_type (bnpo, dapo with beta 0, cispo, sapo): every
-metric equal again, since only the log-probs come from us. And `--padding_free true --use_liger` (no flash-attn: our
-packed-row attention) logs the padded run's metrics.
+metric equal again, since only the log-probs come from us; with a teacher model (OPD-RL) its log-probs come from
+its hidden states too. And `--padding_free true --use_liger` (no flash-attn: our packed-row attention) logs the
+padded run's metrics.
 """
 from __future__ import annotations
 
@@ -128,14 +129,16 @@ LOSS_TYPES = {"bnpo": [], "dapo": ["--beta", "0"], "cispo": [], "sapo": []}
 
 
 @pytest.fixture(scope="module")
-def loss_runs(tiny_qwen3, tmp_path_factory):
+def loss_runs(tiny_qwen3, tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_loss_runs")
     argv = grpo_argv(tiny_qwen3, root)
+    cases = {loss_type: ["--loss_type", loss_type, *extra] for loss_type, extra in LOSS_TYPES.items()}
+    # OPD-RL: a teacher model's per-token log-probs of the sampled tokens join the advantage
+    cases["teacher"] = ["--teacher_model", tiny_llama["model"], "--teacher_model_type", "llama"]
     specs = {}
-    for loss_type, extra in LOSS_TYPES.items():
-        flags = argv + ["--loss_type", loss_type, *extra]
-        specs[f"{loss_type}_base"] = (flags, swift_env())
-        specs[f"{loss_type}_liger"] = (flags + ["--use_liger"], liger_env())
+    for name, extra in cases.items():
+        specs[f"{name}_base"] = (argv + extra, swift_env())
+        specs[f"{name}_liger"] = (argv + extra + ["--use_liger"], liger_env())
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
         return {n: f.result() for n, f in futures.items()}
@@ -149,6 +152,18 @@ def test_every_loss_type_matches_unpatched(loss_runs, loss_type):
     assert ("kl" in compared) == (loss_type != "dapo"), compared   # beta 0: no KL term, no reference pass
     passes = liger.patch_record()["runtime"]["total"]["trainer"]["log_prob_passes"]
     assert passes["fused_linear_logprobs"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
+
+
+def test_teacher_log_probs_from_hidden_states(loss_runs):
+    """OPD-RL (--teacher_model): the teacher's log-probs come from its hidden states too (it is patched with the
+    fused head for that); every metric, teacher_kl included, equals the unpatched run's."""
+    base, liger = loss_runs["teacher_base"].check(), loss_runs["teacher_liger"].check()
+    compared = compare_metrics(base.steps(), liger.steps(), NOT_COMPARED)
+    assert {"loss", "grad_norm", "reward", "teacher_kl"} <= compared, compared
+    runtime = liger.patch_record()["runtime"]["total"]
+    passes = runtime["trainer"]["log_prob_passes"]
+    assert passes["fused_linear_logprobs_no_grad"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
+    assert "teacher model: cross_entropy=fused_linear for GRPO's teacher log-probs (OPD-RL)" in liger.log
 
 
 def test_grpo_logs_tokens_and_completion_tokens_per_second(runs):
