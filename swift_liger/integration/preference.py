@@ -322,10 +322,10 @@ class GKDSeam(_Seam):
         with student.emitting_hidden():
             out_student = model(**forward)
             hidden = student.take(out_student.logits)
+        if hidden is None:   # the student's lm_head stood aside: ms-swift's code (it runs the models again)
+            return self._liger_gkd_on_logits(model, inputs, return_outputs, num_items_in_batch)
         if teacher is None:   # served by API: the teacher's top-k log-probs per position of its labels
             batch = inputs["gkd_batch"]
-            if hidden is None:
-                return self._liger_gkd_on_logits(model, inputs, return_outputs, num_items_in_batch)
             loss = student.jsd_topk(hidden, torch.roll(labels, shifts=-1, dims=1), batch.teacher_topk_logprobs,
                                     batch.teacher_topk_indices,
                                     teacher_labels=torch.roll(teacher_inputs["labels"], shifts=-1, dims=1),
@@ -334,7 +334,7 @@ class GKDSeam(_Seam):
         with self._liger_teacher_context(model, teacher_model), teacher.emitting_hidden():
             teacher_hidden = teacher.take(teacher_model(**{k: v for k, v in teacher_inputs.items() if k != "labels"
                                                            }).logits)
-        if hidden is None or teacher_hidden is None:   # a head stood aside: ms-swift's code (it runs both again)
+        if teacher_hidden is None:   # the teacher's lm_head stood aside: ms-swift's code (it runs both again)
             return self._liger_gkd_on_logits(model, inputs, return_outputs, num_items_in_batch)
         # ms-swift's _compute_jsd_loss: position t scores label t+1, mean over the scored tokens (0 with none)
         loss = student.jsd(hidden, teacher, teacher_hidden.detach(), torch.roll(labels, shifts=-1, dims=1),
