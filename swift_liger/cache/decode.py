@@ -33,6 +33,11 @@ _GRAPH_ATTR = "_swift_liger_rolling_graph_forward"
 _DECODE_ATTENTION = "swift_liger_rolling_decode"
 
 
+# Graph steps: [B] keys visible per row (min(stream length, capacity)), computed inside the graph from the step
+# counter and read by every layer's decode attention, so one captured graph serves the steps before the ring is
+# full (a prefix of the storage) and after it (all of it). Set only while a graph step's decoder runs.
+STEP_LENS: list = [None]
+
 # Eager decode: RollingLayer.update leaves each layer's new token here (keyed by id of the keys it returned) and
 # the layer's attention call below stores it in the same launch as the attention (ring write + decode attention
 # in 2 launches instead of 3: ~40 us of host time per layer and step on the H200 host).
@@ -46,7 +51,7 @@ def _rolling_decode_attention(module, query, key, value, attention_mask, dropout
     if pending is not None and pending[0] is key and pending[1] is value:
         _, _, k_new, v_new, slot, _ = pending
         return decode_attention_write_unchecked(query, key, value, float(scale), k_new, v_new, slot), None
-    return decode_attention_unchecked(query, key, value, float(scale)), None
+    return decode_attention_unchecked(query, key, value, float(scale), STEP_LENS[0]), None
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +72,17 @@ class DecodeRunner:
         return (self.cuda_graph and device.type == "cuda" and self._joint_ready and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling())
 
+    def _early_graph(self) -> bool:
+        """Whether graph steps may start before the ring is full: the storage is handed to attention whole, so
+        every layer must attend through our decode attention, which stops each row at its length (STEP_LENS).
+        Not when a step would fall back to the model's own attention (see _call_with_decode_attention), nor for
+        a window="model" cache (no graphs there)."""
+        config = self._config
+        impl = config.__dict__.get("_attn_implementation_internal")
+        softcap = impl == "eager" and getattr(config, "attn_logit_softcapping", None) is not None
+        return (self.cuda_graph and not self.own_window and impl in SUPPORTED_ATTENTION and not softcap
+                and not self._wants_attentions and _register_decode_attention())
+
     def _graph_body(self, original, kwargs: dict):
         """One decode step of the decoder, every step-dependent value read from device buffers (capturable)."""
         plan = self._plan
@@ -76,6 +92,7 @@ class DecodeRunner:
         step = self._g_counts if per_row else self._g_step      # [B] row stream indices, or [1] for all rows
         plan.pos_t = step.view(B, 1) if per_row else step.view(1, 1).expand(B, 1)
         plan.end_t = (step + 1).expand(B).contiguous()     # the kernel reads end[b] at stride 1
+        plan.lens_t = plan.end_t.clamp_max(self.capacity)   # keys visible per row once this step's token is stored
         if self.mode == "streaming" and self.sinks > 0:
             # Same fp32 products as _sink_rotation: max(0, n - shift) * inv_freq.
             inv_freq = self._decoder.rotary_emb.inv_freq.to(device=step.device, dtype=torch.float32)
@@ -109,11 +126,13 @@ class DecodeRunner:
         plan = self._plan
         plan.defer_write = (not plan.graph and isinstance(plan.pos, int) and plan.T == 1
                             and not torch.compiler.is_compiling())
+        STEP_LENS[0] = plan.lens_t if plan.graph else None
         try:
             out = original(**kwargs)
         finally:
             config._attn_implementation_internal = previous
             plan.defer_write = False
+            STEP_LENS[0] = None
             left = [k for k, w in PENDING_WRITES.items() if w[5] is self]
             for k in left:   # a layer that did not attend through our function: store its token now
                 keys, values, k_new, v_new, slot, _ = PENDING_WRITES.pop(k)

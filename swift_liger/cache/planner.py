@@ -68,6 +68,7 @@ class Plan:
     decode_kernel: bool = False      # one token per row, every key handed over visible: split-KV decode attention
     pos_t: Optional[torch.Tensor] = None   # graph: [B, 1] / [B] device views of the step counter, read by the
     end_t: Optional[torch.Tensor] = None   # write kernel at replay time (a Python int would be baked in)
+    lens_t: Optional[torch.Tensor] = None  # graph: [B] keys each row's decode attention sees (decode.STEP_LENS)
     defer_write: bool = False        # eager decode with our attention installed: each layer's write is done by its
                                      # decode-attention launch (see PENDING_WRITES)
 
@@ -101,7 +102,7 @@ class ForwardPlanner:
             attention_mask = None
         if attention_mask is None and n is not None and self._fast_ok and T == 1:
             # Decode fast path: no mask, no index tensors; positions and sink angles come from tables.
-            if n >= C and self._graph_ok(device):
+            if (n >= C or self._early_graph()) and self._graph_ok(device):
                 # Positions and the sink rotation are computed inside the graph from the step counter.
                 plan = Plan(1, "full", n, None, kv_length=C, q_offset=C - 1, graph=True, decode_kernel=True)
             else:
@@ -121,7 +122,7 @@ class ForwardPlanner:
                 # SDPA with a key length that grows every step took 40-45 ms per token before the wrap (Llama-3-8B
                 # shapes, H200; DynamicCache the same); the decode kernel: 4-7 ms, the length is a runtime argument.
                 plan.decode_kernel = device.type in DECODE_KERNEL_DEVICES
-        elif n is None and T == 1 and self._rows_wrapped(attention_mask):
+        elif n is None and T == 1 and self._rows_wrapped(attention_mask, device):
             plan = self._padded_decode_plan(batch, device)
             if position_ids is None:
                 position_ids = plan.pos
@@ -144,17 +145,18 @@ class ForwardPlanner:
             self._counts_min = self._counts_min + 1 if plan.layout == "rows" else None
         return mask, position_ids
 
-    def _rows_wrapped(self, attention_mask: Optional[torch.Tensor]) -> bool:
-        """A padded batch's decode token can take the fast path: every row has filled its ring (so every slot of
-        every row is stored and visible after the write) and the new column is a real token in every row (generate
-        always extends the mask with ones). Rings only: a hybrid cache's full layers need the padding mask."""
+    def _rows_wrapped(self, attention_mask: Optional[torch.Tensor], device) -> bool:
+        """A padded batch's decode token can take the fast path: the new column is a real token in every row
+        (generate always extends the mask with ones) and either every row has filled its ring (so every slot of
+        every row is stored and visible after the write) or the step is a graph step, whose decode attention stops
+        each row at its own length. Rings only: a hybrid cache's full layers need the padding mask."""
         if self._counts is None or not self._fast_ok or self._full_idx is not None:
             return False
         if attention_mask is not None and not bool(attention_mask[:, -1].all()):
             return False
         if self._counts_min is None:
             self._counts_min = int(self._counts.min())   # one host read after each masked forward
-        return self._counts_min >= self.capacity
+        return self._counts_min >= self.capacity or (self._early_graph() and self._graph_ok(device))
 
     def _padded_decode_plan(self, batch: int, device) -> "Plan":
         """One real token per row of a padded batch whose rings are all full: per-row slots and positions from the
@@ -358,6 +360,7 @@ def _rolling_pre_hook(module, args, kwargs):
         raise ValueError("RollingKVCache builds the attention mask itself: pass a 2D padding mask [B, columns] "
                          "or none (not a 4D mask or a mask dict)")
     embeds = kwargs.get("inputs_embeds")
+    cache._wants_attentions = bool(kwargs.get("output_attentions"))   # such steps keep the model's own attention
     new_mask, position_ids = cache._begin_forward(x.shape[0], x.shape[1], x.device, mask,
                                                   kwargs.get("position_ids"), module, embeds)
     if new_mask is not None and cache._full_idx is not None:

@@ -295,12 +295,15 @@ class RollingKVCache(ForwardPlanner, DecodeRunner, Cache):
             growing full cache (FullLayer) on each full-attention layer.
         sinks: first tokens kept forever, 0 <= sinks < window (default 4; StreamingLLM uses 4). 0 with "model".
         mode: "absolute" (true RoPE positions, Mistral-style) or "streaming" (positions within the cache).
-        cuda_graph: on CUDA, once the ring is full (every row's ring, in a left-padded batch), run each
-            single-token decode step as one replay of a CUDA graph of the decoder (captured at the first such step;
-            the LM head and sampling stay eager). Decode is then bound by the GPU, not by ~20 us of Python per
-            layer. Needs ``torch.no_grad()`` (``generate`` does that); ``output_attentions`` /
-            ``output_hidden_states`` and steps before the wrap run eagerly. The returned ``last_hidden_state`` is
-            the graph's static buffer, valid until the next step. Not with window="model".
+        cuda_graph: on CUDA, run each single-token decode step whose new column is real in every row as one
+            replay of a CUDA graph of the decoder (captured at the first such step; the LM head and sampling stay
+            eager), from the first decode step on: the decode attention reads each row's length from the step
+            counter, so steps before the ring is full replay the same graph. Decode is then bound by the GPU, not by
+            ~20 us of Python per layer. A window of at least prompt + new tokens never evicts: exact attention
+            with graph steps (GRPO rollouts through ms-swift's pt engine). Needs ``torch.no_grad()`` (``generate``
+            does that); ``output_attentions`` / ``output_hidden_states`` run eagerly (before the ring is full,
+            ``output_attentions`` steps keep the eager path). The returned ``last_hidden_state`` is the graph's
+            static buffer, valid until the next step. Not with window="model".
 
     Use as ``model.generate(..., past_key_values=RollingKVCache(model, window=4096, sinks=4))``, or call
     ``install_rolling_cache(model, ...)`` once so that every ``generate`` call gets a fresh one. Ring storage is
@@ -348,6 +351,7 @@ class RollingKVCache(ForwardPlanner, DecodeRunner, Cache):
         self._graph: Optional[dict] = None      # captured decode step (see _graph_run)
         self._g_step: Optional[torch.Tensor] = None   # [1] int64: stream index of the token being decoded
         self._g_counts: Optional[torch.Tensor] = None   # [B] int64: per-row stream indices (padded batches)
+        self._wants_attentions = False          # the current forward asks for attention weights (set by the hook)
         self._reset_state()
         ensure_hook(decoder)
         ensure_forward_wrapper(decoder)

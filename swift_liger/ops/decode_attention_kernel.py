@@ -3,7 +3,10 @@
     out[b, 0, h, :] = softmax(scale * q[b, h, 0, :] @ k[b, h // G, :, :]^T) @ v[b, h // G, :, :]     G = Hq / Hkv
 
 Every cached key is visible (no mask): this is the step ``RollingKVCache`` runs once its ring is full, where the
-cache is exactly the sinks plus the last ``window`` tokens. Why not SDPA: with one query row, PyTorch's flash
+cache is exactly the sinks plus the last ``window`` tokens. With ``lens`` ([B] int, on the device) row b sees only
+its first ``min(lens[b], C)`` keys: the cache's CUDA-graph steps before the ring fills pass the whole storage and the
+row lengths, so one captured graph serves every step (the grid stays sized for C; slices past a row's length exit
+at once). Why not SDPA: with one query row, PyTorch's flash
 kernel runs one program per (row, query head) that walks all keys alone. For Llama-3-8B shapes at 4100 keys
 that measured ~0.6 ms per layer at batch 8 on the H200 (about 0.2 TB/s), where reading the 128 MiB of K/V once
 takes ~35 us. Here each program takes one KV head (all G query heads share its K/V reads, so they are read once)
@@ -80,15 +83,16 @@ def launch_config(block_d: int, elt_bytes: int, device, write: bool = False) -> 
 @triton.jit(do_not_specialize=["slot"])   # the slot moves every step: one compiled kernel for all of them
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, C, HKV, keys_per_split, scale,
                          sq_b, sq_h, sk_b, sk_h, sk_c, sv_b, sv_h, sv_c,
-                         kn_ptr, vn_ptr, slot, skn_b, skn_h, svn_b, svn_h,
+                         kn_ptr, vn_ptr, slot, skn_b, skn_h, svn_b, svn_h, lens_ptr,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                         WRITE: tl.constexpr):
+                         WRITE: tl.constexpr, LENS: tl.constexpr):
     """Grid (B * HKV, splits). Partial softmax-weighted values of one key slice for the G query heads of one KV
     head: o[(b*HKV + hk)*G + g, split, :] (normalised within the slice) and lse[..., split].
     WRITE: the new token's key/value (kn/vn [B, HKV, 1, D]) belong at column `slot` of k/v; the program whose slice
     holds the slot stores them there and attends to them from registers (what it loads from that column is
-    replaced, so the store and the load need no ordering)."""
+    replaced, so the store and the load need no ordering).
+    LENS: row b attends to its first lens[b] keys only; a slice past them stores lse = -inf and zeros."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // HKV
@@ -103,6 +107,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, C, HKV, keys_per_s
         q = q.to(tl.float32)
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, C)
+    if LENS:
+        end = tl.minimum(end, tl.load(lens_ptr + b).to(tl.int32))
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
@@ -143,7 +149,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, C, HKV, keys_per_s
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     row = pid * G + g                                     # = b * HQ + query head
-    tl.store(o_ptr + (row[:, None] * S_PAD + split) * BLOCK_D + d[None, :], acc / l[:, None],
+    tl.store(o_ptr + (row[:, None] * S_PAD + split) * BLOCK_D + d[None, :], acc / tl.maximum(l, 1e-30)[:, None],
              mask=gmask[:, None] & dmask[None, :])
     tl.store(lse_ptr + row * S_PAD + split, m + tl.log(l), mask=gmask)
 
@@ -158,7 +164,7 @@ def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, splits, so_b, so_h, HQ,
     smask = s < splits
     lse = tl.load(lse_ptr + row * S_PAD + s, mask=smask, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, 0))
-    w = tl.where(smask, w, 0.0)
+    w = tl.where(smask & (lse > float("-inf")), w, 0.0)   # empty slices (past a row's lens): weight 0
     o = tl.load(o_ptr + (row * S_PAD + s[:, None]) * BLOCK_D + d[None, :], mask=smask[:, None] & (d[None, :] < D),
                 other=0.0)
     res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
@@ -183,7 +189,7 @@ _MERGE = _launch.FastLaunch(_decode_merge_kernel)
 
 def _decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                              k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None,
-                             slot: int = 0) -> torch.Tensor:
+                             slot: int = 0, lens: Optional[torch.Tensor] = None) -> torch.Tensor:
     B, HQ, _, D = q.shape
     HKV, C = k.shape[1], k.shape[2]
     out = _common.new_empty((B, 1, HQ, D), dtype=q.dtype, device=q.device)
@@ -204,39 +210,53 @@ def _decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q, k, v, o_part, lse, C, HKV, per, scale,
         sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         k_new if write else k, v_new if write else v, slot, skn[0], skn[1], svn[0], svn[1],
+        lens if lens is not None else q,
         G=G, G_PAD=max(16, _common.next_pow2(G)), D=D, BLOCK_D=block_d, S_PAD=s_pad, BLOCK_N=cfg.block_n,
-        UPCAST=_common.INTERPRET, IEEE=q.dtype == torch.float32, WRITE=write, num_warps=cfg.num_warps,
+        UPCAST=_common.INTERPRET, IEEE=q.dtype == torch.float32, WRITE=write, LENS=lens is not None,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     _MERGE.launch((B * HQ,), o_part, lse, out, splits, so[0], so[2], HQ,
                   D=D, BLOCK_D=block_d, S_PAD=s_pad, num_warps=4)
     return out
 
 
+def _launch_lens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _decode_attention_launch(q, k, v, scale, lens=lens)
+
+
 @torch.library.custom_op("swift_liger::decode_attention", mutates_args=())
-def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    return _decode_attention_launch(q, k, v, scale)
+def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _launch_lens(q, k, v, scale, lens)
 
 
 @_decode_attention_op.register_fake
-def _(q, k, v, scale):
+def _(q, k, v, scale, lens=None):
     B, HQ, _, D = q.shape
     return q.new_empty((B, 1, HQ, D))
 
 
-def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                               lens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """PyTorch reference (CPU fallback and test oracle), math in float32 or wider."""
     G = q.shape[1] // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     kk = k.to(acc).repeat_interleave(G, dim=1)
     vv = v.to(acc).repeat_interleave(G, dim=1)
-    w = torch.softmax(q.to(acc) @ kk.transpose(-1, -2) * scale, dim=-1)
+    s = q.to(acc) @ kk.transpose(-1, -2) * scale                       # [B, Hq, 1, C]
+    if lens is not None:
+        cols = torch.arange(k.shape[2], device=k.device)
+        s = s.masked_fill((cols[None, :] >= lens.to(k.device)[:, None])[:, None, None, :], float("-inf"))
+    w = torch.softmax(s, dim=-1)
     return (w @ vv).transpose(1, 2).to(q.dtype)
 
 
-def decode_attention_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                               lens: Optional[torch.Tensor] = None) -> torch.Tensor:
     if _common.use_triton(q):
-        return _common.compiled_or_eager("swift_liger::decode_attention", _decode_attention_launch)(q, k, v, scale)
-    return decode_attention_reference(q, k, v, scale)
+        return _common.compiled_or_eager("swift_liger::decode_attention", _launch_lens)(q, k, v, scale, lens)
+    return decode_attention_reference(q, k, v, scale, lens)
 
 
 def decode_attention_write_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -251,13 +271,16 @@ def decode_attention_write_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.
     return decode_attention_reference(q, k, v, scale)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one new token per row over every cached key (no mask).
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of one new token per row over every cached key (no mask), or over each row's first lens[b].
 
     Args:
         q: [B, Hq, 1, D] (the rotated query, as transformers hands it to the attention function).
         k, v: [B, Hkv, C, D] with Hq % Hkv == 0, last dim contiguous, same dtype as q (e.g. a cache's storage).
         scale: softmax scale (head_dim ** -0.5 for Llama).
+        lens: optional [B] integer tensor on k's device, 1 <= lens[b] (values above C mean C; not read on the
+            host, so not checked against C or 1: a CUDA graph can replay with new values).
     Returns:
         [B, 1, Hq, D] in q's dtype (transformers' attention-output layout).
     """
@@ -273,4 +296,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if k.shape[2] == 0:
         raise ValueError("decode_attention needs at least one cached key")
     _common.check_positive("scale", scale)
-    return decode_attention_unchecked(q, k, v, float(scale))
+    if lens is not None:
+        if not isinstance(lens, torch.Tensor):
+            raise TypeError(f"lens must be a [B] integer tensor or None, got {type(lens).__name__}")
+        if (lens.shape != (B,) or lens.dtype not in (torch.int32, torch.int64) or lens.device != k.device):
+            raise ValueError(f"lens must be a [B] = [{B}] int32/int64 tensor on {k.device}, got shape "
+                             f"{tuple(lens.shape)}, {lens.dtype} on {lens.device}")
+    return decode_attention_unchecked(q, k, v, float(scale), lens)

@@ -39,9 +39,10 @@ def test_eager_decode_kernel_matches_sdpa(device, mode, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["absolute", "streaming"])
 def test_graph_decode_matches_eager(device, mode, monkeypatch):
-    """cuda_graph=True: after the wrap each decode step reads its position, slot and sink angle from a device
-    counter (what the captured graph replays). On CPU the same body runs eagerly (forced here); on the GPU it is
-    captured once and replayed. Either way the tokens and logits equal the eager fast path's."""
+    """cuda_graph=True: every decode step, before the wrap and after it, reads its position, slot, sink angle and
+    visible length from a device counter (what the captured graph replays). On CPU the same body runs eagerly
+    (forced here); on the GPU it is captured once and replayed. Either way the tokens and logits equal the eager
+    fast path's."""
     model = tiny_model(device)
     ids = torch.randint(2, 64, (2, 5), device=device)
     want, want_logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode), ids, None, 16)
@@ -56,11 +57,12 @@ def test_graph_decode_matches_eager(device, mode, monkeypatch):
     monkeypatch.setattr(decode, "decode_attention_write_unchecked", lambda *a: attended.append(1) or kernel_w(*a))
     cache = RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode, cuda_graph=True)
     seqs, logits = generate(model, cache, ids, torch.ones_like(ids), 16)
-    # 5 + 16 - 1 tokens fed; steps at stream index >= sinks + window (8) go through the graph: 20 - 8 = 12
-    assert len(runs) == 12
-    # Calls per layer: on CPU each of the 12 graph steps runs eagerly; on the GPU the 3 decode steps before the
-    # wrap use the kernel eagerly, the first graph step runs it twice (warm-up, capture), replays run no Python.
-    assert len(attended) == (2 * 12 if not GPU else 2 * (3 + 2))
+    # 16 new tokens: the prompt's forward, then 15 decode steps, each through the graph (3 of them before the
+    # ring of sinks + window = 8 slots is full)
+    assert len(runs) == 15
+    # Calls per layer: on CPU each of the 15 graph steps runs eagerly; on the GPU the first graph step runs it
+    # twice (warm-up, capture), replays run no Python.
+    assert len(attended) == (2 * 15 if not GPU else 2 * 2)
     # Graph steps attend with the split-KV decode kernel instead of SDPA: equal up to fp32 summation order.
     assert torch.equal(seqs, want)
     assert_close(logits, want_logits.double(), torch.float32, name="graph logits")
@@ -74,9 +76,10 @@ def test_graph_decode_matches_eager(device, mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["absolute", "streaming"])
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
 def test_padded_and_sampled_graph_decode_matches_eager(device, mode, sample, monkeypatch):
-    """cuda_graph=True on left-padded batches and with sampling: after every row's ring is full, each step reads
-    its per-row positions, slots and sink angles from a device buffer (captured once on the GPU, run eagerly on
-    CPU); tokens equal the eager path's, logits up to the decode kernel's summation order."""
+    """cuda_graph=True on left-padded batches and with sampling: every decode step (rows of 11, 6 and 2 real
+    tokens: before and after each row's ring is full) reads its per-row positions, slots, sink angles and visible
+    lengths from a device buffer (captured once on the GPU, run eagerly on CPU); tokens equal the eager path's,
+    logits up to the decode kernel's summation order."""
     model = tiny_model(device)
     ids, mask = left_padded([11, 6, 2], device)
     kw = dict(do_sample=True, top_k=0, temperature=1.0) if sample else {}
@@ -90,7 +93,7 @@ def test_padded_and_sampled_graph_decode_matches_eager(device, mode, sample, mon
     cache = RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode, cuda_graph=True)
     torch.manual_seed(3)
     seqs, logits = generate(model, cache, ids, mask, 14, **kw)
-    assert seen.count(("rows", True)) == 7, seen
+    assert seen.count(("rows", True)) == 13, seen   # 14 new tokens: the prompt's forward, then 13 graph steps
     assert torch.equal(seqs, want)
     assert_close(logits, want_logits.double(), torch.float32, name="padded graph logits")
     if GPU:
@@ -103,3 +106,48 @@ def test_padded_and_sampled_graph_decode_matches_eager(device, mode, sample, mon
         got, _ = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS, mode=mode, cuda_graph=True),
                           ids, None, 14, **kw)
         assert torch.equal(got, want) and ("full", True) in seen
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["uniform", "left-padded"])
+def test_graph_decode_with_a_window_that_never_evicts_equals_the_default_cache(device, padded, monkeypatch):
+    """A ring at least as long as prompt + new tokens never evicts, so graph decode is exact attention from the
+    first step (how GRPO rollouts through ms-swift's pt engine use it): the sampled tokens equal transformers'
+    default cache's, logits up to the decode kernel's summation order; every decode step is a graph step, none of
+    them with the ring full."""
+    model = tiny_model(device)
+    ids, mask = left_padded([9, 4, 7], device) if padded else (torch.randint(2, 64, (2, 7), device=device), None)
+    new = 12
+    kw = dict(do_sample=True, top_k=0, temperature=1.0)
+    torch.manual_seed(11)
+    want, want_logits = generate(model, None, ids, mask, new, **kw)
+    if not GPU:
+        monkeypatch.setattr(RollingKVCache, "_graph_ok", lambda self, dev: self._joint_ready and
+                            not torch.is_grad_enabled())
+    seen = count_layouts(monkeypatch)
+    cache = RollingKVCache(model, window=ids.shape[1] + new, sinks=0, cuda_graph=True)
+    torch.manual_seed(11)
+    seqs, logits = generate(model, cache, ids, mask, new, **kw)
+    assert seen[1:] == [("rows" if padded else "full", True)] * (new - 1), seen
+    assert torch.equal(seqs, want)
+    assert_close(logits, want_logits.double(), torch.float32, name="never-evicting graph logits")
+    if GPU:
+        assert cache._graph is not None, "no graph was captured"
+
+
+def test_graph_steps_asking_for_attentions_stay_eager_before_the_wrap(device, monkeypatch):
+    """A step that asks for attention weights keeps the model's own attention (our decode attention returns none),
+    so before the ring is full it must not be planned as a graph step over the whole storage."""
+    model = tiny_model(device)
+    ids = torch.randint(2, 64, (1, 3), device=device)
+    if not GPU:
+        monkeypatch.setattr(RollingKVCache, "_graph_ok", lambda self, dev: self._joint_ready and
+                            not torch.is_grad_enabled())
+    seen = count_layouts(monkeypatch)
+    cache = RollingKVCache(model, window=WINDOW, sinks=SINKS, cuda_graph=True)
+    want, want_logits = generate(model, RollingKVCache(model, window=WINDOW, sinks=SINKS), ids, None, 4)
+    del seen[:]
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=4, min_new_tokens=4, output_logits=True,
+                         output_attentions=True, return_dict_in_generate=True, pad_token_id=0, do_sample=False)
+    assert all(not graph for _, graph in seen), seen
+    assert torch.equal(out.sequences, want)
+    assert_close(torch.stack(out.logits), want_logits.double(), torch.float32, name="output_attentions logits")

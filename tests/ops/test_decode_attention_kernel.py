@@ -108,3 +108,43 @@ def test_fused_write_matches_write_then_attend(device, dtype, B, HQ, HKV, C, D):
             out = decode_attention_write_unchecked(q, k, v, scale, k_new, v_new, slot)
         assert torch.equal(k, k_want) and torch.equal(v, v_want), f"cache after the fused write, slot {slot}"
         assert_close(out, f64_reference(q, k_want, v_want, scale), dtype, name=f"fused write, slot {slot}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,HQ,HKV,C,D", CASES + [(2, 2, 1, 300, 16)])   # the last: 3 splits per row, some empty
+def test_lens_match_reference_over_each_rows_prefix(device, dtype, B, HQ, HKV, C, D):
+    """lens [B]: row b attends to its first lens[b] keys only (one key, a slice boundary, every key, more than C),
+    equal to the float64 softmax over exactly those keys; the keys past them (poisoned here) are never read into
+    the output."""
+    q, k, v = make(B, HQ, HKV, C, D, dtype, device)
+    choices = [1, min(C, 64), C, C + 5, max(1, C // 3), C - 1]
+    lens = torch.tensor([choices[(b * 5 + C) % len(choices)] for b in range(B)], device=device)
+    for b in range(B):   # everything past a row's length: NaN, which would poison any sum it entered
+        k[b, :, min(int(lens[b]), C):] = float("nan")
+        v[b, :, min(int(lens[b]), C):] = float("nan")
+    scale = D ** -0.5
+    k0, v0 = k.clone(), v.clone()
+    with inputs_unchanged(q, lens):
+        out = decode_attention(q, k, v, scale, lens)
+    assert torch.equal(k.nan_to_num(), k0.nan_to_num()) and torch.equal(v.nan_to_num(), v0.nan_to_num())
+    assert torch.isfinite(out).all()
+    for b in range(B):
+        n = min(int(lens[b]), C)
+        want = f64_reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], scale)
+        assert_close(out[b:b + 1], want, dtype, name=f"decode_attention lens={n} (row {b})")
+
+
+def test_lens_equal_to_capacity_is_the_full_attention(device):
+    q, k, v = make(2, 8, 2, 300, 24, torch.float32, device)
+    lens = torch.full((2,), 300, device=device, dtype=torch.int32)
+    assert torch.allclose(decode_attention(q, k, v, 0.2, lens), decode_attention(q, k, v, 0.2), atol=1e-6, rtol=0)
+
+
+def test_bad_lens(device):
+    q, k, v = make(2, 4, 2, 10, 16, torch.float32, device)
+    with pytest.raises(ValueError, match=r"lens must be a \[B\] = \[2\] int32/int64"):
+        decode_attention(q, k, v, 0.25, torch.ones(3, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="lens must be"):
+        decode_attention(q, k, v, 0.25, torch.ones(2, device=device))
+    with pytest.raises(TypeError, match="lens must be"):
+        decode_attention(q, k, v, 0.25, [3, 4])
