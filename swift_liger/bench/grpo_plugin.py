@@ -5,11 +5,13 @@ that never stops would generate), and the ``swift_liger_bench_reward`` reward sc
 Generating 8 x 2k-8k tokens per step through the pt engine would take minutes per step; this keeps the training
 phase at full length (policy, reference and old-policy log-probs, the loss, backward, the optimizer step) while the
 generation costs nothing. The training phase is ms-swift's own code in every variant. Loaded by ms-swift, never
-imported by swift_liger.
+imported by swift_liger. With SWIFT_LIGER_BENCH_ROLLOUT=real (swift_cli run --rollout real) the rollout is
+ms-swift's own (the pt engine generates) and only the reward is this file's.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 
 from swift.infer_engine.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage,
@@ -48,5 +50,6 @@ class BenchReward(ORM):
         return [int(hashlib.md5(c.encode()).hexdigest()[:8], 16) / 2 ** 32 for c in completions]
 
 
-RolloutTrainerMixin._engine_infer = _synthetic_infer
+if os.environ.get("SWIFT_LIGER_BENCH_ROLLOUT", "instant") == "instant":   # "real": ms-swift's engine generates
+    RolloutTrainerMixin._engine_infer = _synthetic_infer
 orms["swift_liger_bench_reward"] = BenchReward

@@ -51,7 +51,8 @@ from .harness import fmt, gpu_name, run_child, tail, utc_now, versions, versions
 VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_graphs_always", "swift_liger_no_lora_fusion",
             "swift_liger_ce_off", "swift_liger_ce_fused",
             "swift_liger_compiled", "swift_liger_long_context",
-            "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel")
+            "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel",
+            "swift_liger_rollout_graph")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
                  "swift_liger_graphs_always": ["--use_liger"],
@@ -63,7 +64,9 @@ VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_save_attention": ["--use_liger", "--liger_save_attention", "true"],
                  "swift_liger_packing": ["--use_liger", "--packing", "true", "--attn_impl", "swift_liger"],
                  "packing_attention_only": ["--packing", "true", "--attn_impl", "swift_liger"],
-                 "liger_kernel": ["--use_liger_kernel", "true"]}
+                 "liger_kernel": ["--use_liger_kernel", "true"],
+                 # + "--liger_rolling_cache <max_length>,0,graph" (swift_command): rollouts on a ring that never evicts
+                 "swift_liger_rollout_graph": ["--use_liger"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
                   "swift_liger_eager": "`--use_liger --liger_graph_layers false`",
                   "swift_liger_graphs_always": "`--use_liger`, graphs at every shape (SWIFT_LIGER_GRAPH_LAYERS=always)",
@@ -75,7 +78,8 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                   "swift_liger_save_attention": "`--use_liger --liger_save_attention true`",
                   "swift_liger_packing": "`--use_liger --packing true --attn_impl swift_liger`",
                   "packing_attention_only": "`--packing true --attn_impl swift_liger` (no other fusion)",
-                  "liger_kernel": "`--use_liger_kernel true` (liger-kernel)"}
+                  "liger_kernel": "`--use_liger_kernel true` (liger-kernel)",
+                  "swift_liger_rollout_graph": "`--use_liger --liger_rolling_cache <max_length>,0,graph`"}
 VARIANT_ENV = {"swift_liger_graphs_always": {"SWIFT_LIGER_GRAPH_LAYERS": "always"}}
 SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
                      "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
@@ -250,6 +254,10 @@ def task_flags(task: str, seq: int, teacher=None, generations: int = 8) -> list:
 def swift_command(model, dataset, variant, output_dir, seq, steps, extra=(), python=None, task="sft",
                   tuner="lora", grad_accum=1, teacher=None, generations=8) -> list:
     sub = ["sft"] if task == "sft" else ["rlhf", "--rlhf_type", task]
+    max_length = seq + 2 * GRPO_PROMPT_TOKENS if task == "grpo" else seq   # grpo: prompt + seq
+    variant_flags = list(VARIANT_FLAGS[variant])
+    if variant == "swift_liger_rollout_graph":
+        variant_flags += ["--liger_rolling_cache", f"{max_length},0,graph"]
     tuner_flags = ["--tuner_type", "full"] if tuner == "full" else [
         "--tuner_type", "lora", "--target_modules", "all-linear", "--lora_rank", "16", "--lora_alpha", "32"]
     return [python or sys.executable, "-m", "swift.cli.main", *sub,
@@ -257,12 +265,12 @@ def swift_command(model, dataset, variant, output_dir, seq, steps, extra=(), pyt
             "--torch_dtype", "bfloat16", "--attn_impl", "sdpa", "--gradient_checkpointing", "true",
             "--per_device_train_batch_size", str(generations if task == "grpo" else 1),
             "--gradient_accumulation_steps", str(grad_accum),
-            "--max_length", str(seq + 2 * GRPO_PROMPT_TOKENS if task == "grpo" else seq),   # grpo: prompt + seq
+            "--max_length", str(max_length),
             "--max_steps", str(steps), "--logging_steps", "1",
             "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0",
             "--dataset_num_proc", "1", "--check_model", "false", "--learning_rate", "1e-5", "--seed", "42",
             "--liger_metrics", "true", "--output_dir", output_dir,
-            *task_flags(task, seq, teacher, generations), *VARIANT_FLAGS[variant], *extra]
+            *task_flags(task, seq, teacher, generations), *variant_flags, *extra]
 
 
 def summarize(rows, warmup) -> dict:
@@ -315,6 +323,7 @@ def run(args) -> dict:
                         generations=args.generations)
     log_path = os.path.join(args.out, f"{name}.log")
     env = dict(os.environ, **OFFLINE_ENV, **VARIANT_ENV.get(args.variant, {}))
+    env["SWIFT_LIGER_BENCH_ROLLOUT"] = args.rollout   # read by grpo_plugin.py
     env.pop("SWIFT_LIGER_DISABLE_HOOK", None)
     print(f"[{args.variant}] {shlex.join(cmd[1:])}", flush=True)
     child = run_child(cmd, timeout=args.timeout, env=env, log_path=log_path, grace=15)
@@ -330,6 +339,7 @@ def run(args) -> dict:
         if os.path.exists(patch):
             shutil.copy(patch, os.path.join(args.out, f"{name}.liger_patch.json"))
     result = {"variant": args.variant, "task": args.task, "tuner": args.tuner, "grad_accum": args.grad_accum,
+              **({"rollout": args.rollout} if args.task == "grpo" else {}),
               "returncode": rc, "timed_out": timed_out, "wall_s": round(wall, 1),
               "command": "python -m swift.cli.main " + shlex.join(cmd[3:]),
               "steps": args.steps, "seq": args.seq, "dtype": _last_flag(cmd, "--torch_dtype"),
@@ -506,6 +516,8 @@ def main(argv=None):
     r.add_argument("--grad-accum", type=int, default=1, help="--gradient_accumulation_steps")
     r.add_argument("--teacher", default=None, help="gkd: the teacher's model directory (another build's model)")
     r.add_argument("--generations", type=int, default=8, help="grpo: completions per prompt (one group per batch)")
+    r.add_argument("--rollout", default="instant", choices=("instant", "real"),
+                   help="grpo: instant random completions (grpo_plugin.py), or ms-swift's pt engine generating them")
     r.add_argument("--out", required=True)
     r.add_argument("--steps", type=int, default=12, help="--max_steps of the run (warm-up included)")
     r.add_argument("--warmup", type=int, default=3, help="first steps left out of tokens/s")

@@ -49,12 +49,33 @@ def _rolling_generate(self, *args, **kwargs):
                    and kwargs.get("cache_implementation") is None
                    and getattr(gen_config, "cache_implementation", None) is None
                    and getattr(gen_config, "use_cache", True) is not False)
+    cache = None
     if wants_cache:
-        kwargs["past_key_values"] = RollingKVCache(self, **state["settings"])
+        cache = kwargs["past_key_values"] = RollingKVCache(self, **state["settings"])
     original = state["original"]
-    if original is None:
-        return type(self).generate(self, *args, **kwargs)
-    return original(*args, **kwargs)
+    try:
+        if original is None:
+            return type(self).generate(self, *args, **kwargs)
+        return original(*args, **kwargs)
+    finally:
+        counts = state.setdefault("counts", {"generate": 0, "own_cache": 0, "forwards": 0, "graph_steps": 0})
+        if cache is None:
+            counts["own_cache"] += 1
+        else:
+            counts["generate"] += 1
+            counts["forwards"] += sum(cache.forwards)
+            counts["graph_steps"] += cache.forwards[1]
+
+
+def generate_counts(model: torch.nn.Module) -> Optional[dict]:
+    """What the installed generate did so far: calls on a fresh RollingKVCache (``generate``), calls that brought
+    their own cache or none (``own_cache``), and the decoder forwards of the former (``forwards``), of which
+    ``graph_steps`` were CUDA-graph decode steps. None for a model (or PEFT wrapper of one) without the install."""
+    for m in model.modules():
+        state = m.__dict__.get(INSTALL_ATTR)
+        if state is not None:
+            return dict(state.get("counts") or {"generate": 0, "own_cache": 0, "forwards": 0, "graph_steps": 0})
+    return None
 
 
 def uninstall_rolling_cache(model: torch.nn.Module) -> None:

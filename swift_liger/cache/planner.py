@@ -135,6 +135,7 @@ class ForwardPlanner:
             dtype = embeds.dtype if embeds is not None else module.dtype
             plan, mask, position_ids = self._general_plan(batch, T, device, attention_mask, position_ids, dtype)
         self._plan = plan
+        self.forwards[plan.graph] += 1
         self._columns += T
         if attention_mask is not None:
             self._uniform = None

@@ -352,6 +352,7 @@ class RollingKVCache(ForwardPlanner, DecodeRunner, Cache):
         self._g_step: Optional[torch.Tensor] = None   # [1] int64: stream index of the token being decoded
         self._g_counts: Optional[torch.Tensor] = None   # [B] int64: per-row stream indices (padded batches)
         self._wants_attentions = False          # the current forward asks for attention weights (set by the hook)
+        self.forwards = [0, 0]                  # decoder forwards planned: [eager, CUDA-graph decode steps]
         self._reset_state()
         ensure_hook(decoder)
         ensure_forward_wrapper(decoder)

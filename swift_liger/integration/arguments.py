@@ -504,6 +504,7 @@ def finalize(args) -> None:
     if state is None:
         return
     cfg = state["config"]
+    state["notes"].extend(rollout_cache_notes(args, cfg))
     if cfg.cross_entropy == "fused_linear":
         reasons = cross_entropy_fallback_reasons(args)
         weighted = weighted_sft(args)
@@ -524,6 +525,39 @@ def finalize(args) -> None:
         elif rlhf_type in PREFERENCE_RLHF:
             state["notes"].append(f"cross_entropy=fused_linear: the {rlhf_type} trainer takes its log-probs from "
                                   "hidden states (ops.fused_linear_logprobs), for the policy and the reference pass")
+
+
+ROLLOUT_RLHF = ("grpo", "gkd")   # trainers that generate with the policy (ms-swift's RolloutTrainerMixin)
+
+
+def rollout_cache_notes(args, cfg) -> list:
+    """liger_rolling_cache in `swift rlhf --rlhf_type grpo|gkd`: the policy's rollouts through ms-swift's pt engine
+    (--use_vllm false) generate on it; vLLM's engine is not ours, so there it would do nothing and is refused.
+    A ring shorter than --max_length (prompt + completion) drops the middle of long rollouts from attention: said."""
+    rolling = cfg.rolling_cache
+    rlhf_type = getattr(args, "rlhf_type", None)
+    if not rolling or rlhf_type not in ROLLOUT_RLHF:
+        return []
+    if getattr(args, "use_vllm", False):
+        raise ValueError("swift_liger: liger_rolling_cache runs the policy's generate calls, and with --use_vllm true "
+                         f"the {rlhf_type} rollouts run in vLLM instead: drop liger_rolling_cache, or pass "
+                         "--use_vllm false (ms-swift's pt engine, which swift_liger patches)")
+    window = rolling.get("window")
+    if not isinstance(window, int):
+        return [f"rolling_cache: the {rlhf_type} rollouts (pt engine) generate on RollingKVCache(window=model): "
+                "the model's own sliding window, exact"]
+    capacity = window + (rolling.get("sinks") or 0)
+    max_length = getattr(args, "max_length", None)
+    graph = ", CUDA-graph decode steps from the first token" if rolling.get("cuda_graph") else ""
+    if isinstance(max_length, int) and capacity >= max_length:
+        return [f"rolling_cache: the {rlhf_type} rollouts (pt engine) generate on a RollingKVCache of {capacity} "
+                f"slots >= --max_length {max_length}: exact attention{graph}"]
+    message = (f"rolling_cache: the {rlhf_type} rollouts (pt engine) generate on a RollingKVCache of {capacity} "
+               f"slots{graph}; --max_length is {max_length}: rows longer than {capacity} tokens attend to the first "
+               f"{rolling.get('sinks') or 0} and the last {window} only, so the policy samples from a shortened "
+               f"context while it trains on the whole row (a window >= --max_length is exact)")
+    warnings.warn("swift_liger: " + message, stacklevel=2)
+    return [message]
 
 
 def resolved(args):

@@ -52,7 +52,19 @@ def snapshot(trainer, attention_since: dict | None = None) -> dict:
     if policy and (policy["lora_fused"] or policy["lora_peft"]):   # the reference pass of LoRA runs on the policy
         out["lora_fusion"] = {"ops.lora_linear": policy["lora_fused"], "peft": policy["lora_peft"]}
     out["attention"] = _attention(trainer.model, attention_since or {})
+    rollouts = _rolling_generate_counts(trainer.model)
+    if rollouts is not None:
+        out["rolling_cache"] = rollouts
     return out
+
+
+def _rolling_generate_counts(model):
+    """The policy's generate calls on a RollingKVCache (GRPO / GKD rollouts through ms-swift's pt engine)."""
+    try:
+        from ..cache.install import generate_counts   # lazy: needs transformers' cache classes
+    except ImportError:
+        return None
+    return generate_counts(model)
 
 
 def describe(snap: dict, when: str = "in the first step") -> list:
@@ -110,6 +122,13 @@ def describe(snap: dict, when: str = "in the first step") -> list:
                 f"computed {att['bounds']} times")
         if att["sdpa"] or att["eager"]:
             line += " (SDPA / eager take cached decode steps, 4D masks and padding inside a row)"
+        lines.append(line)
+    ring = snap.get("rolling_cache")
+    if ring is not None and (ring["generate"] or ring["own_cache"]):
+        line = (f"rolling_cache {when}: {ring['generate']} generate calls of the policy on a fresh RollingKVCache, "
+                f"{ring['forwards']} decoder forwards, {ring['graph_steps']} of them CUDA-graph decode steps")
+        if ring["own_cache"]:
+            line += f"; {ring['own_cache']} calls brought their own cache (or none) and kept it"
         lines.append(line)
     graphs = (snap.get("policy") or {}).get("graph_layers")
     if graphs and (graphs["captures"] or graphs["replays"] or graphs["eager"]):

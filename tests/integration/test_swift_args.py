@@ -369,3 +369,21 @@ def test_tiny_mlp_tiles_are_warned(swift_mod, base_argv):
     with pytest.warns(UserWarning, match="liger_tiled_mlp=3: the MLP runs 3 tokens at a time"):
         args = parse(swift_mod, base_argv + ["--use_liger", "--liger_tiled_mlp", "3"])
     assert any("liger_tiled_mlp=3" in n for n in liger_args.resolved(args)[1])
+
+
+def test_rolling_cache_with_rollouts_is_refused_under_vllm_and_judged_against_max_length():
+    """GRPO / GKD rollouts: with --use_vllm true the pt engine (the only one we patch) does not generate, so
+    liger_rolling_cache is refused naming the fix; a ring of at least --max_length slots is exact (said), a shorter
+    one is warned (the policy would sample from a shortened context)."""
+    import types
+    cfg = LigerConfig(rolling_cache={"window": 100, "sinks": 4})
+    args = types.SimpleNamespace(rlhf_type="grpo", use_vllm=True, max_length=50)
+    with pytest.raises(ValueError, match="--use_vllm false"):
+        liger_args.rollout_cache_notes(args, cfg)
+    args.use_vllm = False
+    assert "104 slots >= --max_length 50: exact attention" in liger_args.rollout_cache_notes(args, cfg)[0]
+    args.max_length, args.rlhf_type = 4096, "gkd"
+    with pytest.warns(UserWarning, match="shortened context"):
+        assert "a window >= --max_length is exact" in liger_args.rollout_cache_notes(args, cfg)[0]
+    assert liger_args.rollout_cache_notes(types.SimpleNamespace(rlhf_type="dpo"), cfg) == []
+    assert liger_args.rollout_cache_notes(args, LigerConfig()) == []

@@ -1,0 +1,184 @@
+"""GRPO rollouts without vLLM: tokens/s of ms-swift's pt engine (TransformersEngine, what `swift rlhf --rlhf_type grpo
+--use_vllm false` generates with) on the stock model vs the `--use_liger` model, in one process, interleaved rounds.
+
+    python -m swift_liger.bench.swift_cli build OUTDIR --shape qwen2.5-1.5b --seq 2048
+    python -m swift_liger.bench.rollout OUTDIR/model OUTDIR/grpo.jsonl --new-tokens 2048 --out DIR/NAME.json
+
+Each round, every variant generates one GRPO group: --generations completions of up to --new-tokens tokens for one
+prompt of grpo.jsonl, sampled at temperature 1 (GRPO's default), through ``engine.infer`` with the request
+config GRPO builds (``RolloutTrainerMixin``) on a LoRA-wrapped policy in eval mode, as GRPO's rollout runs it. Variants:
+
+* ``plain``: the stock model (PEFT LoRA, transformers' DynamicCache, SDPA);
+* ``swift_liger``: the model patched as `--use_liger` patches the policy (LigerConfig(); LoRA after the patch);
+* ``swift_liger_ring``: the same model with ``--liger_rolling_cache W,0``, W = prompt + --new-tokens (a ring that
+  never evicts: exact attention), eager decode steps with the split-KV decode kernel;
+* ``swift_liger_graph``: ``--liger_rolling_cache W,0,graph``: every decode step a CUDA-graph replay.
+
+A random-init model rarely samples its end-of-sequence id, so completions run to --new-tokens; tokens/s counts
+the completion tokens the engine returned. Rounds interleave the variants (the lent host's speed drifts); the
+report has each variant's median and spread. Memory: max_memory_allocated during its generate calls.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+VARIANTS = ("plain", "swift_liger", "swift_liger_ring", "swift_liger_graph")
+
+
+def _engine(model_dir, model_type, template_type, device):
+    import torch
+    from swift.infer_engine import TransformersEngine
+    return TransformersEngine(model_dir, torch_dtype=torch.bfloat16, attn_impl="sdpa", model_type=model_type,
+                              template_type=template_type, max_batch_size=0, device_map=device)
+
+
+def _lora(model, r):
+    from peft import LoraConfig, get_peft_model
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.05, target_modules="all-linear",
+                                            task_type="CAUSAL_LM"))
+
+
+def _sync(device):
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(args) -> dict:
+    import torch
+    from swift.infer_engine import InferRequest, RequestConfig
+
+    from .. import __version__
+    from ..cache.install import generate_counts, install_rolling_cache, uninstall_rolling_cache
+    from ..config import LigerConfig
+    from ..patcher import apply
+
+    with open(os.path.join(args.model, "config.json")) as f:
+        model_type = json.load(f)["model_type"]
+    template_type = {"qwen2": "qwen", "llama": "chatml"}.get(model_type)
+    with open(args.prompts) as f:
+        prompt = json.loads(f.readline())["messages"]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"--variants: unknown {bad}; choose from {', '.join(VARIANTS)}")
+
+    engines = {}
+    if "plain" in variants:
+        engine = _engine(args.model, model_type, template_type, args.device)
+        engine.model = _lora(engine.model, args.lora_r)
+        engines["plain"] = engine
+    patched = None
+    if any(v.startswith("swift_liger") for v in variants):
+        engine = _engine(args.model, model_type, template_type, args.device)
+        root = engine.model
+        patched = apply(root, LigerConfig())
+        engine.model = _lora(root, args.lora_r)
+        engines["swift_liger"] = engine
+    request = InferRequest(messages=prompt)
+    prompt_tokens = len(engines[next(iter(engines))].template.encode(request)["input_ids"])
+    window = prompt_tokens + args.new_tokens
+    config = RequestConfig(n=1, max_tokens=args.new_tokens, temperature=1.0, top_p=1.0, top_k=None,
+                           repetition_penalty=1.0, return_details=True)
+
+    def one(variant):
+        engine = engines["plain" if variant == "plain" else "swift_liger"]
+        root = engine.model.get_base_model()
+        ring = variant in ("swift_liger_ring", "swift_liger_graph")
+        if ring:
+            install_rolling_cache(root, window=window, sinks=0,
+                                  cuda_graph=variant == "swift_liger_graph" and args.device.startswith("cuda"))
+        try:
+            if args.device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            _sync(args.device)
+            t0 = time.perf_counter()
+            out = engine.infer([request] * args.generations, config, use_tqdm=False)
+            _sync(args.device)
+            seconds = time.perf_counter() - t0
+            counts = generate_counts(root)
+        finally:
+            if ring:
+                uninstall_rolling_cache(root)
+        tokens = sum(len(r.choices[0].token_ids or []) for r in out)
+        row = {"variant": variant, "seconds": round(seconds, 4), "completion_tokens": tokens,
+               "tokens_per_s": round(tokens / seconds, 1)}
+        if args.device.startswith("cuda"):
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+        if counts is not None:
+            row["rolling_cache"] = counts
+        return row
+
+    rows = []
+    for v in variants:   # warm-up: Triton compiles, cuBLAS plans, the first graph capture
+        one(v)
+    for r in range(args.rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for v in order:
+            row = one(v)
+            row["round"] = r
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    summary = {}
+    for v in variants:
+        tps = [x["tokens_per_s"] for x in rows if x["variant"] == v]
+        summary[v] = {"tokens_per_s_median": round(statistics.median(tps), 1), "tokens_per_s_min": min(tps),
+                      "tokens_per_s_max": max(tps),
+                      "peak_gib": max((x["peak_gib"] for x in rows if x["variant"] == v and "peak_gib" in x),
+                                      default=None)}
+    base = summary.get("plain", {}).get("tokens_per_s_median")
+    for v in variants:
+        if base:
+            summary[v]["vs_plain"] = round(summary[v]["tokens_per_s_median"] / base, 2)
+    import transformers
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "swift_liger": __version__}
+    try:
+        import swift
+        versions["ms-swift"] = getattr(swift, "__version__", "?")
+        import peft
+        versions["peft"] = peft.__version__
+        import triton
+        versions["triton"] = triton.__version__
+    except ImportError:
+        pass
+    result = {"bench": "rollout", "model": args.model, "model_type": model_type, "prompt_tokens": prompt_tokens,
+              "new_tokens": args.new_tokens, "generations": args.generations, "lora_r": args.lora_r,
+              "rounds": args.rounds, "window": window, "device": args.device,
+              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+              "versions": versions, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+              "patched": sorted(k for k, on in (patched.patched if patched is not None else {}).items() if on),
+              "rows": rows, "summary": summary}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m swift_liger.bench.rollout", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="a model dir (swift_liger.bench.swift_cli build OUTDIR -> OUTDIR/model)")
+    p.add_argument("prompts", help="a jsonl of {'messages': [...]} rows (build's grpo.jsonl); the first is used")
+    p.add_argument("--new-tokens", type=int, default=2048, help="GRPO's --max_completion_length")
+    p.add_argument("--generations", type=int, default=8, help="GRPO's --num_generations (one group per call)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None, help="write the result JSON here")
+    args = p.parse_args(argv)
+    for name in ("new_tokens", "generations", "rounds", "lora_r"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    res = run(args)
+    print(json.dumps(res["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
