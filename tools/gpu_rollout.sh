@@ -2,8 +2,8 @@
 # One device call: GRPO rollouts without vLLM. swift_liger.bench.rollout times ms-swift's pt engine generating one
 # GRPO group (GENERATIONS x NEW tokens) on the stock LoRA policy vs the --use_liger one (eager, ring, CUDA-graph
 # ring), interleaved rounds, per shape -> $OUT/rollout_<shape>_<NEW>.json. CLI=1 adds the real `swift rlhf` GRPO CLI
-# with real rollouts (plain vs --use_liger --liger_rolling_cache <max_length>,0,graph, CLI_STEPS steps of CLI_SEQ
-# completion tokens). Needs the ignored .whl/ carried (../shared/gpu/fetch_wheels.sh liger-kernel==0.8.5).
+# with real rollouts (--use_liger, whose rollouts default to exact,graph decode on CUDA, vs plain; CLI_STEPS steps of
+# CLI_SEQ completion tokens). Needs the ignored .whl/ carried (../shared/gpu/fetch_wheels.sh liger-kernel==0.8.5).
 #
 #   SHAPES="qwen2.5-1.5b qwen2.5-7b" NEW=1024 ROUNDS=2 VARIANTS=plain,swift_liger,swift_liger_ring,swift_liger_graph
 #   TEST_PATHS="tests/ops/test_decode_attention_kernel.py tests/cache"   GPU tests first (SWIFT_LIGER_TEST_GPU=1)
@@ -31,24 +31,25 @@ build() {   # build SHAPE SEQ -> /tmp/model_SHAPE_SEQ
   echo "== built $M at ${SECONDS}s"
 }
 
+BUILD_SEQ=${BUILD_SEQ:-$NEW}   # the build's dataset length (grpo.jsonl prompts are ~96 tokens whatever it is)
 for shape in $SHAPES; do
-  build "$shape" "$NEW" || continue
-  M=/tmp/model_${shape}_${NEW}; name=rollout_${shape//[.-]/_}_${NEW}
+  build "$shape" "$BUILD_SEQ" || continue
+  M=/tmp/model_${shape}_${BUILD_SEQ}; name=rollout_${shape//[.-]/_}_${NEW}
   left=$(( DEADLINE - SECONDS - 20 ))
   if [ $left -lt 60 ]; then echo "== $shape skipped: ${left}s left"; continue; fi
   echo "== rollout $shape x $NEW (timeout ${left}s)"
-  timeout "$left" python3 -m swift_liger.bench.rollout "$M/model" "$M/grpo.jsonl" --new-tokens "$NEW" \
+  timeout -s INT -k 10 "$left" python3 -m swift_liger.bench.rollout "$M/model" "$M/grpo.jsonl" --new-tokens "$NEW" \
     --generations "$GENERATIONS" --rounds "$ROUNDS" --variants "$VARIANTS" --out "$OUT/$name.json" \
     >"/tmp/$name.log" 2>&1; echo "-- rc $? at ${SECONDS}s"
-  grep '^{"variant"' "/tmp/$name.log" | cut -c1-260; grep -A40 '^{$' "/tmp/$name.log" | tr -d ' \n' | cut -c1-900; echo
-  grep -iE "error|Traceback" "/tmp/$name.log" | tail -5
+  grep -E '^\{"(variant|warmup)"' "/tmp/$name.log" | cut -c1-260; grep -A40 '^{$' "/tmp/$name.log" | tr -d ' \n' | cut -c1-900; echo
+  grep -iE -A3 "error|Traceback|File " "/tmp/$name.log" | tail -30
   cp "/tmp/$name.log" "$OUT/" 2>/dev/null
 done
 
 if [ "${CLI:-0}" = 1 ]; then
   CLI_SHAPE=${CLI_SHAPE:-qwen2.5-1.5b}; CLI_SEQ=${CLI_SEQ:-512}; CLI_STEPS=${CLI_STEPS:-3}
   build "$CLI_SHAPE" "$CLI_SEQ" && M=/tmp/model_${CLI_SHAPE}_${CLI_SEQ}
-  for v in swift_liger_rollout_graph plain; do
+  for v in ${CLI_VARIANTS:-swift_liger plain}; do
     left=$(( DEADLINE - SECONDS - 15 )); [ $left -lt 60 ] && { echo "== cli $v skipped"; continue; }
     echo "== swift rlhf grpo, real rollouts, $v (timeout ${left}s)"
     timeout $((left + 10)) python3 -m swift_liger.bench.swift_cli run "$M/model" "$M/grpo.jsonl" --task grpo \

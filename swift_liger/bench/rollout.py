@@ -15,7 +15,8 @@ config GRPO builds (``RolloutTrainerMixin``) on a LoRA-wrapped policy in eval mo
 * ``swift_liger_graph``: ``--liger_rolling_cache W,0,graph``: every decode step a CUDA-graph replay.
 
 A random-init model rarely samples its end-of-sequence id, so completions run to --new-tokens; tokens/s counts
-the completion tokens the engine returned. Rounds interleave the variants (the lent host's speed drifts); the
+the completion tokens the engine returned; each call's time includes its prefill and, for the graph variant, its
+capture (a fresh cache per generate call, as GRPO makes one per rollout). Rounds interleave the variants (the lent host's speed drifts); the
 report has each variant's median and spread. Memory: max_memory_allocated during its generate calls.
 """
 from __future__ import annotations
@@ -53,7 +54,6 @@ def run(args) -> dict:
     import torch
     from swift.infer_engine import InferRequest, RequestConfig
 
-    from .. import __version__
     from ..cache.install import generate_counts, install_rolling_cache, uninstall_rolling_cache
     from ..config import LigerConfig
     from ..patcher import apply
@@ -86,7 +86,10 @@ def run(args) -> dict:
     config = RequestConfig(n=1, max_tokens=args.new_tokens, temperature=1.0, top_p=1.0, top_k=None,
                            repetition_penalty=1.0, return_details=True)
 
-    def one(variant):
+    warm_config = RequestConfig(n=1, max_tokens=min(32, args.new_tokens), temperature=1.0, top_p=1.0, top_k=None,
+                                repetition_penalty=1.0, return_details=True)
+
+    def one(variant, config=config):
         engine = engines["plain" if variant == "plain" else "swift_liger"]
         root = engine.model.get_base_model()
         ring = variant in ("swift_liger_ring", "swift_liger_graph")
@@ -115,8 +118,9 @@ def run(args) -> dict:
         return row
 
     rows = []
-    for v in variants:   # warm-up: Triton compiles, cuBLAS plans, the first graph capture
-        one(v)
+    for v in variants:   # warm-up (32 new tokens): Triton compiles, cuBLAS plans, a first graph capture
+        row = one(v, warm_config)
+        print(json.dumps({"warmup": True, **row}), flush=True)
     for r in range(args.rounds):
         order = variants if r % 2 == 0 else variants[::-1]
         for v in order:
@@ -124,15 +128,29 @@ def run(args) -> dict:
             row["round"] = r
             rows.append(row)
             print(json.dumps(row), flush=True)
+        result = _result(args, variants, rows, model_type, prompt_tokens, window, patched)
+        if args.out:   # after every round: a call cut short keeps the rounds it finished
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+    return result
+
+
+def _result(args, variants, rows, model_type, prompt_tokens, window, patched) -> dict:
+    import torch
+
+    from .. import __version__
     summary = {}
     for v in variants:
         tps = [x["tokens_per_s"] for x in rows if x["variant"] == v]
+        if not tps:
+            continue
         summary[v] = {"tokens_per_s_median": round(statistics.median(tps), 1), "tokens_per_s_min": min(tps),
                       "tokens_per_s_max": max(tps),
                       "peak_gib": max((x["peak_gib"] for x in rows if x["variant"] == v and "peak_gib" in x),
                                       default=None)}
     base = summary.get("plain", {}).get("tokens_per_s_median")
-    for v in variants:
+    for v in summary:
         if base:
             summary[v]["vs_plain"] = round(summary[v]["tokens_per_s_median"] / base, 2)
     import transformers
@@ -153,10 +171,6 @@ def run(args) -> dict:
               "versions": versions, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
               "patched": sorted(k for k, on in (patched.patched if patched is not None else {}).items() if on),
               "rows": rows, "summary": summary}
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
     return result
 
 

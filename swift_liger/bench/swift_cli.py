@@ -52,7 +52,7 @@ VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_graphs_alw
             "swift_liger_ce_off", "swift_liger_ce_fused",
             "swift_liger_compiled", "swift_liger_long_context",
             "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel",
-            "swift_liger_rollout_graph")
+            "swift_liger_rollout_eager")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
                  "swift_liger_graphs_always": ["--use_liger"],
@@ -65,8 +65,7 @@ VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_packing": ["--use_liger", "--packing", "true", "--attn_impl", "swift_liger"],
                  "packing_attention_only": ["--packing", "true", "--attn_impl", "swift_liger"],
                  "liger_kernel": ["--use_liger_kernel", "true"],
-                 # + "--liger_rolling_cache <max_length>,0,graph" (swift_command): rollouts on a ring that never evicts
-                 "swift_liger_rollout_graph": ["--use_liger"]}
+                 "swift_liger_rollout_eager": ["--use_liger", "--liger_rolling_cache", "none"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
                   "swift_liger_eager": "`--use_liger --liger_graph_layers false`",
                   "swift_liger_graphs_always": "`--use_liger`, graphs at every shape (SWIFT_LIGER_GRAPH_LAYERS=always)",
@@ -79,7 +78,8 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                   "swift_liger_packing": "`--use_liger --packing true --attn_impl swift_liger`",
                   "packing_attention_only": "`--packing true --attn_impl swift_liger` (no other fusion)",
                   "liger_kernel": "`--use_liger_kernel true` (liger-kernel)",
-                  "swift_liger_rollout_graph": "`--use_liger --liger_rolling_cache <max_length>,0,graph`"}
+                  "swift_liger_rollout_eager": "`--use_liger --liger_rolling_cache none` (rollouts on transformers' "
+                                               "cache)"}
 VARIANT_ENV = {"swift_liger_graphs_always": {"SWIFT_LIGER_GRAPH_LAYERS": "always"}}
 SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
                      "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
@@ -255,9 +255,7 @@ def swift_command(model, dataset, variant, output_dir, seq, steps, extra=(), pyt
                   tuner="lora", grad_accum=1, teacher=None, generations=8) -> list:
     sub = ["sft"] if task == "sft" else ["rlhf", "--rlhf_type", task]
     max_length = seq + 2 * GRPO_PROMPT_TOKENS if task == "grpo" else seq   # grpo: prompt + seq
-    variant_flags = list(VARIANT_FLAGS[variant])
-    if variant == "swift_liger_rollout_graph":
-        variant_flags += ["--liger_rolling_cache", f"{max_length},0,graph"]
+    variant_flags = VARIANT_FLAGS[variant]
     tuner_flags = ["--tuner_type", "full"] if tuner == "full" else [
         "--tuner_type", "lora", "--target_modules", "all-linear", "--lora_rank", "16", "--lora_alpha", "32"]
     return [python or sys.executable, "-m", "swift.cli.main", *sub,

@@ -71,7 +71,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..ops.kv_ring_write_kernel import kv_ring_write_unchecked, kv_sink_rotate
 from .decode import PENDING_WRITES, DecodeRunner, ensure_forward_wrapper
 from .planner import ForwardPlanner, Plan, ensure_hook
-from .settings import MODEL_WINDOW, check_settings
+from .settings import EXACT_WINDOW, MODEL_WINDOW, check_settings
 from .support import check_family, check_fits, find_decoder, model_layer_kinds, validate_model, warn_mixed
 
 _FULL_BLOCK = 1024   # full-attention layers of a hybrid cache grow their storage by this many columns at a time
@@ -314,6 +314,10 @@ class RollingKVCache(ForwardPlanner, DecodeRunner, Cache):
     def __init__(self, model: torch.nn.Module, window, sinks: Optional[int] = None, mode: str = "absolute",
                  cuda_graph: bool = False):
         settings = check_settings(window, sinks, mode, cuda_graph)
+        if settings["window"] == EXACT_WINDOW:
+            raise ValueError("RollingKVCache: window 'exact' is sized per generate call by install_rolling_cache "
+                             "(--liger_rolling_cache exact); a cache built by hand takes an int window (prompt + new "
+                             "tokens, sinks=0, is exact attention)")
         self.own_window = settings["window"] == MODEL_WINDOW
         check_family(model, self.own_window)
         decoder = find_decoder(model)

@@ -80,7 +80,7 @@ def validate_model(decoder: torch.nn.Module, mode: str, own_window: bool = False
                              f"rotary embedding covers {2 * inv_freq.numel()} dims")
 
 
-def _layer_types(config) -> tuple:
+def layer_types(config) -> tuple:
     """(layer types, per-layer sliding window or None) as transformers reads them to build DynamicCache(config)."""
     get_layer_types_and_kwargs = getattr(cache_utils, "get_layer_types_and_kwargs", None)   # read per call
     if get_layer_types_and_kwargs is not None:   # transformers >= 5.19: per-layer kwargs dicts
@@ -97,7 +97,7 @@ def _layer_types(config) -> tuple:
 def model_layer_kinds(config) -> tuple:
     """window="model": ("ring" | "full" per layer, the sliding window W). Refuses configs without sliding layers,
     with other layer types (chunked, linear) or with different windows per layer."""
-    types_, windows = _layer_types(config)
+    types_, windows = layer_types(config)
     model_type = getattr(config, "model_type", "this")
     if len(types_) != config.num_hidden_layers:
         raise RollingCacheRefused(f"RollingKVCache(window='model'): {model_type} has {config.num_hidden_layers} layers but "
@@ -120,7 +120,7 @@ def model_layer_kinds(config) -> tuple:
 
 def warn_mixed(config, window: int, sinks: int) -> None:
     """An explicit window on a config that mixes sliding and full layers (qwen2/qwen3 with layer_types)."""
-    types_, windows = _layer_types(config)
+    types_, windows = layer_types(config)
     full = [i for i, t in enumerate(types_) if t == "full_attention"]
     if not full or len(full) == len(types_):
         return

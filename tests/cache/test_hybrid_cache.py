@@ -355,7 +355,7 @@ def test_layer_types_without_per_layer_kwargs(family, api, monkeypatch):
     it: the layer types and the window then come from the config, the same answer as 5.19's per-layer kwargs."""
     from transformers import cache_utils
     config = HYBRID[family]() if family in HYBRID else LlamaConfig(**TINY, num_hidden_layers=3)
-    expected = support._layer_types(config)
+    expected = support.layer_types(config)
     real = cache_utils.get_layer_types_and_kwargs
     if api == "one_dict":
         monkeypatch.setattr(cache_utils, "get_layer_types_and_kwargs",
@@ -363,6 +363,6 @@ def test_layer_types_without_per_layer_kwargs(family, api, monkeypatch):
                                 c, "sliding_window", None) else {}))
     else:
         monkeypatch.delattr(cache_utils, "get_layer_types_and_kwargs")
-    assert support._layer_types(config) == expected
+    assert support.layer_types(config) == expected
     assert len(expected[0]) == len(expected[1]) == config.num_hidden_layers
     assert expected[1] == [W if t == "sliding_attention" else None for t in expected[0]]

@@ -85,3 +85,46 @@ def test_is_installed(device):
         install_rolling_cache(model, 4, 4)
     assert not is_installed(model)                               # a refused install leaves nothing on
     assert not is_installed(object())                            # anything without a __dict__ entry
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["uniform", "left-padded"])
+def test_exact_window_sizes_each_call_and_equals_the_default_cache(device, padded, monkeypatch):
+    """window="exact": each generate call gets a ring of its prompt columns + max_new_tokens (nothing evicted), so
+    sampled tokens equal transformers' default cache's; with cuda_graph every decode step is a graph step (forced to
+    run eagerly on CPU). Calls are counted; RollingKVCache itself refuses "exact" (it is sized per call)."""
+    from swift_liger.cache import install
+    from ring_helpers import GPU, count_layouts
+    model = tiny_model(device)
+    ids, mask = left_padded([9, 4, 6], device) if padded else (torch.randint(2, 64, (2, 7), device=device), None)
+    kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=True, top_k=0, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True)
+    torch.manual_seed(4)
+    want = model.generate(ids, **kw)
+    if not GPU:
+        monkeypatch.setattr(RollingKVCache, "_graph_ok", lambda self, dev: self._joint_ready and
+                            not torch.is_grad_enabled())
+    seen = count_layouts(monkeypatch)
+    install_rolling_cache(model, "exact", cuda_graph=True)
+    torch.manual_seed(4)
+    got = model.generate(ids, **kw)
+    cache = got.past_key_values
+    assert isinstance(cache, RollingKVCache) and (cache.window, cache.sinks) == (ids.shape[1] + 10, 0)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=2e-5, rtol=1e-4)
+    assert seen[1:] == [("rows" if padded else "full", True)] * 9, seen
+    assert install.generate_counts(model) == {"generate": 1, "own_cache": 0, "unsized": 0, "forwards": 10,
+                                              "graph_steps": 9}
+    # A total max_length bounds the new tokens (generate adds its default one to the prompt): the ring holds them.
+    assert install._exact_window(model, (ids,), {"max_length": 30}, model.generation_config) == ids.shape[1] + 30
+    # No budget at all (neither set: generate applies a model-agnostic default we do not guess): the default cache.
+    out = model.generate(ids, attention_mask=mask, pad_token_id=0, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, DynamicCache) and install.generate_counts(model)["unsized"] == 1
+    uninstall_rolling_cache(model)
+    with pytest.raises(ValueError, match="window 'exact' is sized per generate call by install_rolling_cache"):
+        RollingKVCache(model, window="exact")
+
+
+def test_exact_window_is_refused_on_sliding_window_models(device):
+    model = tiny_model(device, family="mistral", sliding_window=8)
+    with pytest.raises(ValueError, match="has sliding-window layers .* use window 'model'"):
+        install_rolling_cache(model, "exact")

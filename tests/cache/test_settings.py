@@ -31,6 +31,8 @@ def test_check_settings_completes_and_refuses():
                                                         "cuda_graph": True}
     assert check_settings(" Model ") == {"window": MODEL_WINDOW, "sinks": 0, "mode": "absolute", "cuda_graph": False}
     assert check_settings("model", 0) == check_settings("model")
+    assert check_settings(" Exact ", cuda_graph=True) == {"window": "exact", "sinks": 0, "mode": "absolute",
+                                                          "cuda_graph": True}
     for args, message in [
             ((0,), "RollingKVCache: window must be an int >= 1, got 0"),
             ((True,), "RollingKVCache: window must be an int >= 1, got True"),
@@ -38,8 +40,12 @@ def test_check_settings_completes_and_refuses():
             ((4, 4), "RollingKVCache: sinks must be < window, got sinks=4, window=4"),
             ((4, 1, "relative"), "RollingKVCache: mode must be one of absolute, streaming, got 'relative'"),
             ((4, 1, "absolute", 1), "RollingKVCache: cuda_graph must be true or false, got 1"),
-            (("auto",), "RollingKVCache: window must be an int >= 1 or 'model' (the model's own sliding window), "
-                        "got 'auto'")]:
+            (("auto",), "RollingKVCache: window must be an int >= 1, 'model' (the model's own sliding window) or "
+                        "'exact' (a ring per generate call of prompt + new tokens), got 'auto'"),
+            (("exact", 4), "RollingKVCache: window 'exact' holds every token of the call (nothing is evicted), so it "
+                           "has no sinks; got sinks=4 (leave sinks out or give 0)"),
+            (("exact", 0, "streaming"), "RollingKVCache: window 'exact' needs mode 'absolute' (true RoPE positions), "
+                                        "got 'streaming'")]:
         with pytest.raises(ValueError) as info:
             check_settings(*args)
         assert str(info.value) == message
@@ -68,5 +74,8 @@ def test_flag_and_config_spelling():
     with pytest.raises(ValueError, match="LigerConfig.rolling_cache: window 'model' keeps the model's own sliding "
                                          "window exactly, without sinks"):
         LigerConfig(rolling_cache={"window": "model", "sinks": 2})
-    with pytest.raises(ValueError, match="LigerConfig.rolling_cache: window must be an int >= 1 or 'model'"):
+    with pytest.raises(ValueError, match="LigerConfig.rolling_cache: window must be an int >= 1, 'model'"):
         LigerConfig(rolling_cache={"window": "global"})
+    assert parse_flag("exact") == {"window": "exact", "sinks": 0, "cuda_graph": False}
+    assert parse_flag(" Exact,Graph ") == {"window": "exact", "sinks": 0, "cuda_graph": True}
+    assert normalize({"window": "EXACT", "cuda_graph": True}) == {"window": "exact", "cuda_graph": True}

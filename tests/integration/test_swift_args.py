@@ -374,16 +374,49 @@ def test_tiny_mlp_tiles_are_warned(swift_mod, base_argv):
 def test_rolling_cache_with_rollouts_is_refused_under_vllm_and_judged_against_max_length():
     """GRPO / GKD rollouts: with --use_vllm true the pt engine (the only one we patch) does not generate, so
     liger_rolling_cache is refused naming the fix; a ring of at least --max_length slots is exact (said), a shorter
-    one is warned (the policy would sample from a shortened context)."""
+    one is warned (the policy would sample from a shortened context), "exact" is said to be exact."""
     import types
     cfg = LigerConfig(rolling_cache={"window": 100, "sinks": 4})
-    args = types.SimpleNamespace(rlhf_type="grpo", use_vllm=True, max_length=50)
+    args = types.SimpleNamespace(rlhf_type="grpo", use_vllm=True, max_length=50, liger_rolling_cache="100,4")
     with pytest.raises(ValueError, match="--use_vllm false"):
-        liger_args.rollout_cache_notes(args, cfg)
+        liger_args.rollout_cache(args, cfg)
     args.use_vllm = False
-    assert "104 slots >= --max_length 50: exact attention" in liger_args.rollout_cache_notes(args, cfg)[0]
+    assert "104 slots >= --max_length 50: exact attention" in liger_args.rollout_cache(args, cfg)[1][0]
     args.max_length, args.rlhf_type = 4096, "gkd"
     with pytest.warns(UserWarning, match="shortened context"):
-        assert "a window >= --max_length is exact" in liger_args.rollout_cache_notes(args, cfg)[0]
-    assert liger_args.rollout_cache_notes(types.SimpleNamespace(rlhf_type="dpo"), cfg) == []
-    assert liger_args.rollout_cache_notes(args, LigerConfig()) == []
+        assert "exact,graph is exact" in liger_args.rollout_cache(args, cfg)[1][0]
+    exact = LigerConfig(rolling_cache={"window": "exact", "sinks": 0, "cuda_graph": True})
+    assert "new tokens: exact attention, CUDA-graph decode steps" in liger_args.rollout_cache(args, exact)[1][0]
+    assert liger_args.rollout_cache(types.SimpleNamespace(rlhf_type="dpo"), cfg) == (cfg, [])
+    args.liger_rolling_cache = "none"   # said explicitly: no default
+    assert liger_args.rollout_cache(args, LigerConfig()) == (LigerConfig(), [])
+
+
+@pytest.mark.parametrize("cuda,extra,expect", [
+    (True, {}, "exact,graph (the default for grpo"),
+    (False, {}, "keep transformers' cache (no CUDA GPU)"),
+    (True, {"deepspeed": "zero3"}, "keep transformers' cache (--deepspeed zero3"),
+    (True, {"quant_bits": 4}, "keep transformers' cache (--quant_bits 4"),
+    (True, {"model_type": "phi3"}, "keep transformers' cache (model_type phi3"),
+    (True, {"use_vllm": True}, None),
+])
+def test_grpo_rollouts_default_to_exact_graph_decode_where_measured(monkeypatch, cuda, extra, expect):
+    """Unset liger_rolling_cache in GRPO with the pt engine: "exact,graph" on a CUDA GPU (every decode step a graph
+    replay on a ring that never evicts), transformers' cache (said why) for sharded, quantized or uncovered models and
+    without CUDA; nothing with vLLM."""
+    import types
+
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    args = types.SimpleNamespace(rlhf_type="grpo", use_vllm=False, max_length=None, liger_rolling_cache=None,
+                                 model_type="qwen2", deepspeed=None, fsdp="", quant_bits=None, quant_method=None)
+    for k, v in extra.items():
+        setattr(args, k, v)
+    cfg, notes = liger_args.rollout_cache(args, LigerConfig())
+    if expect is None:
+        assert notes == [] and cfg.rolling_cache is None
+        return
+    assert len(notes) == 1 and expect in notes[0], notes
+    on = expect.startswith("exact")
+    assert cfg.rolling_cache == ({"window": "exact", "sinks": 0, "mode": "absolute", "cuda_graph": True} if on
+                                 else None)

@@ -9,7 +9,8 @@ unpatched run's). Another pair changes the loss settings ms-swift owns (dr_grpo,
 sequence-level importance sampling), and a pair per other loss_type (bnpo, dapo with beta 0, cispo, sapo): every
 metric equal again, since only the log-probs come from us; with a teacher model (OPD-RL) its log-probs come from
 its hidden states too. And `--padding_free true --use_liger` (no flash-attn: our packed-row attention) logs the
-padded run's metrics, and rollouts that generate on a RollingKVCache longer than --max_length log the plain run's.
+padded run's metrics, and rollouts that generate on a RollingKVCache sized per call (--liger_rolling_cache exact)
+log the plain run's.
 """
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ def runs(tiny_qwen3, tmp_path_factory):
              "settings_liger": (argv + SETTINGS + ["--use_liger"], env),
              # --use_liger picks --attn_impl swift_liger: each batch's rows as one packed row, no padding
              "padding_free_liger": (argv + ["--padding_free", "true", "--use_liger"], env),
-             # rollouts generate on a RollingKVCache longer than --max_length: exact attention
-             "rolling_liger": (argv + ["--use_liger", "--liger_rolling_cache", "128,0"], env)}
+             # rollouts generate on a RollingKVCache of each call's prompt + new tokens: exact attention
+             "rolling_liger": (argv + ["--use_liger", "--liger_rolling_cache", "exact"], env)}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
         return {n: f.result() for n, f in futures.items()}
@@ -178,16 +179,20 @@ def test_grpo_logs_tokens_and_completion_tokens_per_second(runs):
         assert tokens > completion
 
 
-def test_rollouts_on_a_rolling_cache_longer_than_max_length_match_unpatched(runs):
-    """--liger_rolling_cache 128,0 with --max_length 64: every generate call of the pt engine runs on a fresh
-    RollingKVCache that never evicts, so the sampled completions, rewards and every metric equal the plain run's; the
-    record counts the calls and their forwards (no CUDA graph on CPU)."""
+def test_rollouts_on_an_exact_rolling_cache_match_unpatched(runs):
+    """--liger_rolling_cache exact: every generate call of the pt engine runs on a fresh RollingKVCache of its prompt
+    + max new tokens (nothing evicted), so the sampled completions, rewards and every metric equal the plain run's;
+    the record counts the calls and their forwards (no CUDA graph on CPU). Without CUDA no default is taken: the plain
+    --use_liger run's rollouts keep transformers' cache and the log says why."""
     base, run = runs["base"].check(), runs["rolling_liger"].check()
     compared = compare_metrics(base.steps(), run.steps(), NOT_COMPARED)
     assert {"loss", "grad_norm", "reward", "kl", "completions/mean_length"} <= compared, compared
     ring = run.patch_record()["runtime"]["total"]["rolling_cache"]
     # 2 steps x 2 micro-batches: each generates its prompts' GENERATIONS completions in one call
-    assert ring["generate"] >= 2 and ring["own_cache"] == 0 and ring["graph_steps"] == 0, ring
+    assert ring["generate"] >= 2 and ring["own_cache"] == ring["unsized"] == ring["graph_steps"] == 0, ring
     assert ring["generate"] < ring["forwards"] <= ring["generate"] * COMPLETION, ring
-    assert "generate on a RollingKVCache of 128 slots >= --max_length 64: exact attention" in run.log
+    assert "generate on a ring of each call's prompt + new tokens: exact attention" in run.log
     assert "generate calls of the policy on a fresh RollingKVCache" in run.log
+    liger = runs["liger"].check()
+    assert "rolling_cache off: the grpo rollouts (pt engine) keep transformers' cache (no CUDA GPU)" in liger.log
+    assert "rolling_cache" not in liger.patch_record()["runtime"]["total"]
