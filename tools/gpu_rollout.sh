@@ -5,11 +5,11 @@
 # with real rollouts (--use_liger, whose rollouts default to exact,graph decode on CUDA, vs plain; CLI_STEPS steps of
 # CLI_SEQ completion tokens). Needs the ignored .whl/ carried (../shared/gpu/fetch_wheels.sh liger-kernel==0.8.5).
 #
-#   SHAPES="qwen2.5-1.5b qwen2.5-7b" NEW=1024 ROUNDS=2 VARIANTS=plain,swift_liger,swift_liger_ring,swift_liger_graph
+#   SHAPES="qwen2.5-1.5b qwen2.5-7b" (SHAPES="" for none) NEW=1024 ROUNDS=2 VARIANTS=plain,swift_liger,swift_liger_ring,swift_liger_graph
 #   TEST_PATHS="tests/ops/test_decode_attention_kernel.py tests/cache"   GPU tests first (SWIFT_LIGER_TEST_GPU=1)
 #   CLI=1 CLI_SHAPE=qwen2.5-1.5b CLI_SEQ=512 CLI_STEPS=3 DEADLINE=560
 set -uo pipefail
-OUT=${OUT:-.out}; SHAPES=${SHAPES:-qwen2.5-1.5b}; NEW=${NEW:-1024}; ROUNDS=${ROUNDS:-2}; GENERATIONS=${GENERATIONS:-8}
+OUT=${OUT:-.out}; SHAPES=${SHAPES-qwen2.5-1.5b}; NEW=${NEW:-1024}; ROUNDS=${ROUNDS:-2}; GENERATIONS=${GENERATIONS:-8}
 VARIANTS=${VARIANTS:-plain,swift_liger,swift_liger_ring,swift_liger_graph}; DEADLINE=${DEADLINE:-560}
 mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"

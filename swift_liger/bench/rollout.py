@@ -16,14 +16,18 @@ config GRPO builds (``RolloutTrainerMixin``) on a LoRA-wrapped policy in eval mo
 
 A random-init model rarely samples its end-of-sequence id, so completions run to --new-tokens; tokens/s counts
 the completion tokens the engine returned; each call's time includes its prefill and, for the graph variant, its
-capture (a fresh cache per generate call, as GRPO makes one per rollout). Rounds interleave the variants (the lent host's speed drifts); the
-report has each variant's median and spread. Memory: max_memory_allocated during its generate calls.
+capture (a fresh cache per generate call, as GRPO makes one per rollout). Rounds interleave the variants (the lent
+host's speed drifts); the report has each variant's median and spread. Memory: max_memory_allocated during its
+generate calls, with every variant's model resident.
+
+    python -m swift_liger.bench.rollout report A.json B.json --out docs/benchmarks/rollout_h200
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -168,13 +172,99 @@ def _result(args, variants, rows, model_type, prompt_tokens, window, patched) ->
               "new_tokens": args.new_tokens, "generations": args.generations, "lora_r": args.lora_r,
               "rounds": args.rounds, "window": window, "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
-              "versions": versions, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+              "versions": versions, "date": time.strftime("%Y-%m-%d"),
+              "command": "python -m swift_liger.bench.rollout " + shlex.join(sys.argv[1:]),
               "patched": sorted(k for k, on in (patched.patched if patched is not None else {}).items() if on),
               "rows": rows, "summary": summary}
     return result
 
 
+LABELS = {"plain": "stock pt engine (PEFT LoRA, DynamicCache)", "swift_liger": "`--use_liger`, transformers' cache",
+          "swift_liger_ring": "`--use_liger --liger_rolling_cache exact` (eager)",
+          "swift_liger_graph": "`--use_liger` (rollouts: `exact,graph`, the default on CUDA)"}
+
+
+def report(paths, out, note=None) -> str:
+    """Merge rollout JSONs into OUT.json / OUT.md (+ OUT.png: tokens/s per variant and point, spread as bars)."""
+    results = [json.load(open(p)) for p in paths]
+    def shape(r):   # /tmp/model_<shape>_<seq>/model -> <shape>
+        return os.path.basename(os.path.dirname(r["model"])).replace("model_", "").rsplit("_", 1)[0]
+    lines = ["# GRPO rollouts without vLLM: ms-swift's pt engine, stock vs `--use_liger`", "",
+             f"{results[0]['gpu']}, " + ", ".join(f"{k} {v}" for k, v in results[0]["versions"].items())
+             + f", {results[0]['date']}. `python -m swift_liger.bench.rollout` (one process, variants interleaved, "
+             "rounds alternate their order): one GRPO group per call, completions sampled at temperature 1 through "
+             "`TransformersEngine.infer` (what `swift rlhf --rlhf_type grpo --use_vllm false` calls) on a PEFT LoRA "
+             "r16 all-linear policy of random-init weights; tokens/s = completion tokens returned / wall time of the "
+             "call (prefill, every decode step, sampling, ms-swift's stop-word checks and, for graphs, the capture "
+             "of that call's fresh cache). Median over rounds, [min, max]: the host's eager speed drifts up to 2x "
+             "between rounds, graph replays do not.", ""]
+    lines += ["| model shape | completions | " + " | ".join(LABELS[v] for v in LABELS) + " |",
+              "|---|---|" + "---:|" * len(LABELS)]
+    merged = []
+    for r in results:
+        cells = []
+        for v in LABELS:
+            sm = r["summary"].get(v)
+            if sm is None:
+                cells.append("—")
+                continue
+            ratio = f", {sm['vs_plain']:.2f}x" if "vs_plain" in sm and v != "plain" else ""
+            cells.append(f"{sm['tokens_per_s_median']:.0f} [{sm['tokens_per_s_min']:.0f}, "
+                         f"{sm['tokens_per_s_max']:.0f}]{ratio}")
+        lines.append(f"| {shape(r)} | {r['generations']} x {r['new_tokens']} (prompt {r['prompt_tokens']}), "
+                     f"{r['rounds']} round(s) | " + " | ".join(cells) + " |")
+        merged.append({"shape": shape(r), **{k: r[k] for k in ("new_tokens", "generations", "prompt_tokens",
+                                                               "rounds", "window", "command", "summary", "rows")}})
+    lines += ["", "Peak memory during the calls (max_memory_allocated, the models of every variant resident): "
+              + "; ".join(f"{shape(r)} x {r['new_tokens']}: " + ", ".join(
+                  f"{v} {sm['peak_gib']} GiB" for v, sm in r["summary"].items()) for r in results) + ".", ""]
+    if note:
+        lines += [note, ""]
+    lines += ["Commands:", ""] + [f"    {r['command']}" for r in results] + [""]
+    text = "\n".join(lines)
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    with open(out + ".json", "w") as f:
+        json.dump({"gpu": results[0]["gpu"], "versions": results[0]["versions"], "date": results[0]["date"],
+                   "note": note, "points": merged}, f, indent=2)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return text
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(LABELS)
+    for i, v in enumerate(LABELS):
+        xs, ys, lo, hi = [], [], [], []
+        for j, r in enumerate(results):
+            sm = r["summary"].get(v)
+            if sm:
+                xs.append(j + i * width)
+                ys.append(sm["tokens_per_s_median"])
+                lo.append(sm["tokens_per_s_median"] - sm["tokens_per_s_min"])
+                hi.append(sm["tokens_per_s_max"] - sm["tokens_per_s_median"])
+        ax.bar(xs, ys, width, yerr=[lo, hi], label=LABELS[v].replace("`", ""), capsize=3)
+    ax.set_xticks([j + width * (len(LABELS) - 1) / 2 for j in range(len(results))])
+    ax.set_xticklabels([f"{shape(r)}\n{r['generations']} x {r['new_tokens']}" for r in results])
+    ax.set_ylabel("completion tokens/s")
+    ax.set_title(f"GRPO rollouts through ms-swift's pt engine ({results[0]['gpu']})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=120)
+    return text
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "report":
+        r = argparse.ArgumentParser(prog="python -m swift_liger.bench.rollout report")
+        r.add_argument("results", nargs="+", help="JSON files written by --out")
+        r.add_argument("--out", required=True, help="path prefix: OUT.md, OUT.json, OUT.png")
+        r.add_argument("--note", default=None)
+        a = r.parse_args(argv[1:])
+        print(report(a.results, a.out, a.note))
+        return 0
     p = argparse.ArgumentParser(prog="python -m swift_liger.bench.rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="a model dir (swift_liger.bench.swift_cli build OUTDIR -> OUTDIR/model)")
     p.add_argument("prompts", help="a jsonl of {'messages': [...]} rows (build's grpo.jsonl); the first is used")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 
 import torch
 
@@ -62,6 +63,10 @@ def _register_decode_attention() -> bool:
         return True
     except Exception:   # an older registry: graph steps keep the model's own attention
         return False
+
+
+def _capturable(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda"
 
 
 class DecodeRunner:
@@ -160,7 +165,7 @@ class DecodeRunner:
                 self._g_step = torch.zeros(1, dtype=torch.long, device=x.device)
                 self._graph = None
             self._g_step.fill_(plan.pos)
-        if x.device.type != "cuda" or any(kwargs.get(k) for k in ("output_attentions", "output_hidden_states")):
+        if not _capturable(x) or any(kwargs.get(k) for k in ("output_attentions", "output_hidden_states")):
             # No graph (per-layer outputs wanted, or a test forcing this path on CPU): same device-side math, eager.
             return self._graph_body(original, kwargs)
         tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
@@ -185,8 +190,16 @@ class DecodeRunner:
             out = self._graph_body(original, static)
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            g_out = self._graph_body(original, static)
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                g_out = self._graph_body(original, static)
+        except Exception as exc:   # something in the model cannot be captured: this step's output is the eager one
+            self.cuda_graph = False           # above; the next steps plan eager (install_rolling_cache drops the
+            self.graph_error = f"{type(exc).__name__}: {exc}"   # graph for later generate calls and says why)
+            self._graph = None
+            warnings.warn(f"RollingKVCache: capturing the decode step as a CUDA graph failed ({self.graph_error}); "
+                          "decoding on eagerly", RuntimeWarning, stacklevel=2)
+            return out
         self._graph = {"key": key, "inputs": inputs, "graph": graph, "out": g_out}
         return out
 

@@ -95,6 +95,9 @@ def _rolling_generate(self, *args, **kwargs):
             counts["generate"] += 1
             counts["forwards"] += sum(cache.forwards)
             counts["graph_steps"] += cache.forwards[1]
+            if cache.graph_error is not None:   # later calls decode eagerly instead of failing the capture again
+                state["settings"] = {**state["settings"], "cuda_graph": False}
+                counts["graph_error"] = cache.graph_error
 
 
 _ZERO_COUNTS = {"generate": 0, "own_cache": 0, "unsized": 0, "forwards": 0, "graph_steps": 0}
@@ -123,8 +126,9 @@ def generate_counts(model: torch.nn.Module) -> Optional[dict]:
     """What the installed generate did so far: calls on a fresh RollingKVCache (``generate``), calls that brought
     their own cache or none (``own_cache``), window="exact" calls left on transformers' default cache (``unsized``:
     no readable new-token budget, or a ring larger than the device), and the decoder forwards of the RollingKVCache
-    calls (``forwards``), of which ``graph_steps`` were CUDA-graph decode steps. None for a model (or PEFT wrapper
-    of one) without the install."""
+    calls (``forwards``), of which ``graph_steps`` were CUDA-graph decode steps; ``graph_error`` when a capture
+    failed (that call went on eagerly, later ones decode without graphs). None for a model (or PEFT wrapper of one)
+    without the install."""
     for m in model.modules():
         state = m.__dict__.get(INSTALL_ATTR)
         if state is not None:

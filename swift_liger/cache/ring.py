@@ -357,6 +357,7 @@ class RollingKVCache(ForwardPlanner, DecodeRunner, Cache):
         self._g_counts: Optional[torch.Tensor] = None   # [B] int64: per-row stream indices (padded batches)
         self._wants_attentions = False          # the current forward asks for attention weights (set by the hook)
         self.forwards = [0, 0]                  # decoder forwards planned: [eager, CUDA-graph decode steps]
+        self.graph_error: Optional[str] = None  # why capturing the decode step failed (then cuda_graph is off)
         self._reset_state()
         ensure_hook(decoder)
         ensure_forward_wrapper(decoder)

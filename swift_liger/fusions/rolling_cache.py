@@ -93,7 +93,7 @@ FUSION = Fusion(key="rolling_cache", default=None, kind="mapping", off=None,
                      'model\'s own sliding window, exact: gemma2/gemma3 and other configs with sliding layers), '
                      '"exact" / "exact,graph" (a ring per generate call of prompt + new tokens: the default cache\'s '
                      'attention; GRPO/GKD rollouts with --use_vllm false take "exact,graph" on CUDA unless this is '
-                     'set: 4.5-6.8x the stock pt engine\'s tokens/s at Qwen2.5-7B/1.5B shapes) or {"window": W, '
+                     'set: 3.4-6.8x the stock pt engine\'s tokens/s at Qwen2.5-7B/1.5B shapes, H200) or {"window": W, '
                      '"sinks": S, "mode": "absolute" or "streaming", "cuda_graph": true}.',
                 applies_to="the model's generate()", order=80, patch=patch, say_off=False,
                 normalize=normalize, parse_flag=parse_flag)

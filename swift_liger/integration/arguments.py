@@ -553,7 +553,7 @@ def rollout_cache(args, cfg):
     """(config, notes) for liger_rolling_cache in `swift rlhf --rlhf_type grpo|gkd`: the policy's rollouts through
     ms-swift's pt engine (--use_vllm false) generate on it; vLLM's engine is not ours, so an explicit setting is
     refused there. Left unset on a CUDA GPU it becomes "exact,graph" (a ring per call of prompt + new tokens, every
-    decode step a CUDA-graph replay: the default cache's attention, 4.5-6.8x its tokens/s; `--liger_rolling_cache
+    decode step a CUDA-graph replay: the default cache's attention, 3.4-6.8x its tokens/s; `--liger_rolling_cache
     none` keeps transformers' cache). A ring shorter than --max_length drops the middle of long rollouts: said."""
     rlhf_type = getattr(args, "rlhf_type", None)
     if rlhf_type not in ROLLOUT_RLHF:

@@ -124,11 +124,15 @@ def describe(snap: dict, when: str = "in the first step") -> list:
             line += " (SDPA / eager take cached decode steps, 4D masks and padding inside a row)"
         lines.append(line)
     ring = snap.get("rolling_cache")
-    if ring is not None and (ring["generate"] or ring["own_cache"]):
+    if ring is not None and (ring["generate"] or ring["own_cache"] or ring.get("unsized")):
         line = (f"rolling_cache {when}: {ring['generate']} generate calls of the policy on a fresh RollingKVCache, "
                 f"{ring['forwards']} decoder forwards, {ring['graph_steps']} of them CUDA-graph decode steps")
         if ring["own_cache"]:
             line += f"; {ring['own_cache']} calls brought their own cache (or none) and kept it"
+        if ring.get("unsized"):
+            line += f"; {ring['unsized']} calls without a readable new-token budget kept transformers' cache"
+        if ring.get("graph_error"):
+            line += f"; capturing a decode step failed ({ring['graph_error']}), so decoding went on eagerly"
         lines.append(line)
     graphs = (snap.get("policy") or {}).get("graph_layers")
     if graphs and (graphs["captures"] or graphs["replays"] or graphs["eager"]):

@@ -151,3 +151,42 @@ def test_graph_steps_asking_for_attentions_stay_eager_before_the_wrap(device, mo
     assert all(not graph for _, graph in seen), seen
     assert torch.equal(out.sequences, want)
     assert_close(torch.stack(out.logits), want_logits.double(), torch.float32, name="output_attentions logits")
+
+
+def test_a_decode_step_that_cannot_be_captured_decodes_on_eagerly(device, monkeypatch):
+    """If capturing the decode step fails, that step returns its eager warm-up output (the cache advanced once),
+    later steps of the call plan eagerly, and install_rolling_cache drops the graph for later calls and counts the
+    error: the tokens equal the default cache's throughout. (On CPU the capture path is reached with stand-ins for
+    torch.cuda's streams and a graph that refuses.)"""
+    import contextlib
+    import types as pytypes
+
+    from swift_liger.cache import install, install_rolling_cache
+    model = tiny_model(device)
+    ids = torch.randint(2, 64, (2, 5), device=device)
+    want, want_logits = generate(model, None, ids, None, 8)
+    if not GPU:
+        monkeypatch.setattr(RollingKVCache, "_graph_ok", lambda self, dev: self.cuda_graph and self._joint_ready and
+                            not torch.is_grad_enabled())
+        monkeypatch.setattr(decode, "_capturable", lambda x: True)
+        stream = pytypes.SimpleNamespace(wait_stream=lambda other: None)
+        fake = pytypes.SimpleNamespace(current_stream=lambda dev=None: stream, Stream=lambda device=None: stream,
+                                       stream=lambda s: contextlib.nullcontext(), CUDAGraph=object)
+        monkeypatch.setattr(decode.torch, "cuda", pytypes.SimpleNamespace(**vars(fake), graph=None))
+
+    def refuse(*a, **k):
+        raise RuntimeError("capture refused for the test")
+    monkeypatch.setattr(decode.torch.cuda, "graph", refuse)
+    install_rolling_cache(model, "exact", cuda_graph=True)
+    seen = count_layouts(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="capture refused for the test"):
+        seqs, logits = generate(model, None, ids, None, 8)
+    assert torch.equal(seqs, want)
+    assert_close(logits, want_logits.double(), torch.float32, name="logits after a failed capture")
+    assert seen[1] == ("full", True) and all(not g for _, g in seen[2:]), seen   # one attempt, then eager
+    counts = install.generate_counts(model)
+    assert counts["graph_steps"] == 1 and counts["graph_error"] == "RuntimeError: capture refused for the test"
+    del seen[:]
+    seqs, _ = generate(model, None, ids, None, 8)   # the next call decodes without graphs from the start
+    assert torch.equal(seqs, want) and all(not g for _, g in seen), seen
+    uninstall_rolling_cache(model)

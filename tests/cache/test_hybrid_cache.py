@@ -315,7 +315,7 @@ def test_explicit_window_on_hybrid_models(device):
 
 def test_bad_settings(device):
     model = hybrid_model(device, "gemma2")
-    for kwargs, match in [({"window": "auto"}, "window must be an int >= 1 or 'model'"),
+    for kwargs, match in [({"window": "auto"}, "window must be an int >= 1, 'model'"),
                           ({"window": "model", "sinks": 4}, "without sinks; got sinks=4"),
                           ({"window": "model", "mode": "streaming"}, "needs mode 'absolute'"),
                           ({"window": "model", "cuda_graph": True}, "without a CUDA graph"),
