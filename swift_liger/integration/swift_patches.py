@@ -541,6 +541,11 @@ def _rolling_cache_note(model, report):
         return "warning", (f"the model's generation_config has cache_implementation={impl!r}, use_cache={use_cache}: "
                            "generate keeps that and does NOT use the RollingKVCache (edit generation_config.json)")
     window, sinks = settings.get("window"), settings.get("sinks")
+    if window == "exact":
+        graph = ", every decode step a CUDA-graph replay" if settings.get("cuda_graph") else ""
+        return "info", ("every generate call of the inference engine runs on a fresh ring of its prompt + max new "
+                        f"tokens (nothing evicted: transformers' default attention){graph}; KV storage for all of "
+                        "them is allocated when the call starts")
     if window == "model":
         own = getattr(getattr(model, "config", None), "sliding_window", None)
         return "info", ("every generate call of the inference engine runs on a fresh RollingKVCache with the model's "

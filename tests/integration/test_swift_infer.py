@@ -120,6 +120,7 @@ def chats(tiny_qwen3, tmp_path_factory):
         "rolling": ["--use_liger", "--liger_rolling_cache", f"{WINDOW},{SINKS}"],
         "base": [],
         "liger": ["--use_liger"],
+        "exact": ["--use_liger", "--liger_rolling_cache", "exact"],
     }
     def chat_once_more_if_it_crashed(name, extra):
         # the rare abort at exit (SWIFT_EXIT_ABORT, ms-swift's streaming threads) under a loaded CI machine: one more
@@ -170,6 +171,17 @@ def test_liger_chat_without_rolling_cache_matches_baseline(chats):
     assert "rms_norm" in report.group(1) and "rolling_cache" not in report.group(1), report.group(1)
     assert {r["cache"] for r in rows} == {"DynamicCache"}
     assert answers == chats["base"][2]   # greedy, fp32: the patched model answers exactly like the unpatched one
+
+
+def test_exact_rolling_cache_chat_matches_baseline(chats):
+    """--liger_rolling_cache exact: every turn's generate runs on a fresh ring of its prompt + max new tokens, so
+    nothing is evicted and the greedy answers equal the unpatched chat's; the ring grows with the history."""
+    log, answers, rows = _ok(chats["exact"])
+    assert {r["cache"] for r in rows} == {"RollingKVCache"}
+    assert answers == chats["base"][2]
+    sizes = [r["nbytes"] for r in rows]
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0], sizes
+    assert "runs on a fresh ring of its prompt + max new tokens" in log
 
 
 def test_rolling_cache_chat_has_constant_kv_memory(chats, tiny_qwen3):
@@ -261,3 +273,5 @@ def test_rolling_cache_note_says_what_the_cache_keeps():
     assert "None" not in text and "4096" in text and "own sliding window" in text, text
     text = note({"window": 64, "sinks": None, "mode": "streaming"})
     assert "4+64 tokens" in text and "None" not in text, text
+    text = note({"window": "exact", "sinks": 0, "mode": "absolute", "cuda_graph": True})
+    assert "prompt + max new tokens" in text and "CUDA-graph replay" in text and "0+" not in text, text
