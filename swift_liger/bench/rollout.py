@@ -58,9 +58,10 @@ def run(args) -> dict:
     import torch
     from swift.infer_engine import InferRequest, RequestConfig
 
-    from ..cache.install import generate_counts, install_rolling_cache, uninstall_rolling_cache
-    from ..config import LigerConfig
-    from ..patcher import apply
+    from ..cache.install import (  # lazy: torch, transformers and the kernels load when a run starts, not for --help
+        generate_counts, install_rolling_cache, uninstall_rolling_cache)
+    from ..config import LigerConfig  # lazy: as above
+    from ..patcher import apply  # lazy: as above
 
     with open(os.path.join(args.model, "config.json")) as f:
         model_type = json.load(f)["model_type"]
@@ -143,7 +144,7 @@ def run(args) -> dict:
 def _result(args, variants, rows, model_type, prompt_tokens, window, patched) -> dict:
     import torch
 
-    from .. import __version__
+    from .. import __version__  # lazy: the package's public names load torch
     summary = {}
     for v in variants:
         tps = [x["tokens_per_s"] for x in rows if x["variant"] == v]

@@ -542,7 +542,7 @@ def _default_rollout_cache_blocker(args) -> Optional[str]:
     for flag in ("deepspeed", "fsdp", "quant_bits", "quant_method"):
         if getattr(args, flag, None):
             return f"--{flag} {getattr(args, flag)} (not measured with CUDA-graph decode)"
-    from ..patching.families import rolling_cache_model_types
+    from ..patching.families import rolling_cache_model_types  # lazy: only GRPO / GKD without vLLM need it
     model_type = getattr(args, "model_type", None)
     if model_type and model_type not in rolling_cache_model_types():
         return f"model_type {model_type} (RollingKVCache covers {', '.join(rolling_cache_model_types())})"
