@@ -6,3 +6,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || { echo "wheel install failed"; exit 1; }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 cp swift_liger_hook.pth "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+echo "== wheels installed at ${SECONDS}s"
+
+gpu_tests() {   # TEST_PATHS (pytest paths) on the GPU (SWIFT_LIGER_TEST_GPU=1) -> $OUT/gpu_tests.txt
+  [ -n "${TEST_PATHS:-}" ] || return 0
+  echo "== GPU tests: $TEST_PATHS"
+  SWIFT_LIGER_TEST_GPU=1 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -x -p no:cacheprovider $TEST_PATHS \
+    >"$OUT/gpu_tests.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"; tail -4 "$OUT/gpu_tests.txt"
+}

@@ -13,14 +13,7 @@ OUT=${OUT:-.out}; SHAPES=${SHAPES-qwen2.5-1.5b}; NEW=${NEW:-1024}; ROUNDS=${ROUN
 VARIANTS=${VARIANTS:-plain,swift_liger,swift_liger_ring,swift_liger_graph}; DEADLINE=${DEADLINE:-560}
 mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-echo "== wheels installed at ${SECONDS}s"
-
-if [ -n "${TEST_PATHS:-}" ]; then
-  echo "== GPU tests: $TEST_PATHS"
-  SWIFT_LIGER_TEST_GPU=1 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -x -p no:cacheprovider $TEST_PATHS \
-    >"$OUT/gpu_tests.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"; tail -4 "$OUT/gpu_tests.txt"
-fi
+gpu_tests
 
 build() {   # build SHAPE SEQ -> /tmp/model_SHAPE_SEQ
   local M=/tmp/model_$1_$2

@@ -19,14 +19,7 @@ STEPS=${STEPS:-12}; WARMUP=${WARMUP:-3}; M=/tmp/model_${SHAPE}_${SEQ}
 NAME=${NAME:-swift_cli_${SHAPE//[.-]/_}}
 mkdir -p "$OUT/swift_cli" "$R"
 source "$(dirname "$0")/device_env.sh"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-echo "== wheels installed at ${SECONDS}s"
-
-if [ -n "${TEST_PATHS:-}" ]; then
-  echo "== GPU tests: $TEST_PATHS"
-  SWIFT_LIGER_TEST_GPU=1 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -x -p no:cacheprovider $TEST_PATHS \
-    >"$OUT/gpu_tests.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"; tail -4 "$OUT/gpu_tests.txt"
-fi
+gpu_tests
 
 if [ -f "$M/build.json" ]; then
   echo "== reusing $M"
