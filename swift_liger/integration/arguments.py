@@ -344,6 +344,11 @@ def check_takes_effect(args, cfg):
     if cfg.qk_norm_rope and not cfg.rope and getattr(args, "liger_qk_norm_rope", None) is not None:
         raise ValueError("swift_liger: liger_qk_norm_rope true runs inside the RoPE kernel and needs liger_rope true "
                          "(it is false here)")
+    rlhf_type = getattr(args, "rlhf_type", None)
+    if cfg.rolling_cache and rlhf_type in ROLLOUT_RLHF and getattr(args, "use_vllm", False):
+        raise ValueError("swift_liger: liger_rolling_cache runs the policy's generate calls, and with --use_vllm "
+                         f"true the {rlhf_type} rollouts run in vLLM instead: drop liger_rolling_cache, or pass "
+                         "--use_vllm false (ms-swift's pt engine, which swift_liger patches)")
     if (cfg.rolling_cache or {}).get("cuda_graph"):
         import torch
         if not torch.cuda.is_available():
@@ -551,20 +556,15 @@ def _default_rollout_cache_blocker(args) -> Optional[str]:
 
 def rollout_cache(args, cfg):
     """(config, notes) for liger_rolling_cache in `swift rlhf --rlhf_type grpo|gkd`: the policy's rollouts through
-    ms-swift's pt engine (--use_vllm false) generate on it; vLLM's engine is not ours, so an explicit setting is
-    refused there. Left unset on a CUDA GPU it becomes "exact,graph" (a ring per call of prompt + new tokens, every
-    decode step a CUDA-graph replay: the default cache's attention, 3.4-6.8x its tokens/s; `--liger_rolling_cache
-    none` keeps transformers' cache). A ring shorter than --max_length drops the middle of long rollouts: said."""
+    ms-swift's pt engine (--use_vllm false) generate on it (with vLLM an explicit setting was refused by
+    check_takes_effect, before ms-swift's own checks). Left unset on a CUDA GPU it becomes "exact,graph" (a ring per
+    call of prompt + new tokens, every decode step a CUDA-graph replay: the default cache's attention, 3.4-6.8x its
+    tokens/s; `--liger_rolling_cache none` keeps transformers' cache). A ring shorter than --max_length +
+    --max_completion_length can drop the middle of long rollouts: said."""
     rlhf_type = getattr(args, "rlhf_type", None)
-    if rlhf_type not in ROLLOUT_RLHF:
+    if rlhf_type not in ROLLOUT_RLHF or getattr(args, "use_vllm", False):
         return cfg, []
     rolling = cfg.rolling_cache
-    if getattr(args, "use_vllm", False):
-        if rolling:
-            raise ValueError("swift_liger: liger_rolling_cache runs the policy's generate calls, and with --use_vllm "
-                             f"true the {rlhf_type} rollouts run in vLLM instead: drop liger_rolling_cache, or pass "
-                             "--use_vllm false (ms-swift's pt engine, which swift_liger patches)")
-        return cfg, []
     if rolling is None and getattr(args, "liger_rolling_cache", None) is None:   # unset (not "none")
         why = _default_rollout_cache_blocker(args)
         if why is not None:
@@ -584,14 +584,17 @@ def rollout_cache(args, cfg):
         return cfg, [f"rolling_cache: the {rlhf_type} rollouts (pt engine) generate on RollingKVCache(window=model): "
                      "the model's own sliding window, exact"]
     capacity = window + (rolling.get("sinks") or 0)
-    max_length = getattr(args, "max_length", None)
-    if isinstance(max_length, int) and capacity >= max_length:
+    # a prompt of up to --max_length tokens, then up to --max_completion_length sampled ones
+    prompt, completion = getattr(args, "max_length", None), getattr(args, "max_completion_length", None) or 0
+    if isinstance(prompt, int) and capacity >= prompt + completion:
         return cfg, [f"rolling_cache: the {rlhf_type} rollouts (pt engine) generate on a RollingKVCache of "
-                     f"{capacity} slots >= --max_length {max_length}: exact attention{graph}"]
+                     f"{capacity} slots >= --max_length {prompt} + --max_completion_length {completion}: exact "
+                     f"attention{graph}"]
     message = (f"rolling_cache: the {rlhf_type} rollouts (pt engine) generate on a RollingKVCache of {capacity} "
-               f"slots{graph}; --max_length is {max_length}: rows longer than {capacity} tokens attend to the first "
-               f"{rolling.get('sinks') or 0} and the last {window} only, so the policy samples from a shortened "
-               "context while it trains on the whole row (--liger_rolling_cache exact,graph is exact)")
+               f"slots{graph}; --max_length {prompt} + --max_completion_length {completion} can exceed it: rows "
+               f"longer than {capacity} tokens attend to the first {rolling.get('sinks') or 0} and the last {window} "
+               "only, so the policy samples from a shortened context while it trains on the whole row "
+               "(--liger_rolling_cache exact,graph is exact)")
     warnings.warn("swift_liger: " + message, stacklevel=2)
     return cfg, [message]
 

@@ -341,6 +341,15 @@ def test_rolling_cache_graph_needs_cuda(swift_mod, base_argv):
         parse(swift_mod, base_argv + ["--use_liger", "--liger_rolling_cache", "64,4,graph"])
 
 
+def test_rolling_cache_with_vllm_rollouts_is_refused_before_a_run_directory_exists(swift_mod, base_argv):
+    argv = base_argv + [
+        "--rlhf_type", "grpo", "--use_vllm", "true", "--vllm_mode", "colocate", "--num_generations", "2",
+        "--per_device_train_batch_size", "2", "--reward_funcs", "accuracy"]
+    with pytest.raises(ValueError, match="with --use_vllm true the grpo rollouts run in vLLM instead"):
+        parse(swift_mod, argv + ["--use_liger", "--liger_rolling_cache", "exact"], kind="rlhf")
+    assert not os.path.exists(base_argv[base_argv.index("--output_dir") + 1])
+
+
 def test_model_window_on_a_model_without_sliding_layers_is_refused_while_parsing(swift_mod, base_argv):
     """`--liger_rolling_cache model` on qwen3 without sliding layers: an error before the model loads (it was a
     warning after loading, an error only under --liger_strict)."""
@@ -377,11 +386,17 @@ def test_rolling_cache_with_rollouts_is_refused_under_vllm_and_judged_against_ma
     one is warned (the policy would sample from a shortened context), "exact" is said to be exact."""
     import types
     cfg = LigerConfig(rolling_cache={"window": 100, "sinks": 4})
-    args = types.SimpleNamespace(rlhf_type="grpo", use_vllm=True, max_length=50, liger_rolling_cache="100,4")
+    args = types.SimpleNamespace(rlhf_type="grpo", use_vllm=True, max_length=50, max_completion_length=54,
+                                 liger_rolling_cache="100,4")
     with pytest.raises(ValueError, match="--use_vllm false"):
-        liger_args.rollout_cache(args, cfg)
+        liger_args.check_takes_effect(args, cfg)
+    assert liger_args.rollout_cache(args, cfg) == (cfg, [])
     args.use_vllm = False
-    assert "104 slots >= --max_length 50: exact attention" in liger_args.rollout_cache(args, cfg)[1][0]
+    assert ("104 slots >= --max_length 50 + --max_completion_length 54: exact attention"
+            in liger_args.rollout_cache(args, cfg)[1][0])
+    args.max_completion_length = 55   # one token past the ring: warned
+    with pytest.warns(UserWarning, match="shortened context"):
+        liger_args.rollout_cache(args, cfg)
     args.max_length, args.rlhf_type = 4096, "gkd"
     with pytest.warns(UserWarning, match="shortened context"):
         assert "exact,graph is exact" in liger_args.rollout_cache(args, cfg)[1][0]
