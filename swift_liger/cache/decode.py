@@ -197,6 +197,8 @@ class DecodeRunner:
             self.cuda_graph = False           # above; the next steps plan eager (install_rolling_cache drops the
             self.graph_error = f"{type(exc).__name__}: {exc}"   # graph for later generate calls and says why)
             self._graph = None
+            self.forwards[1] -= 1             # counted as what ran: an eager step
+            self.forwards[0] += 1
             warnings.warn(f"RollingKVCache: capturing the decode step as a CUDA graph failed ({self.graph_error}); "
                           "decoding on eagerly", RuntimeWarning, stacklevel=2)
             return out

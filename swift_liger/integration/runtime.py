@@ -126,7 +126,8 @@ def describe(snap: dict, when: str = "in the first step") -> list:
     ring = snap.get("rolling_cache")
     if ring is not None and (ring["generate"] or ring["own_cache"] or ring.get("unsized")):
         line = (f"rolling_cache {when}: {ring['generate']} generate calls of the policy on a fresh RollingKVCache, "
-                f"{ring['forwards']} decoder forwards, {ring['graph_steps']} of them CUDA-graph decode steps")
+                f"{ring['forwards']} decoder forwards, {ring['graph_steps']} of them CUDA-graph decode steps "
+                "(captured at a call's first, replayed after)")
         if ring["own_cache"]:
             line += f"; {ring['own_cache']} calls brought their own cache (or none) and kept it"
         if ring.get("unsized"):
