@@ -188,8 +188,8 @@ _MERGE = _launch.FastLaunch(_decode_merge_kernel)
 
 
 def _decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None,
-                             slot: int = 0, lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             lens: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
+                             v_new: Optional[torch.Tensor] = None, slot: int = 0) -> torch.Tensor:
     B, HQ, _, D = q.shape
     HKV, C = k.shape[1], k.shape[2]
     out = _common.new_empty((B, 1, HQ, D), dtype=q.dtype, device=q.device)
@@ -220,15 +220,10 @@ def _decode_attention_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out
 
 
-def _launch_lens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 lens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _decode_attention_launch(q, k, v, scale, lens=lens)
-
-
 @torch.library.custom_op("swift_liger::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          lens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _launch_lens(q, k, v, scale, lens)
+    return _decode_attention_launch(q, k, v, scale, lens)
 
 
 @_decode_attention_op.register_fake
@@ -255,7 +250,8 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def decode_attention_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                lens: Optional[torch.Tensor] = None) -> torch.Tensor:
     if _common.use_triton(q):
-        return _common.compiled_or_eager("swift_liger::decode_attention", _launch_lens)(q, k, v, scale, lens)
+        return _common.compiled_or_eager("swift_liger::decode_attention", _decode_attention_launch)(q, k, v, scale,
+                                                                                                  lens)
     return decode_attention_reference(q, k, v, scale, lens)
 
 
@@ -265,7 +261,7 @@ def decode_attention_write_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.
     launch fewer than a ring write followed by decode_attention (eager decode pays ~40 us of host time per launch
     and layer on the H200 host). No argument checks; eager only (callers keep it out of torch.compile)."""
     if _common.use_triton(q):
-        return _decode_attention_launch(q, k, v, scale, k_new, v_new, int(slot))
+        return _decode_attention_launch(q, k, v, scale, None, k_new, v_new, int(slot))
     k[:, :, slot] = k_new[:, :, 0]
     v[:, :, slot] = v_new[:, :, 0]
     return decode_attention_reference(q, k, v, scale)
