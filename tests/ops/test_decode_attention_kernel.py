@@ -148,3 +148,15 @@ def test_bad_lens(device):
         decode_attention(q, k, v, 0.25, torch.ones(2, device=device))
     with pytest.raises(TypeError, match="lens must be"):
         decode_attention(q, k, v, 0.25, [3, 4])
+
+
+def test_lens_on_the_pytorch_reference_backend(monkeypatch):
+    """What users without CUDA run (SWIFT_LIGER_BACKEND=torch): each row attends to exactly its first lens[b] keys,
+    equal to the float64 softmax over those keys."""
+    monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
+    q, k, v = make(3, 6, 2, 40, 16, torch.float32, "cpu")
+    lens = torch.tensor([1, 17, 99])
+    out = decode_attention(q, k, v, 0.25, lens)
+    for b, n in enumerate((1, 17, 40)):
+        want = f64_reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], 0.25)
+        assert_close(out[b:b + 1], want, torch.float32, name=f"reference lens={n}")
