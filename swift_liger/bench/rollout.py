@@ -27,11 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
 
+from .harness import command, gpu_name, sync, utc_now, versions, write_json
+
+VERSIONS = ("torch", "triton", "transformers", "ms-swift", "peft", "swift-liger")
 VARIANTS = ("plain", "swift_liger", "swift_liger_ring", "swift_liger_graph")
 
 
@@ -48,17 +50,11 @@ def _lora(model, r):
                                             task_type="CAUSAL_LM"))
 
 
-def _sync(device):
-    import torch
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def run(args) -> dict:
     import torch
     from swift.infer_engine import InferRequest, RequestConfig
 
-    from ..cache.install import (  # lazy: torch, transformers and the kernels load when a run starts, not for --help
+    from ..cache.install import (  # lazy: transformers and the kernels load when a run starts, not for report
         generate_counts, install_rolling_cache, uninstall_rolling_cache)
     from ..config import LigerConfig  # lazy: as above
     from ..patcher import apply  # lazy: as above
@@ -104,10 +100,10 @@ def run(args) -> dict:
         try:
             if args.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
-            _sync(args.device)
+            sync(args.device)
             t0 = time.perf_counter()
             out = engine.infer([request] * args.generations, config, use_tqdm=False)
-            _sync(args.device)
+            sync(args.device)
             seconds = time.perf_counter() - t0
             counts = generate_counts(root)
         finally:
@@ -135,16 +131,11 @@ def run(args) -> dict:
             print(json.dumps(row), flush=True)
         result = _result(args, variants, rows, model_type, prompt_tokens, window, patched)
         if args.out:   # after every round: a call cut short keeps the rounds it finished
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
+            write_json(args.out, result, indent=2)
     return result
 
 
 def _result(args, variants, rows, model_type, prompt_tokens, window, patched) -> dict:
-    import torch
-
-    from .. import __version__  # lazy: the package's public names load torch
     summary = {}
     for v in variants:
         tps = [x["tokens_per_s"] for x in rows if x["variant"] == v]
@@ -158,23 +149,11 @@ def _result(args, variants, rows, model_type, prompt_tokens, window, patched) ->
     for v in summary:
         if base:
             summary[v]["vs_plain"] = round(summary[v]["tokens_per_s_median"] / base, 2)
-    import transformers
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "swift_liger": __version__}
-    try:
-        import swift
-        versions["ms-swift"] = getattr(swift, "__version__", "?")
-        import peft
-        versions["peft"] = peft.__version__
-        import triton
-        versions["triton"] = triton.__version__
-    except ImportError:
-        pass
     result = {"bench": "rollout", "model": args.model, "model_type": model_type, "prompt_tokens": prompt_tokens,
               "new_tokens": args.new_tokens, "generations": args.generations, "lora_r": args.lora_r,
               "rounds": args.rounds, "window": window, "device": args.device,
-              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
-              "versions": versions, "date": time.strftime("%Y-%m-%d"),
-              "command": "python -m swift_liger.bench.rollout " + shlex.join(sys.argv[1:]),
+              "gpu": gpu_name(args.device), "versions": versions(VERSIONS), "date": utc_now(),
+              "command": command("python -m swift_liger.bench.rollout", getattr(args, "argv", None)),
               "patched": sorted(k for k, on in (patched.patched if patched is not None else {}).items() if on),
               "rows": rows, "summary": summary}
     return result
@@ -225,9 +204,8 @@ def report(paths, out, note=None) -> str:
     text = "\n".join(lines)
     with open(out + ".md", "w") as f:
         f.write(text)
-    with open(out + ".json", "w") as f:
-        json.dump({"gpu": results[0]["gpu"], "versions": results[0]["versions"], "date": results[0]["date"],
-                   "note": note, "points": merged}, f, indent=2)
+    write_json(out + ".json", {"gpu": results[0]["gpu"], "versions": results[0]["versions"],
+                               "date": results[0]["date"], "note": note, "points": merged}, indent=2)
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -277,6 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None, help="write the result JSON here")
     args = p.parse_args(argv)
+    args.argv = argv   # the command the result records
     for name in ("new_tokens", "generations", "rounds", "lora_r"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

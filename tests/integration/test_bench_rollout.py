@@ -46,7 +46,7 @@ def test_every_variant_generates_a_group_per_round(result):
     assert set(res["summary"]) == set(rollout.VARIANTS) and res["summary"]["plain"]["vs_plain"] == 1.0
     assert res["window"] == res["prompt_tokens"] + NEW
     assert {"rms_norm", "rope", "swiglu"} <= set(res["patched"])
-    assert res["command"].startswith("python -m swift_liger.bench.rollout ")
+    assert res["command"].startswith("python -m swift_liger.bench.rollout ") and "--new-tokens 6" in res["command"]
 
 
 def test_report_merges_points(result, tmp_path):
