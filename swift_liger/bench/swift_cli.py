@@ -254,8 +254,6 @@ def task_flags(task: str, seq: int, teacher=None, generations: int = 8) -> list:
 def swift_command(model, dataset, variant, output_dir, seq, steps, extra=(), python=None, task="sft",
                   tuner="lora", grad_accum=1, teacher=None, generations=8) -> list:
     sub = ["sft"] if task == "sft" else ["rlhf", "--rlhf_type", task]
-    max_length = seq + 2 * GRPO_PROMPT_TOKENS if task == "grpo" else seq   # grpo: prompt + seq
-    variant_flags = VARIANT_FLAGS[variant]
     tuner_flags = ["--tuner_type", "full"] if tuner == "full" else [
         "--tuner_type", "lora", "--target_modules", "all-linear", "--lora_rank", "16", "--lora_alpha", "32"]
     return [python or sys.executable, "-m", "swift.cli.main", *sub,
@@ -263,12 +261,12 @@ def swift_command(model, dataset, variant, output_dir, seq, steps, extra=(), pyt
             "--torch_dtype", "bfloat16", "--attn_impl", "sdpa", "--gradient_checkpointing", "true",
             "--per_device_train_batch_size", str(generations if task == "grpo" else 1),
             "--gradient_accumulation_steps", str(grad_accum),
-            "--max_length", str(max_length),
+            "--max_length", str(seq + 2 * GRPO_PROMPT_TOKENS if task == "grpo" else seq),   # grpo: prompt + seq
             "--max_steps", str(steps), "--logging_steps", "1",
             "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0",
             "--dataset_num_proc", "1", "--check_model", "false", "--learning_rate", "1e-5", "--seed", "42",
             "--liger_metrics", "true", "--output_dir", output_dir,
-            *task_flags(task, seq, teacher, generations), *variant_flags, *extra]
+            *task_flags(task, seq, teacher, generations), *VARIANT_FLAGS[variant], *extra]
 
 
 def summarize(rows, warmup) -> dict:
