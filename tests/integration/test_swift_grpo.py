@@ -193,6 +193,8 @@ def test_rollouts_on_an_exact_rolling_cache_match_unpatched(runs):
     assert ring["generate"] < ring["forwards"] <= ring["generate"] * COMPLETION, ring
     assert "generate on a ring of each call's prompt + new tokens: exact attention" in run.log
     assert "generate calls of the policy on a fresh RollingKVCache" in run.log
-    liger = runs["liger"].check()
-    assert "rolling_cache off: the grpo rollouts (pt engine) keep transformers' cache (no CUDA GPU)" in liger.log
-    assert "rolling_cache" not in liger.patch_record()["runtime"]["total"]
+    import torch
+    if not torch.cuda.is_available():
+        liger = runs["liger"].check()
+        assert "rolling_cache off: the grpo rollouts (pt engine) keep transformers' cache (no CUDA GPU)" in liger.log
+        assert "rolling_cache" not in liger.patch_record()["runtime"]["total"]
