@@ -345,8 +345,13 @@ def test_rolling_cache_with_vllm_rollouts_is_refused_before_a_run_directory_exis
     argv = base_argv + [
         "--rlhf_type", "grpo", "--use_vllm", "true", "--vllm_mode", "colocate", "--num_generations", "2",
         "--per_device_train_batch_size", "2", "--reward_funcs", "accuracy"]
-    with pytest.raises(ValueError, match="with --use_vllm true the grpo rollouts run in vLLM instead"):
-        parse(swift_mod, argv + ["--use_liger", "--liger_rolling_cache", "exact"], kind="rlhf")
+    env = dict(os.environ)   # ms-swift's vLLM colocate setup exports RANK / WORLD_SIZE / ... before our check runs
+    try:
+        with pytest.raises(ValueError, match="with --use_vllm true the grpo rollouts run in vLLM instead"):
+            parse(swift_mod, argv + ["--use_liger", "--liger_rolling_cache", "exact"], kind="rlhf")
+    finally:   # later tests in this process must not look distributed
+        os.environ.clear()
+        os.environ.update(env)
     assert not os.path.exists(base_argv[base_argv.index("--output_dir") + 1])
 
 
