@@ -16,6 +16,7 @@ from .cross_entropy_kernel import CrossEntropyFunction, cross_entropy, cross_ent
 from .decode_attention_kernel import decode_attention, decode_attention_reference
 from .fused_linear_cross_entropy_kernel import (FusedLinearCrossEntropyFunction, fused_linear_cross_entropy,
                                                 fused_linear_cross_entropy_reference)
+from .fp8_linear_op import Fp8Weight, fp8_linear, fp8_linear_reference
 from .fused_linear_jsd_kernel import fused_linear_jsd, fused_linear_jsd_reference, fused_linear_jsd_topk
 from .kv_ring_write_kernel import kv_ring_write, kv_ring_write_reference, kv_sink_rotate, kv_sink_rotate_reference
 from .logprobs_op import LogprobsOutput, fused_linear_logprobs, fused_linear_logprobs_reference
@@ -37,6 +38,7 @@ __all__ = [
     "fused_linear_logprobs", "fused_linear_logprobs_reference", "LogprobsOutput",
     "fused_linear_jsd", "fused_linear_jsd_reference", "fused_linear_jsd_topk",
     "lora_linear", "lora_linear_reference",
+    "fp8_linear", "fp8_linear_reference", "Fp8Weight",
     "decode_attention", "decode_attention_reference",
     "kv_ring_write", "kv_ring_write_reference", "kv_sink_rotate", "kv_sink_rotate_reference",
     "varlen_attention", "varlen_attention_reference", "VarlenAttentionFunction", "doc_bounds",

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .dropout_mask_kernel import masked_scale, pack_mask
+from .fp8_linear_op import Fp8Weight, fp8_input_grad, fp8_matmul
 
 
 class DequantizedWeight:
@@ -60,17 +61,36 @@ def _dense(weight) -> torch.Tensor:
     return weight.get() if isinstance(weight, DequantizedWeight) else weight
 
 
+def _base_linear(x: torch.Tensor, weight, bias) -> torch.Tensor:
+    """x W^T + bias in x's dtype: an FP8 GEMM for an Fp8Weight, else F.linear on the (dequantized) weight."""
+    if isinstance(weight, Fp8Weight):
+        y = fp8_matmul(x, weight, x.dtype)
+        return y if bias is None else y.add_(bias.to(y.dtype))
+    return F.linear(x, _dense(weight), bias)
+
+
+def _base_input_grad(g: torch.Tensor, weight, dtype: torch.dtype) -> torch.Tensor:
+    """g W in `dtype` ([N, out] -> [N, in]), weight as _saved_weight returns it."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_input_grad(g, weight, dtype)
+    return g.to(dtype) @ weight.to(dtype)
+
+
 def _save_weight(ctx, weight):
-    """The tensor to save for the backward (None for a DequantizedWeight, which stays on ctx and is re-made)."""
-    if isinstance(weight, DequantizedWeight):
+    """The tensor to save for the backward (None for a DequantizedWeight, which stays on ctx and is re-made, and for
+    an Fp8Weight, kept on ctx as it is: a saved-tensor hook, such as offloaded checkpoints', would copy it out)."""
+    if isinstance(weight, (DequantizedWeight, Fp8Weight)):
         ctx.qweight = weight
         return None
     ctx.qweight = None
     return weight
 
 
-def _saved_weight(ctx, saved) -> torch.Tensor:
-    return _dense(ctx.qweight) if ctx.qweight is not None else saved
+def _saved_weight(ctx, saved):
+    """The base weight for the input gradient: a tensor, or the Fp8Weight itself (_base_input_grad takes both)."""
+    if ctx.qweight is None:
+        return saved
+    return ctx.qweight if isinstance(ctx.qweight, Fp8Weight) else _dense(ctx.qweight)
 
 
 def _compute_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:
@@ -92,7 +112,7 @@ def _forward_no_grad(x, x_lora, weight, bias, lora_a, lora_b, scaling: float, dr
     """The forward with autograd off (a reentrant checkpoint's first pass, evaluation, generation): nothing is saved,
     so no mask bits; the dropout draws what LoRALinearFunction draws (torch.native_dropout), so a recompute that
     restores the RNG state reproduces it."""
-    y = F.linear(x, _dense(weight), bias)
+    y = _base_linear(x, weight, bias)
     if dropout_p > 0:
         x_lora = torch.native_dropout(x, dropout_p, True)[0]
     _add_lora_out(y, F.linear(x_lora, lora_a), lora_b, scaling)
@@ -108,7 +128,7 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, x_lora, weight, bias, lora_a, lora_b, scaling, dropout_p):
-        y = F.linear(x, _dense(weight), bias)
+        y = _base_linear(x, weight, bias)
         ctx.base_dtype = y.dtype                      # the base matmul's compute dtype
         bits = None
         if dropout_p > 0:
@@ -149,13 +169,13 @@ class LoRALinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             bdt = ctx.base_dtype
             weight = _saved_weight(ctx, weight)
-            if bits is not None and dx_lora.dtype == bdt:
+            if bits is not None and dx_lora.dtype == bdt and not isinstance(weight, Fp8Weight):
                 dx = dx_lora.addmm_(g.to(bdt), weight.to(bdt))   # in place: one [N, in] buffer, not two
                 dx_lora = None
             else:
-                dx = (g.to(bdt) @ weight.to(bdt)).to(ctx.x_dtype)
+                dx = _base_input_grad(g, weight, bdt).to(ctx.x_dtype)
                 if bits is not None:
-                    dx = dx + dx_lora
+                    dx = dx.add_(dx_lora)                 # dx is a fresh buffer
                     dx_lora = None
             dx = dx.reshape(*dy.shape[:-1], weight.shape[1])
         if dx_lora is not None:
@@ -194,7 +214,7 @@ class LoRALinearUpcastFunction(torch.autograd.Function):
             del mask, _
         keep_scale = 1.0 / (1.0 - dropout_p)
         rows = _chunk_rows(max(n_in, n_out))
-        y = F.linear(x2, _dense(weight), bias)
+        y = _base_linear(x2, weight, bias)
         a = torch.empty(x2.shape[0], lora_a.shape[0], dtype=ldt, device=x.device)
         for c0 in range(0, x2.shape[0], rows):
             c1 = min(c0 + rows, x2.shape[0])
@@ -212,7 +232,7 @@ class LoRALinearUpcastFunction(torch.autograd.Function):
         n_in = x.shape[-1]
         x2 = x.reshape(-1, n_in)
         g = dy.reshape(-1, dy.shape[-1])
-        dx = (g @ _saved_weight(ctx, weight).to(g.dtype)) if ctx.needs_input_grad[0] else None
+        dx = _base_input_grad(g, _saved_weight(ctx, weight), g.dtype) if ctx.needs_input_grad[0] else None
         da_w = torch.zeros_like(lora_a) if ctx.needs_input_grad[3] else None
         db_w = torch.zeros_like(lora_b) if ctx.needs_input_grad[4] else None
         for c0 in range(0, g.shape[0], rows):
@@ -248,7 +268,8 @@ def _lora_rows(x2, bits, c0, c1, keep_scale, dtype):
 
 def lora_linear_reference(x, x_lora, weight, bias, lora_a, lora_b, scaling):
     """The same maths with autograd doing the backward (what PEFT computes, minus its dtype round trips)."""
-    return F.linear(x, _dense(weight), bias) + F.linear(F.linear(x_lora, lora_a), lora_b) * scaling
+    base = weight.dequantize() if isinstance(weight, Fp8Weight) else _dense(weight)
+    return F.linear(x, base, bias) + F.linear(F.linear(x_lora, lora_a), lora_b) * scaling
 
 
 def lora_linear_problem(x: torch.Tensor, x_lora: Optional[torch.Tensor], weight: torch.Tensor,

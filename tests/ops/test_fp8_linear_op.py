@@ -1,0 +1,186 @@
+"""FP8 frozen weights: quantization, the FP8 forward and input-gradient GEMMs against float64 maths of the same
+quantized operands, the Fp8Weight tensor's behaviour as a frozen Parameter, and lora_linear over an FP8 base.
+On CPU torch._scaled_mm is torch's reference FP8 GEMM; the same tests run on an sm_89+ GPU (cuBLASLt)."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_close, f64, inputs_unchanged
+from swift_liger.ops.fp8_linear_op import (FP8, FP8_MAX, Fp8Weight, fp8_device_problem, fp8_input_grad, fp8_linear,
+                                           fp8_linear_reference, fp8_weight_problem, quantize_rows)
+from swift_liger.ops.lora_linear_op import lora_linear
+
+DEVICE = "cuda" if torch.cuda.is_available() and fp8_device_problem("cuda") is None else "cpu"
+# e4m3 keeps 3 mantissa bits: a value's rounding error is at most 2^-4 of it (normals)
+E4M3_REL = 2.0 ** -4
+
+
+def weight(out=48, inp=32, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(out, inp, generator=g) * 0.2).to(dtype).to(DEVICE)
+
+
+def f64_dequant(q, scale):
+    return q.double() * scale.double().reshape(-1, 1)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_quantize_rows_bounds(fold):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(9, 48, generator=g) * torch.logspace(-3, 3, 9)[:, None]).to(torch.bfloat16).to(DEVICE)
+    x[4] = 0                                                # an all-zero row quantizes to zeros
+    f = (torch.rand(48, generator=g) + 0.5).to(DEVICE) if fold else None
+    with inputs_unchanged(x):
+        q, s = quantize_rows(x, f)
+    assert q.dtype == FP8 and s.dtype == torch.float32 and s.shape == (9, 1)
+    want = x.double() * (f.double() if fold else 1.0)
+    got = f64_dequant(q, s)
+    err = (got - want).abs()
+    assert (err <= E4M3_REL * want.abs() + s.double() * 2.0 ** -9 + 1e-30).all()   # subnormals: 2^-9 steps
+    nonzero = [i for i in range(9) if i != 4]
+    assert torch.all(q.float().abs().amax(1)[nonzero] == FP8_MAX)   # each row's max maps to 448
+    assert torch.all(q[4].float() == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lead", [(5, 7), (3,), (1, 1, 16)])
+def test_forward_and_input_grad_match_float64(dtype, bias, lead):
+    w = weight(dtype=dtype)
+    fw = Fp8Weight.quantize(w)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(*lead, 32, generator=g).to(dtype).to(DEVICE).requires_grad_()
+    b = torch.randn(48, generator=g).to(dtype).to(DEVICE) if bias else None
+    dy = torch.randn(*lead, 48, generator=g).to(dtype).to(DEVICE)
+    with inputs_unchanged(w, x, dy):
+        y = fp8_linear(x, fw, b)
+        y.backward(dy)
+    assert y.dtype == dtype and y.shape == (*lead, 48)
+    assert_close(y, fp8_linear_reference(x, fw, b), dtype, name="y")
+    # the input gradient: g scaled by W's row scales, quantized per row, times W_q
+    gq, sg = quantize_rows(dy.reshape(-1, 48), fold=fw.scale)
+    dx_ref = (f64_dequant(gq, sg) @ fw.q.double()).reshape(x.shape)
+    assert_close(x.grad, dx_ref, dtype, name="dx")
+    # and both within FP8 rounding of the 16-bit maths
+    dense = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert ((y.double() - dense).norm() / dense.norm()) < 2 * E4M3_REL
+    dx_dense = dy.double() @ w.double()
+    assert ((x.grad.double() - dx_dense).norm() / dx_dense.norm()) < 2 * E4M3_REL
+
+
+def test_autocast_and_no_grad():
+    w = weight()
+    fw = Fp8Weight.quantize(w)
+    x = torch.randn(6, 32, device=DEVICE)                  # fp32 input: autocast makes it bf16
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = fp8_linear(x, fw)
+    assert y.dtype == torch.bfloat16
+    assert_close(y, fp8_linear_reference(x.bfloat16(), fw), torch.bfloat16, name="y")
+    with torch.no_grad():
+        assert torch.equal(fp8_linear(x.bfloat16(), fw), y)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        fp8_linear(x, fw)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 32\]"):
+        fp8_linear(torch.randn(2, 16, device=DEVICE, dtype=torch.bfloat16), fw)
+    with pytest.raises(ValueError, match="Fp8Weight"):
+        fp8_linear(x.bfloat16(), w)
+
+
+def test_weight_problems():
+    assert fp8_weight_problem(weight()) is None
+    assert "multiples of 16" in fp8_weight_problem(weight(out=40))
+    assert "bfloat16 or float16" in fp8_weight_problem(weight(dtype=torch.float32))
+    assert "frozen" in fp8_weight_problem(weight().requires_grad_())
+    assert "[out, in]" in fp8_weight_problem(torch.zeros(16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        Fp8Weight.quantize(weight(out=40))
+    assert fp8_device_problem("cpu") is None
+    assert "CUDA" in fp8_device_problem("meta")
+
+
+def test_fp8_weight_is_a_frozen_parameter_with_exact_reads(tmp_path):
+    w = weight()
+    snapshot = w.clone()
+    fw = Fp8Weight.quantize(w)
+    assert torch.equal(w, snapshot)                         # the user's weight is not changed
+    assert fw.dtype == w.dtype and fw.shape == w.shape and fw.device == w.device and not fw.requires_grad
+    assert fw.q.dtype == FP8 and fw.scale.shape == (48,) and fw.original.device.type == "cpu"
+    assert fw.nbytes_on_device() == 48 * 32 + 48 * 4 + 32 * 4
+    lin = torch.nn.Linear(32, 48, bias=False, device=DEVICE, dtype=w.dtype).requires_grad_(False)
+    lin._parameters["weight"] = torch.nn.Parameter(fw, requires_grad=False)
+    assert isinstance(lin.weight, torch.nn.Parameter) and isinstance(lin.weight, Fp8Weight)
+    # reads outside the FP8 matmuls see the exact loaded values
+    assert torch.equal(lin.weight.clone(), w) and type(lin.weight.clone()) is torch.Tensor
+    assert torch.equal(lin.weight.float(), w.float())
+    assert torch.equal(F.linear(torch.eye(32, device=DEVICE, dtype=w.dtype), lin.weight), w.t())
+    assert isinstance(lin.weight.detach(), Fp8Weight) and isinstance(lin.weight.data, Fp8Weight)
+    buf = io.BytesIO()
+    torch.save(lin.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf)["weight"]
+    assert type(saved) is torch.Tensor and torch.equal(saved.to(w.device), w)
+    twin = copy.deepcopy(lin)
+    assert isinstance(twin.weight, Fp8Weight) and isinstance(twin.weight, torch.nn.Parameter)
+    assert torch.equal(twin.weight.q.float(), fw.q.float()) and twin.weight.q.data_ptr() != fw.q.data_ptr()
+    lin.to(DEVICE)                                          # a move to where it is: nothing happens
+    assert isinstance(lin.weight, Fp8Weight)
+    with pytest.raises(RuntimeError, match="frozen FP8 base weight"):
+        lin.weight.add_(1)
+    with pytest.raises(RuntimeError, match="frozen FP8 base weight"):
+        lin.weight.data.mul_(2)
+    with pytest.raises(RuntimeError, match="cannot be moved or cast"):
+        lin.to(torch.float32)
+    assert torch.equal(lin.weight.clone(), w)
+    assert "Fp8Weight(shape=(48, 32)" in repr(fw)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_lora_linear_over_fp8_base(dropout):
+    """Adapter gradients do not depend on the base weight: equal to the 16-bit base's; the output and the input
+    gradient carry the base's FP8 GEMMs."""
+    w = weight()
+    fw = Fp8Weight.quantize(w)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 5, 32, generator=g).bfloat16().to(DEVICE)
+    a = (torch.randn(4, 32, generator=g) * 0.3).bfloat16().to(DEVICE)
+    b = (torch.randn(48, 4, generator=g) * 0.3).bfloat16().to(DEVICE)
+    bias = torch.randn(48, generator=g).bfloat16().to(DEVICE)
+    dy = torch.randn(4, 5, 48, generator=g).bfloat16().to(DEVICE)
+    outs = []
+    for base in (fw, w):
+        xs, as_, bs = (t.clone().requires_grad_() for t in (x, a, b))
+        torch.manual_seed(7)                                # the same dropout draws for both
+        y = lora_linear(xs, None, base, bias, as_, bs, 2.0, dropout)
+        y.backward(dy)
+        outs.append((y, xs.grad, as_.grad, bs.grad))
+    (y8, dx8, da8, db8), (y16, dx16, da16, db16) = outs
+    assert torch.equal(da8, da16) and torch.equal(db8, db16)
+    lora_y = y16.double() - (x.double() @ w.double().t() + bias.double())   # the LoRA branch (same dropout)
+    assert_close(y8, fp8_linear_reference(x, fw, bias) + lora_y, torch.bfloat16, slack=2, name="y")
+    lora_dx = dx16.double() - dy.double() @ w.double()
+    assert_close(dx8, fp8_input_grad(dy, fw, torch.bfloat16).double() + lora_dx,
+                 torch.bfloat16, slack=2, name="dx")
+    with torch.no_grad():                                    # the no-autograd path (checkpoint first pass)
+        torch.manual_seed(7)
+        assert_close(lora_linear(x, None, fw, bias, a, b, 2.0, dropout), y8, torch.bfloat16, name="y no_grad")
+
+
+def test_lora_linear_fp8_base_upcast_path():
+    """fp32 adapters on a bf16 input without autocast (LoRALinearUpcastFunction) over an FP8 base."""
+    w = weight()
+    fw = Fp8Weight.quantize(w)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 32, generator=g).bfloat16().to(DEVICE).requires_grad_()
+    a = (torch.randn(4, 32, generator=g) * 0.3).to(DEVICE).requires_grad_()
+    b = (torch.randn(48, 4, generator=g) * 0.3).to(DEVICE).requires_grad_()
+    dy = torch.randn(6, 48, generator=g).bfloat16().to(DEVICE)
+    y = lora_linear(x, None, fw, None, a, b, 0.5)
+    y.backward(dy)
+    want = fp8_linear_reference(x, fw) + 0.5 * (f64(x) @ f64(a).t()) @ f64(b).t()
+    assert_close(y, want, torch.bfloat16, name="y")
+    lora_dx = 0.5 * (dy.double() @ f64(b)) @ f64(a)
+    assert_close(x.grad, fp8_input_grad(dy, fw, torch.bfloat16).double() + lora_dx, torch.bfloat16, slack=2,
+                 name="dx")
