@@ -13,6 +13,7 @@ _PUBLIC = {
     "PatchReport": "report",
     "get_report": "patching.state", "is_patched": "patching.state",
     "keep_logits": "fusions.loss_head.handle",
+    "quantize_lora_bases": "patching.fp8",
     "ACTIVATIONS": "patching.families", "FAMILIES": "patching.families", "Family": "patching.families",
     "family_for": "patching.families", "register_family": "patching.families",
 }

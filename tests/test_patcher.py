@@ -296,7 +296,7 @@ def test_default_report_and_summary(caplog):
     assert report.patched == {"rms_norm": 5, "rope": 2, "qk_norm_rope": 2, "swiglu": 2, "tiled_mlp": 0,
                               "offload_checkpoints": 0, "save_attention": 0, "cross_entropy": 1, "rolling_cache": 0,
                               "fused_projections": 0,
-                              "compile_layers": 0, "graph_layers": 2}
+                              "compile_layers": 0, "graph_layers": 2, "fp8_base": 0}
     assert report.activation == "swiglu" and report.model_type == "qwen3"
     text = str(report)
     assert "Qwen3ForCausalLM" in text and "cross_entropy=fused_linear" in text and "\n" not in text

@@ -1,0 +1,145 @@
+"""FP8 frozen bases under LoRA: after PEFT has wrapped a patched model, each plain LoRA projection's frozen
+nn.Linear weight becomes an ops.fp8_linear_op.Fp8Weight (e4m3 rows + fp32 row scales on the GPU; the exact 16-bit
+weight moves to host memory, where revert and every read outside the FP8 matmuls find it).
+
+Which LoRA layers keep a 16-bit base, and why, is `base_problem`'s answer (DoRA and other LoRA variants read the base
+weight in their own maths; quantized or non-Linear bases; dims that are not multiples of 16). The LoRA op
+(patching/lora.py -> ops.lora_linear) multiplies through FP8 when it meets an Fp8Weight; the base nn.Linear gets an
+instance forward through ops.fp8_linear, so PEFT's own forward (adapters disabled: DPO/KTO/GRPO reference passes)
+uses the same FP8 weight. Revert puts the same Parameter objects back, their data copied back to the device.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import torch
+
+from ..ops.fp8_linear_op import Fp8Weight, fp8_device_problem, fp8_linear, fp8_weight_problem
+from .lora import is_peft_lora_linear
+from .state import PatchState, find_states, set_forward
+
+PART = "fp8_base"
+EMULATE_ENV = "SWIFT_LIGER_FP8_EMULATE"   # "1": allow FP8 bases on CPU (torch's reference FP8 GEMM; tests only)
+
+
+def emulation_allowed() -> bool:
+    return os.environ.get(EMULATE_ENV, "") == "1"
+
+
+def new_part() -> dict:
+    """The patch state's record: what became FP8, what stayed 16-bit and why, and the base-forward calls."""
+    return {"converted": [], "kept": {}, "seen": set(), "calls": {"fp8_base_calls": 0}, "bytes_16bit": 0,
+            "bytes_fp8": 0}
+
+
+def base_problem(layer: torch.nn.Module) -> Optional[str]:
+    """Why this PEFT LoRA layer's base stays 16-bit (None: it becomes FP8)."""
+    try:
+        base = layer.get_base_layer()
+        variants = getattr(layer, "lora_variant", {}) or {}
+        dora = any(getattr(layer, "use_dora", {}).values())
+    except AttributeError as exc:
+        return f"not a PEFT LoRA layer PEFT's API describes ({exc})"
+    if dora or variants:
+        return "DoRA / LoRA variant (its maths reads the base weight)"
+    if type(base) is not torch.nn.Linear:
+        return f"base is {type(base).__name__}, not torch.nn.Linear"
+    weight = base._parameters.get("weight")
+    if isinstance(weight, Fp8Weight):
+        return None
+    problem = fp8_weight_problem(weight)
+    if problem:
+        return problem
+    if base.bias is not None and base.bias.requires_grad:
+        return "the base bias trains"
+    device = fp8_device_problem(weight.device)
+    if device:
+        return device
+    if weight.device.type == "cpu" and not emulation_allowed():
+        return f"weight is on the CPU (FP8 GEMMs need an sm_89+ GPU; {EMULATE_ENV}=1 emulates them, for tests)"
+    return None
+
+
+def _fp8_base_forward(self, x, *args, **kwargs):
+    """nn.Linear.forward of an FP8 base: PEFT calls it with adapters disabled, or for a layer it runs itself."""
+    weight = self._parameters.get("weight")
+    if args or kwargs or not isinstance(weight, Fp8Weight):
+        return type(self).forward(self, x, *args, **kwargs)
+    calls = self.__dict__.get("_swift_liger_fp8_calls")
+    if calls is not None:
+        calls["fp8_base_calls"] += 1
+    return fp8_linear(x, weight, self.bias)
+
+
+def _restore(part: dict) -> None:
+    for base, param in reversed(part["converted"]):
+        fp8 = base._parameters.get("weight")
+        if isinstance(fp8, Fp8Weight):
+            param.data = fp8.original.to(fp8.device)   # the loaded values, back on the device
+        base._parameters["weight"] = param
+    part["converted"].clear()
+
+
+def register(st: PatchState) -> dict:
+    """At patch time: the record quantize_lora_bases fills later, and its undo (so revert restores the bases)."""
+    part = st.parts.setdefault(PART, new_part())
+    st.on_restore(_restore, part)
+    return part
+
+
+def quantize_lora_bases(model: torch.nn.Module) -> Dict[str, object]:
+    """Store the frozen base of every plain LoRA projection of `model` (patched by swift_liger.apply with
+    fp8_base=True, then wrapped by PEFT) in FP8. Idempotent. Returns the record: layers converted, layers kept 16-bit
+    by reason, their device bytes in 16 bits and in FP8. Raises ValueError when the model was not patched with fp8_base."""
+    states = [st for _, st in find_states(model) if getattr(st.config, "fp8_base", False)]
+    if not states:
+        raise ValueError("quantize_lora_bases needs a model patched with swift_liger.apply(model, fp8_base=True) "
+                         "before PEFT wrapped it")
+    st = states[0]
+    part = st.parts.get(PART) or register(st)
+    seen = part.setdefault("seen", set())                 # ids of the bases already decided
+    report = st.report
+    for module in model.modules():
+        if not is_peft_lora_linear(module):
+            continue
+        base = module.get_base_layer()
+        if id(base) in seen:
+            continue
+        seen.add(id(base))
+        reason = base_problem(module)
+        if reason:
+            part["kept"][reason] = part["kept"].get(reason, 0) + 1
+            report.skip(PART, f"LoRA base kept 16-bit: {reason}")
+            continue
+        param = base._parameters["weight"]
+        fp8 = Fp8Weight.quantize(param.data)
+        host = fp8.original
+        fp8 = torch.nn.Parameter(fp8, requires_grad=False)
+        part["bytes_16bit"] += param.numel() * param.element_size()
+        part["bytes_fp8"] += fp8.nbytes_on_device()
+        base._parameters["weight"] = fp8
+        param.data = host                              # the device copy is freed; revert copies it back
+        part["converted"].append((base, param))
+        st.set(base, "_swift_liger_fp8_calls", part["calls"])
+        set_forward(st, base, _fp8_base_forward)
+    report.patched[PART] = len(part["converted"])
+    _ddp_ignore(model, part, st)
+    return summary(part)
+
+
+def _ddp_ignore(model: torch.nn.Module, part: dict, st: PatchState) -> None:
+    """DistributedDataParallel broadcasts every parameter from rank 0 when it wraps the model (a write into each
+    Fp8Weight, which refuses it). The FP8 bases are frozen and quantized the same on every rank from the same
+    checkpoint, so they are left out of DDP's sync by their names under `model` (the module DDP will wrap)."""
+    converted = {id(base) for base, _ in part["converted"]}
+    names = [f"{name}.weight" if name else "weight" for name, module in model.named_modules()
+             if id(module) in converted]
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    st.set(model, "_ddp_params_and_buffers_to_ignore", ignored + [n for n in names if n not in ignored])
+
+
+def summary(part: Optional[dict]) -> Dict[str, object]:
+    part = part or new_part()
+    return {"fp8_weights": len(part["converted"]), "kept_16bit": dict(part["kept"]),
+            "bytes_16bit": part["bytes_16bit"], "bytes_fp8": part["bytes_fp8"]}

@@ -1,0 +1,181 @@
+"""fp8_base: after PEFT wraps a patched model, quantize_lora_bases stores each plain LoRA base in FP8; training
+runs through the FP8 GEMMs (fused LoRA path and PEFT's own forward with adapters disabled), the adapters and their
+gradients keep their 16-bit maths, saved adapters hold the same keys, and revert restores the exact weights."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from helpers import close_scaled as close
+
+import swift_liger
+from swift_liger import call_counts
+from swift_liger.ops.fp8_linear_op import Fp8Weight, fp8_device_problem
+from swift_liger.patching.fp8 import EMULATE_ENV
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+LAYERS = 2
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEVICE = "cuda" if torch.cuda.is_available() and fp8_device_problem("cuda") is None else "cpu"
+
+
+@pytest.fixture
+def emulate(monkeypatch):
+    monkeypatch.setenv(EMULATE_ENV, "1")            # FP8 bases on CPU through torch's reference FP8 GEMM
+    if DEVICE == "cpu":
+        monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
+
+
+def tiny(model_type="qwen2", seed=0):
+    cfg = transformers.AutoConfig.for_model(
+        model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=64, pad_token_id=0,
+        eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
+                                                         attn_implementation="eager").to(DEVICE)
+
+
+def lora(model, use_dora=False):
+    torch.manual_seed(3)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, use_dora=use_dora,
+                                                      target_modules=list(PROJECTIONS)))
+
+
+def pair(model_type="qwen2", **apply_kw):
+    ref = lora(tiny(model_type))
+    m = tiny(model_type)
+    swift_liger.apply(m, fp8_base=True, **apply_kw)
+    m = lora(m)
+    return ref, m
+
+
+def batch():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 96, (2, 24), generator=gen)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+def bases(model):
+    return [m.get_base_layer() for m in model.modules() if type(m).__name__ == "Linear"
+            and type(m).__module__.startswith("peft.tuners.lora")]
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_bases_become_fp8_and_train_close_to_16bit(emulate, model_type):
+    ref, model = pair(model_type)
+    originals = [b.weight.detach().clone() for b in bases(model)]
+    params = [b.weight for b in bases(model)]
+    record = swift_liger.quantize_lora_bases(model)
+    n = len(PROJECTIONS) * LAYERS
+    assert record["fp8_weights"] == n and record["kept_16bit"] == {}
+    assert record["bytes_fp8"] < 0.6 * record["bytes_16bit"]
+    assert all(isinstance(b.weight, Fp8Weight) for b in bases(model))
+    assert swift_liger.quantize_lora_bases(model)["fp8_weights"] == n        # idempotent
+    ids, labels = batch()
+    call_counts(model, reset=True)
+    losses = []
+    for m in (ref, model):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = m(ids, labels=labels)
+        out.loss.backward()
+        losses.append(out.loss)
+    counts = call_counts(model)
+    assert counts["lora_fused"] == n and counts["lora_peft"] == 0 and counts["fp8_weights"] == n
+    close(losses[1], losses[0], "loss", atol=2e-2, rtol=2e-2)        # FP8 rounding of every base GEMM
+    got = {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
+    want = {k: p.grad for k, p in ref.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and len(got) == 2 * n
+    for k in got:
+        rel = (got[k].double() - want[k].double()).norm() / want[k].double().norm()
+        assert rel < 0.3, (k, rel.item())   # FP8 rounding: ~10% on this random 2-layer model; a lost scale gives ~1
+    assert all(b.weight.grad is None for b in bases(model))
+    # adapters disabled (a DPO/GRPO reference pass): PEFT's forward, base GEMMs in FP8
+    call_counts(model, reset=True)
+    with torch.no_grad(), model.disable_adapter(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        base_loss = model(ids, labels=labels).loss
+    assert call_counts(model)["fp8_base_calls"] == n
+    swift_liger.revert(model)
+    for b, p, w in zip(bases(model), params, originals):
+        assert b.weight is p and type(p) is torch.nn.Parameter and torch.equal(p, w) and p.device == w.device
+    with torch.no_grad(), model.disable_adapter(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        close(model(ids, labels=labels).loss, base_loss, "base loss", atol=2e-2, rtol=2e-2)
+
+
+def test_saved_adapter_has_the_16bit_runs_keys(emulate, tmp_path):
+    ref, model = pair()
+    swift_liger.quantize_lora_bases(model)
+    ids, labels = batch()
+    for i, m in enumerate((ref, model)):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            m(ids, labels=labels).loss.backward()
+        opt.step()
+        m.save_pretrained(tmp_path / str(i))
+    from safetensors.torch import load_file
+    a, b = (load_file(tmp_path / str(i) / "adapter_model.safetensors") for i in (0, 1))
+    assert a.keys() == b.keys() and all("lora_" in k for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        close(b[k], a[k], k, atol=5e-3, rtol=5e-3)    # one AdamW step: ~lr-sized moves from near-equal grads
+
+
+def test_kept_16bit_where_fp8_cannot_apply(monkeypatch):
+    """Without an FP8 GPU (and without the test emulation) every base stays 16-bit, each counted with its reason;
+    DoRA layers stay 16-bit too."""
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    if DEVICE == "cpu":
+        _, model = pair()
+        record = swift_liger.quantize_lora_bases(model)
+        assert record["fp8_weights"] == 0
+        (reason, n), = record["kept_16bit"].items()
+        assert n == len(PROJECTIONS) * LAYERS and "CPU" in reason and EMULATE_ENV in reason
+        assert "fp8_base" in swift_liger.get_report(model).summary()
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    m = tiny()
+    swift_liger.apply(m, fp8_base=True)
+    m = lora(m, use_dora=True)
+    record = swift_liger.quantize_lora_bases(m)
+    assert record["fp8_weights"] == 0 and any("DoRA" in r for r in record["kept_16bit"])
+
+
+def test_needs_a_model_patched_with_fp8_base():
+    m = lora(tiny())
+    with pytest.raises(ValueError, match="fp8_base=True"):
+        swift_liger.quantize_lora_bases(m)
+    m = tiny()
+    swift_liger.apply(m)
+    with pytest.raises(ValueError, match="fp8_base=True"):
+        swift_liger.quantize_lora_bases(lora(m))
+
+
+def test_ddp_wraps_a_model_with_fp8_bases(emulate, monkeypatch):
+    """DistributedDataParallel broadcasts every parameter when it wraps a model: the FP8 bases (frozen, the same on
+    every rank) are left out of that sync by name, so wrapping and a step work; revert drops the names again."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29000 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        _, model = pair()
+        swift_liger.quantize_lora_bases(model)
+        names = set(model._ddp_params_and_buffers_to_ignore)
+        assert len(names) == len(PROJECTIONS) * LAYERS and all(n.endswith("base_layer.weight") for n in names)
+        assert all(isinstance(p, Fp8Weight) for n, p in model.named_parameters() if n in names)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ids, labels = batch()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            ddp(ids, labels=labels).loss.backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        swift_liger.revert(model)
+        assert "_ddp_params_and_buffers_to_ignore" not in model.__dict__
+    finally:
+        dist.destroy_process_group()
