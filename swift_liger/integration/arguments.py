@@ -55,6 +55,8 @@ ENV_VARS = {   # every environment variable swift_liger reads, checked in valida
                                 "faster) or always (replay every replayable shape untimed, for benchmarks)",
     "SWIFT_LIGER_ALLOW_UNTESTED_VERSIONS": "1 warns instead of refusing torch, triton, transformers or ms-swift "
                                            "versions outside the tested ranges (swift_liger/versions.py)",
+    "SWIFT_LIGER_FP8_EMULATE": "1 lets liger_fp8_base run without an FP8 GPU, on CPU through torch's reference FP8 "
+                               "GEMM (tests and accuracy studies; slow)",
 }
 
 
@@ -289,6 +291,9 @@ def check_environment() -> None:
     fast = os.environ.get("SWIFT_LIGER_FAST_LAUNCH")
     if fast is not None and fast.strip() not in ("0", "1"):
         raise ValueError(f"SWIFT_LIGER_FAST_LAUNCH must be 0 or 1, got {fast!r}")
+    emulate = os.environ.get("SWIFT_LIGER_FP8_EMULATE")
+    if emulate is not None and emulate.strip() not in ("0", "1", ""):
+        raise ValueError(f"SWIFT_LIGER_FP8_EMULATE must be 0 or 1, got {emulate!r}")
     graphs = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS")
     if graphs is not None and graphs.strip() not in ("measure", "always"):
         raise ValueError(f"SWIFT_LIGER_GRAPH_LAYERS must be measure or always, got {graphs!r}")
@@ -349,12 +354,54 @@ def check_takes_effect(args, cfg):
         raise ValueError("swift_liger: liger_rolling_cache runs the policy's generate calls, and with --use_vllm "
                          f"true the {rlhf_type} rollouts run in vLLM instead: drop liger_rolling_cache, or pass "
                          "--use_vllm false (ms-swift's pt engine, which swift_liger patches)")
+    if cfg.fp8_base:
+        check_fp8_base(args, cfg, inference)
     if (cfg.rolling_cache or {}).get("cuda_graph"):
         import torch
         if not torch.cuda.is_available():
             raise ValueError("swift_liger: liger_rolling_cache ',graph' replays CUDA graphs and needs a CUDA GPU; "
                              "none is available here (drop ',graph')")
     return cfg, notes
+
+
+def check_fp8_base(args, cfg, inference: bool) -> None:
+    """liger_fp8_base stores the frozen bases under LoRA in FP8: refused where it could only be skipped or be wrong."""
+    head = "swift_liger: liger_fp8_base (FP8 frozen LoRA bases)"
+    if inference:
+        raise ValueError(f"{head} is a training setting; {type(args).__name__} does not train (drop the flag)")
+    tuner = getattr(args, "tuner_type", None) or getattr(args, "train_type", None) or "lora"
+    if tuner != "lora":
+        raise ValueError(f"{head} needs --tuner_type lora (frozen base weights under LoRA adapters); with "
+                         f"--tuner_type {tuner} " + ("the base weights train" if tuner == "full" else
+                                                     "there is no plain LoRA base to store") + ": drop the flag")
+    if getattr(args, "use_dora", False):
+        raise ValueError(f"{head}: --use_dora true reads the base weight in DoRA's own maths, so every base would "
+                         "stay 16-bit; drop one of them")
+    for flag in ("quant_method", "quant_bits"):
+        if getattr(args, flag, None):
+            raise ValueError(f"{head}: --{flag} {getattr(args, flag)} already loads the base quantized; use one of "
+                             "them (FP8 bases: drop --{flag}; 4-bit QLoRA: drop liger_fp8_base)".replace("{flag}", flag))
+    for flag in ("deepspeed", "fsdp"):
+        if getattr(args, flag, None):
+            raise ValueError(f"{head} is built for one GPU per model copy (DDP); --{flag} shards the weights it "
+                             "would store: drop one of them")
+    for key in ("compile_layers", "fused_projections"):
+        if getattr(cfg, key):
+            raise ValueError(f"{head} does not run with liger_{key} (torch.compile does not trace the FP8 weight; "
+                             "fused_projections concatenates 16-bit weights): switch one of them off")
+    import torch   # lazy: argument checks load without torch; ms-swift's own arguments have imported it already
+
+    from ..patching.fp8 import EMULATE_ENV, emulation_allowed   # lazy: needs torch
+    if not torch.cuda.is_available():
+        if emulation_allowed():
+            return
+        raise ValueError(f"{head} needs an NVIDIA GPU with FP8 tensor cores (sm_89+: L4, L40S, RTX 4090, H100, "
+                         f"H200); no CUDA GPU is available here ({EMULATE_ENV}=1 emulates them on CPU, for tests)")
+    from ..ops.fp8_linear_op import fp8_device_problem   # lazy: the kernels load with a model, not the arguments
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    problem = fp8_device_problem(torch.device("cuda", local % max(1, torch.cuda.device_count())))
+    if problem:
+        raise ValueError(f"{head}: {problem}; drop the flag on this GPU")
 
 
 def check_layers(state, config_json: dict) -> None:

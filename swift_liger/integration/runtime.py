@@ -108,6 +108,11 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         if not offload["offloaded"]:
             line += " (gradient checkpointing is off: nothing to offload)"
         lines.append(line)
+    fp8 = snap.get("policy") or {}
+    if fp8.get("fp8_weights") is not None:
+        lines.append(f"fp8_base {when}: {fp8['fp8_weights']} frozen LoRA base weights in FP8; the base GEMMs of "
+                     "fused LoRA projections ran FP8, and PEFT's own base forward (adapters disabled) "
+                     f"{fp8['fp8_base_calls']} times")
     kept = (snap.get("policy") or {}).get("saved_attention")
     if kept:
         line = f"save_attention {when}: {kept['kept']} attention outputs kept in the forward for the recompute"

@@ -235,6 +235,8 @@ def _config_for(args, role):
         finalize(args)
         res = resolved(args)
     cfg, notes = res
+    if role in SIDE_ROLES and cfg.fp8_base:   # no LoRA trains on a side model: its weights stay as loaded
+        cfg = dataclasses.replace(cfg, fp8_base=False)
     if role == "ref" and preference_fused(args, cfg):
         notes = [n for n in notes if not n.startswith("cross_entropy")]
         notes.append("ref model: cross_entropy=fused_linear for the reference log-probs from hidden states")
@@ -282,6 +284,31 @@ def patch_model(args, model, role: str):
             logger.info(f"swift_liger: {head_note}")
         _save_record(args, role, cfg, notes, report, ranks)
     return report
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def fp8_bases(args, model) -> None:
+    """With liger_fp8_base: store the frozen bases under the tuner's LoRA layers in FP8 (patching/fp8.py) and log
+    how many, the GPU bytes before and after, and which stayed 16-bit and why."""
+    res = resolved(args)
+    if res is None or not res[0].fp8_base or model is None:
+        return
+    from ..patching.fp8 import quantize_lora_bases   # lazy: needs torch
+    record = quantize_lora_bases(model)
+    if not _is_master():
+        return
+    logger = _logger()
+    kept = "; ".join(f"{n} kept 16-bit: {why}" for why, n in record["kept_16bit"].items())
+    line = (f"swift_liger: fp8_base: {record['fp8_weights']} LoRA base weights in FP8 e4m3 "
+            f"({_size(record['bytes_16bit'])} -> {_size(record['bytes_fp8'])} on the device; the 16-bit weights "
+            "wait in host memory)" + (f"; {kept}" if kept else ""))
+    if record["fp8_weights"]:
+        logger.info(line)
+    else:
+        logger.warning(line + " -- nothing was stored in FP8")
 
 
 def _lm_head_adapted(args) -> Optional[str]:
@@ -360,11 +387,15 @@ def patch_tuner(module) -> None:
 
     @functools.wraps(orig)
     def prepare_model(cls, args, model, *a, **kw):
+        role = None
         if getattr(args, "use_liger", False):
             task_type = kw.get("task_type")
             role = "value" if getattr(args, "rlhf_type", None) and task_type == "seq_cls" else "policy"
             patch_model(args, model, role)  # before LoRA & co. wrap the model
-        return orig(cls, args, model, *a, **kw)
+        wrapped = orig(cls, args, model, *a, **kw)
+        if role == "policy":
+            fp8_bases(args, wrapped)        # after LoRA: the frozen bases under its adapters
+        return wrapped
 
     mixin.prepare_model = classmethod(prepare_model)
 

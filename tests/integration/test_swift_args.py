@@ -101,7 +101,7 @@ def test_yaml_preset_and_cli_flags_agree(swift_mod, base_argv, tmp_path):
     assert from_yaml == from_cli == from_flags == expected
 
 
-@pytest.mark.parametrize("name", ["default", "minimal", "off", "keep_logits", "compiled"])
+@pytest.mark.parametrize("name", ["default", "minimal", "off", "keep_logits", "compiled", "fp8"])
 def test_presets_load(name):
     path = liger_args.find_preset(name)
     assert path == os.path.join(REPO, "configs", "liger", f"{name}.yaml")
@@ -440,3 +440,41 @@ def test_grpo_rollouts_default_to_exact_graph_decode_where_measured(monkeypatch,
     on = expect.startswith("exact")
     assert cfg.rolling_cache == ({"window": "exact", "sinks": 0, "mode": "absolute", "cuda_graph": True} if on
                                  else None)
+
+
+def test_fp8_base_is_refused_where_it_cannot_apply(swift_mod, base_argv, monkeypatch, tiny_qwen3):
+    """--liger_fp8_base: on a machine without an FP8 GPU it names the GPUs that have one; with train types, DoRA,
+    quantized bases and swift infer it names the conflict; all before a run directory exists. With the test
+    emulation on CPU the flag parses."""
+    import torch
+
+    from swift_liger.patching.fp8 import EMULATE_ENV
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"FP8 tensor cores \(sm_89\+: L4, L40S, RTX 4090, H100"):
+            parse(swift_mod, base_argv + ["--use_liger", "--liger_fp8_base", "true"])
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    args = parse(swift_mod, base_argv + ["--use_liger", "--liger_fp8_base", "true"])
+    assert liger_args.resolved(args)[0].fp8_base is True
+    out = base_argv.index("--output_dir") + 1
+    refused_dir = base_argv[out] + "_refused"
+    lora = base_argv.index("--tuner_type") + 1
+    bad = {("--tuner_type", "full"): "needs --tuner_type lora .* the base weights train",
+           ("--use_dora", "true"): "--use_dora true reads the base weight",
+           ("--quant_bits", "4"): "--quant_bits 4 already loads the base quantized",
+           ("--liger_compile_layers", "true"): "does not run with liger_compile_layers"}
+    for extra, match in bad.items():
+        argv = list(base_argv)
+        argv[out] = refused_dir
+        if extra[0] == "--tuner_type":
+            argv[lora] = extra[1]
+        else:
+            argv += list(extra)
+        with pytest.raises(ValueError, match=match):
+            parse(swift_mod, argv + ["--use_liger", "--liger_fp8_base", "true"])
+    assert not os.path.exists(refused_dir)
+    from swift.arguments import InferArguments
+    from swift.utils import parse_args
+    with pytest.raises(ValueError, match="liger_fp8_base .* is a training setting"):
+        parse_args(InferArguments, [*tiny_qwen3["swift_flags"], "--use_liger", "--infer_backend", "transformers",
+                                    "--liger_fp8_base", "true"])
