@@ -1,4 +1,4 @@
-"""python -m swift_liger.bench {kernels,loss_head,logprobs,attention,all} [--out docs/benchmarks] [--only OP]
+"""python -m swift_liger.bench {kernels,loss_head,logprobs,attention,fp8_linear,all} [--out docs/benchmarks] [--only OP]
 
 Times every op forward+backward beside eager PyTorch, torch.compile and Liger-Kernel / Cut Cross-Entropy when
 importable, in one process, and writes JSON + markdown under --out. Needs a CUDA GPU.
@@ -15,7 +15,9 @@ TITLES = {"kernels": "Kernel benchmarks: RMSNorm, SwiGLU/GeGLU, RoPE, cross-entr
           "loss_head": "Loss head: fused linear cross-entropy (Llama-3-8B head)",
           "logprobs": ("Preference-loss head: per-token log-probs from hidden states (DPO pair, 2 x 4096 tokens); "
                        "GRPO's log-probs + entropies (8 x 2048 completion tokens)"),
-          "attention": "Fused QK-RMSNorm + RoPE (Qwen3-8B shapes)"}
+          "attention": "Fused QK-RMSNorm + RoPE (Qwen3-8B shapes)",
+          "fp8_linear": ("Frozen projections in FP8 (ops.fp8_linear: forward + input gradient) vs bf16, and LoRA "
+                         "over either base (Qwen2.5-7B projections at 8192 tokens)")}
 
 
 def main(argv=None):

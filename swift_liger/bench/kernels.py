@@ -11,6 +11,8 @@ from typing import Dict, List
 import torch
 
 from swift_liger.ops import cross_entropy_kernel as ce_ops
+from swift_liger.ops.fp8_linear_op import Fp8Weight, fp8_linear
+from swift_liger.ops.lora_linear_op import lora_linear
 from swift_liger.ops import fused_linear_cross_entropy_kernel as flce_ops
 from swift_liger.ops import logprobs_op as logprobs_ops
 from swift_liger.ops import qk_norm_rope_kernel as qk_ops
@@ -309,11 +311,37 @@ def grpo_logprobs_cases() -> List[Case]:
     return cases
 
 
+def fp8_linear_case(n: int, k: int, out: int, r: int = 16) -> Case:
+    """A frozen projection x [n, k] @ W[out, k]^T, forward and input gradient: bf16 F.linear (eager, compiled) vs
+    ops.fp8_linear on an FP8 copy of W; and the LoRA projection (rank r) over either base ("lora bf16" /
+    "lora fp8", not peers: the adapters add their rank-r GEMMs and weight gradients)."""
+    def make():
+        x = (torch.randn(n, k, device="cuda", dtype=BF16)).requires_grad_()
+        w = torch.randn(out, k, device="cuda", dtype=BF16) * 0.02
+        a = (torch.randn(r, k, device="cuda", dtype=BF16) * 0.02).requires_grad_()
+        b = (torch.randn(out, r, device="cuda", dtype=BF16) * 0.02).requires_grad_()
+        return {"x": x, "w": w, "w8": Fp8Weight.quantize(w), "a": a, "b": b}
+    extra = {"lora bf16": lambda i: lora_linear(i["x"], None, i["w"], None, i["a"], i["b"], 2.0),
+             "lora fp8": lambda i: lora_linear(i["x"], None, i["w8"], None, i["a"], i["b"], 2.0)}
+    return Case("fp8_linear", f"N{n} K{k} O{out}", make,
+                _peers(lambda i: torch.nn.functional.linear(i["x"], i["w"]), lambda i: fp8_linear(i["x"], i["w8"]),
+                       None, extra),
+                min_flops=2 * 2 * n * k * out, grad_bytes=n * k * E)
+
+
+def fp8_linear_cases() -> List[Case]:
+    # Qwen2.5-7B's LoRA projections at 8192 tokens: q/o, k/v, gate/up, down
+    return [fp8_linear_case(8192, 3584, 3584), fp8_linear_case(8192, 3584, 512),
+            fp8_linear_case(8192, 3584, 18944), fp8_linear_case(8192, 18944, 3584),
+            fp8_linear_case(2048, 1536, 8960)]   # Qwen2.5-1.5B's gate/up at 2048 tokens: the small end
+
+
 SUITES = {
     "kernels": [rms_norm_cases, swiglu_cases, rope_cases, cross_entropy_cases],
     "loss_head": [flce_cases],
     "logprobs": [logprobs_cases, grpo_logprobs_cases],
     "attention": [qk_norm_rope_cases],
+    "fp8_linear": [fp8_linear_cases],
 }
 
 

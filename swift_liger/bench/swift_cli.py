@@ -52,7 +52,7 @@ VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_graphs_alw
             "swift_liger_ce_off", "swift_liger_ce_fused",
             "swift_liger_compiled", "swift_liger_long_context",
             "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel",
-            "swift_liger_rollout_eager")
+            "swift_liger_rollout_eager", "swift_liger_fp8")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
                  "swift_liger_graphs_always": ["--use_liger"],
@@ -65,7 +65,8 @@ VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_packing": ["--use_liger", "--packing", "true", "--attn_impl", "swift_liger"],
                  "packing_attention_only": ["--packing", "true", "--attn_impl", "swift_liger"],
                  "liger_kernel": ["--use_liger_kernel", "true"],
-                 "swift_liger_rollout_eager": ["--use_liger", "--liger_rolling_cache", "none"]}
+                 "swift_liger_rollout_eager": ["--use_liger", "--liger_rolling_cache", "none"],
+                 "swift_liger_fp8": ["--use_liger", "--liger_fp8_base", "true"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
                   "swift_liger_eager": "`--use_liger --liger_graph_layers false`",
                   "swift_liger_graphs_always": "`--use_liger`, graphs at every shape (SWIFT_LIGER_GRAPH_LAYERS=always)",
@@ -79,7 +80,8 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                   "packing_attention_only": "`--packing true --attn_impl swift_liger` (no other fusion)",
                   "liger_kernel": "`--use_liger_kernel true` (liger-kernel)",
                   "swift_liger_rollout_eager": "`--use_liger --liger_rolling_cache none` (rollouts on transformers' "
-                                               "cache)"}
+                                               "cache)",
+                  "swift_liger_fp8": "`--use_liger --liger_fp8_base true` (FP8 frozen LoRA bases)"}
 VARIANT_ENV = {"swift_liger_graphs_always": {"SWIFT_LIGER_GRAPH_LAYERS": "always"}}
 SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
                      "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
