@@ -7,7 +7,8 @@
 The GEMMs are ``torch._scaled_mm`` (cuBLASLt / CUTLASS FP8 on sm_89+; fp32 accumulation, a bf16 result). Hopper's
 FP8 tensor cores take both operands K-major, so the input-gradient GEMM reads a transposed copy of W_q made per
 call (out x in bytes, freed after it): a weight stored twice would cost the bytes FP8 saves. Quantizing an operand is
-torch ops (a row max, a scale, a cast). The weight gets no gradient (it is frozen); the quantization of x and g is
+torch ops (a row max, a scale, a cast; fp32 row chunks of at most 256 MiB): no Triton kernel until one is measured
+to pay. The weight gets no gradient (it is frozen); the quantization of x and g is
 treated as the identity in the backward (straight-through), as in every FP8 training recipe.
 
 Memory at Qwen2.5-7B: the 7.0 B projection weights under LoRA are 13.1 GiB in bf16, 6.5 GiB in FP8 (+ 0.2 MiB of
@@ -33,14 +34,32 @@ _ALIGN = 16                # torch._scaled_mm wants K and N multiples of 16
 aten = torch.ops.aten
 
 
-def quantize_rows(x2: torch.Tensor, fold: Optional[torch.Tensor] = None):
-    """(q [N, K] e4m3, scale [N, 1] fp32) with x2[n] * fold ~= scale[n] * q[n]: each row's largest magnitude maps
-    to 448. x2: [N, K] any float dtype; fold: [K] fp32 factors applied first (the weight's row scales in the
-    input-gradient GEMM), or None."""
+# Rows per chunk of quantize_rows: its fp32 working copy stays under this (8192 x 18944, Qwen2.5-7B's down projection
+# input at 8k tokens, is 592 MiB in fp32: 3 chunks).
+CHUNK_BYTES = 256 << 20
+
+
+def _quantize(x2: torch.Tensor, fold: Optional[torch.Tensor]):
     xf = x2.float() if fold is None else x2.float().mul_(fold)
     amax = torch.linalg.vector_norm(xf, float("inf"), dim=1, keepdim=True)
     scale = amax.clamp_(min=_TINY).div_(FP8_MAX)
-    q = xf.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return xf.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_rows(x2: torch.Tensor, fold: Optional[torch.Tensor] = None):
+    """(q [N, K] e4m3, scale [N, 1] fp32) with x2[n] * fold ~= scale[n] * q[n]: each row's largest magnitude maps
+    to 448. x2: [N, K] any float dtype; fold: [K] fp32 factors applied first (the weight's row scales in the
+    input-gradient GEMM), or None. Torch ops over row chunks of at most CHUNK_BYTES in fp32."""
+    n, k = x2.shape
+    rows = max(1, CHUNK_BYTES // (4 * max(1, k)))
+    if n <= rows:
+        return _quantize(x2, fold)
+    q = torch.empty(n, k, dtype=FP8, device=x2.device)
+    scale = torch.empty(n, 1, dtype=torch.float32, device=x2.device)
+    for c0 in range(0, n, rows):
+        qc, sc = _quantize(x2[c0:c0 + rows], fold)
+        q[c0:c0 + rows].copy_(qc)
+        scale[c0:c0 + rows].copy_(sc)
     return q, scale
 
 

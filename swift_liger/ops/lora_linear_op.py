@@ -28,7 +28,10 @@ What it saves, compared with PEFT's ``lora.Linear`` (fp32 adapters on a bf16 mod
   It is dequantized for the forward matmul and again for the input gradient, as bitsandbytes' own matmul does for
   training-sized inputs, and dropped after each: the 16-bit weight never stays alive between them.
 
-Shapes: x, x_lora [..., in]; weight [out, in] (frozen: gets no gradient; a tensor or a DequantizedWeight); bias
+- FP8 bases: the base weight may be an :class:`~.fp8_linear_op.Fp8Weight` (e4m3 rows + row scales); the base
+  product and its input gradient are then FP8 GEMMs (fp8_linear_op), the LoRA branch stays in the compute dtype.
+
+Shapes: x, x_lora [..., in]; weight [out, in] (frozen: gets no gradient; a tensor, DequantizedWeight or Fp8Weight); bias
 [out] or None (frozen); lora_a [r, in]; lora_b [out, r]; scaling a Python float. Pure op: no PEFT, transformers or
 bitsandbytes import.
 """

@@ -3,9 +3,11 @@
 Only instance attributes change: a patched module gets its own bound ``forward`` (or accelerate's
 ``_old_forward``), the causal LM its ``_loss_function``, and the root module one PatchState under STATE_ATTR.
 Classes, modeling-module globals, parameters and buffers are untouched, so ``state_dict`` is identical and
-``revert`` restores the exact eager model. One opt-in exception: fused_projections (inference) moves the q/k/v and
+``revert`` restores the exact eager model. Two opt-in exceptions: fused_projections (inference) moves the q/k/v and
 gate/up weights into one buffer per group, each parameter a row block of it (same values and state_dict; revert
-gives each its own storage again).
+gives each its own storage again); fp8_base (LoRA training) replaces each plain LoRA base weight by an FP8
+Fp8Weight parameter whose reads outside its matmuls give the exact 16-bit values (revert puts the original
+Parameter objects back, on the device).
 """
 from __future__ import annotations
 

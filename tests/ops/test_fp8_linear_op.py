@@ -184,3 +184,14 @@ def test_lora_linear_fp8_base_upcast_path():
     lora_dx = 0.5 * (dy.double() @ f64(b)) @ f64(a)
     assert_close(x.grad, fp8_input_grad(dy, fw, torch.bfloat16).double() + lora_dx, torch.bfloat16, slack=2,
                  name="dx")
+
+
+def test_quantize_rows_in_chunks_equals_whole(monkeypatch):
+    import swift_liger.ops.fp8_linear_op as op
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(37, 48, generator=g).bfloat16().to(DEVICE)
+    f = (torch.rand(48, generator=g) + 0.5).to(DEVICE)
+    whole = [op.quantize_rows(x), op.quantize_rows(x, f)]
+    monkeypatch.setattr(op, "CHUNK_BYTES", 5 * 48 * 4)      # 5 rows per chunk: 8 chunks, the last of 2 rows
+    for (q, s), (q1, s1) in zip(whole, [op.quantize_rows(x), op.quantize_rows(x, f)]):
+        assert torch.equal(q.float(), q1.float()) and torch.equal(s, s1)
