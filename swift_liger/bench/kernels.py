@@ -11,6 +11,7 @@ from typing import Dict, List
 import torch
 
 from swift_liger.ops import cross_entropy_kernel as ce_ops
+from swift_liger.ops import fp8_linear_op as fp8_op
 from swift_liger.ops.fp8_linear_op import Fp8Weight, fp8_linear
 from swift_liger.ops.lora_linear_op import lora_linear
 from swift_liger.ops import fused_linear_cross_entropy_kernel as flce_ops
@@ -311,17 +312,38 @@ def grpo_logprobs_cases() -> List[Case]:
     return cases
 
 
+class _Fp8TorchQuant(torch.autograd.Function):
+    """fp8_linear with its operands quantized by torch ops (quantize_rows_torch) instead of the Triton kernel: what
+    the kernel saves, measured."""
+
+    @staticmethod
+    def forward(ctx, x, w8):
+        ctx.w8 = w8
+        xq, sx = fp8_op.quantize_rows_torch(x)
+        return fp8_op._scaled_mm(xq, w8.q.t(), sx, w8.scale.view(1, -1), x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        w8 = ctx.w8
+        gq, sg = fp8_op.quantize_rows_torch(g, fold=w8.scale)
+        return fp8_op._scaled_mm(gq, w8.q.t().contiguous().t(), sg, w8.ones, g.dtype), None
+
+
 def fp8_linear_case(n: int, k: int, out: int, r: int = 16) -> Case:
     """A frozen projection x [n, k] @ W[out, k]^T, forward and input gradient: bf16 F.linear (eager, compiled) vs
-    ops.fp8_linear on an FP8 copy of W; and the LoRA projection (rank r) over either base ("lora bf16" /
-    "lora fp8", not peers: the adapters add their rank-r GEMMs and weight gradients)."""
+    ops.fp8_linear on an FP8 copy of W (and the same with torch-op quantization); and the LoRA projection (rank r)
+    over either base ("lora bf16" / "lora fp8", not peers: the adapters add their rank-r GEMMs and weight
+    gradients). Predicted at N8192 K3584 O18944 (2.2 TFLOP fwd+dx): bf16 ~3.2 ms at 700 TFLOP/s, FP8 GEMMs ~1.7 ms
+    at 1300, plus quantizing x and g (0.18 G elements: ~0.6 ms with torch ops at ~13 B/element, ~0.25 ms with the
+    kernel at ~5) and the per-call W transpose (68 MB: ~0.03 ms)."""
     def make():
         x = (torch.randn(n, k, device="cuda", dtype=BF16)).requires_grad_()
         w = torch.randn(out, k, device="cuda", dtype=BF16) * 0.02
         a = (torch.randn(r, k, device="cuda", dtype=BF16) * 0.02).requires_grad_()
         b = (torch.randn(out, r, device="cuda", dtype=BF16) * 0.02).requires_grad_()
         return {"x": x, "w": w, "w8": Fp8Weight.quantize(w), "a": a, "b": b}
-    extra = {"lora bf16": lambda i: lora_linear(i["x"], None, i["w"], None, i["a"], i["b"], 2.0),
+    extra = {"fp8 torch-quant": lambda i: _Fp8TorchQuant.apply(i["x"], i["w8"]),
+             "lora bf16": lambda i: lora_linear(i["x"], None, i["w"], None, i["a"], i["b"], 2.0),
              "lora fp8": lambda i: lora_linear(i["x"], None, i["w8"], None, i["a"], i["b"], 2.0)}
     return Case("fp8_linear", f"N{n} K{k} O{out}", make,
                 _peers(lambda i: torch.nn.functional.linear(i["x"], i["w"]), lambda i: fp8_linear(i["x"], i["w8"]),

@@ -6,10 +6,10 @@
 
 The GEMMs are ``torch._scaled_mm`` (cuBLASLt / CUTLASS FP8 on sm_89+; fp32 accumulation, a bf16 result). Hopper's
 FP8 tensor cores take both operands K-major, so the input-gradient GEMM reads a transposed copy of W_q made per
-call (out x in bytes, freed after it): a weight stored twice would cost the bytes FP8 saves. Quantizing an operand is
-torch ops (a row max, a scale, a cast; fp32 row chunks of at most 256 MiB): no Triton kernel until one is measured
-to pay. The weight gets no gradient (it is frozen); the quantization of x and g is
-treated as the identity in the backward (straight-through), as in every FP8 training recipe.
+call (out x in bytes, freed after it): a weight stored twice would cost the bytes FP8 saves. Quantizing an operand
+is one Triton kernel (fp8_quant_kernel: ~5 bytes per bf16 element, one launch) on the Triton backend; the CPU
+reference backend runs the same maths as torch ops, bit for bit. The weight gets no gradient (it is frozen); the
+quantization of x and g is treated as the identity in the backward (straight-through), as in FP8 training recipes.
 
 Memory at Qwen2.5-7B: the 7.0 B projection weights under LoRA are 13.1 GiB in bf16, 6.5 GiB in FP8 (+ 0.2 MiB of
 scales). :class:`Fp8Weight` keeps the exact 16-bit original in host memory, so anything that reads the weight
@@ -24,6 +24,9 @@ from typing import Optional
 
 import torch
 from torch.utils._pytree import tree_map
+
+from ._common import use_triton
+from .fp8_quant_kernel import quantize_rows_kernel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0            # the largest finite e4m3fn value
@@ -49,7 +52,15 @@ def _quantize(x2: torch.Tensor, fold: Optional[torch.Tensor]):
 def quantize_rows(x2: torch.Tensor, fold: Optional[torch.Tensor] = None):
     """(q [N, K] e4m3, scale [N, 1] fp32) with x2[n] * fold ~= scale[n] * q[n]: each row's largest magnitude maps
     to 448. x2: [N, K] any float dtype; fold: [K] fp32 factors applied first (the weight's row scales in the
-    input-gradient GEMM), or None. Torch ops over row chunks of at most CHUNK_BYTES in fp32."""
+    input-gradient GEMM), or None. The Triton kernel (fp8_quant_kernel) where the backend is Triton; else torch ops
+    over row chunks of at most CHUNK_BYTES in fp32 (the same bits)."""
+    if use_triton(x2):
+        return quantize_rows_kernel(x2, None if fold is None else fold.contiguous())
+    return quantize_rows_torch(x2, fold)
+
+
+def quantize_rows_torch(x2: torch.Tensor, fold: Optional[torch.Tensor] = None):
+    """quantize_rows in torch ops (the CPU reference backend, and the reference of the kernel's tests)."""
     n, k = x2.shape
     rows = max(1, CHUNK_BYTES // (4 * max(1, k)))
     if n <= rows:

@@ -195,3 +195,37 @@ def test_quantize_rows_in_chunks_equals_whole(monkeypatch):
     monkeypatch.setattr(op, "CHUNK_BYTES", 5 * 48 * 4)      # 5 rows per chunk: 8 chunks, the last of 2 rows
     for (q, s), (q1, s1) in zip(whole, [op.quantize_rows(x), op.quantize_rows(x, f)]):
         assert torch.equal(q.float(), q1.float()) and torch.equal(s, s1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(5, 48), (3, 4100), (7, 33), (1, 16)])
+def test_quant_kernel_equals_torch_bit_for_bit(dtype, n, k):
+    """The Triton kernel (run here: the interpreter on CPU, compiled on a GPU) against the torch ops: the same scales
+    and the same e4m3 codes, zeros, signed zeros, subnormals and ties included; strided rows too."""
+    from swift_liger.ops.fp8_linear_op import quantize_rows_torch
+    from swift_liger.ops.fp8_quant_kernel import quantize_rows_kernel
+    g = torch.Generator().manual_seed(n * k)
+    x = (torch.randn(n, k + 3, generator=g) * torch.logspace(-4, 4, n)[:, None]).to(dtype)[:, :k].to(DEVICE)
+    x[0, :4] = torch.tensor([0.0, -0.0, 1e-30, 3.0])
+    f = (torch.rand(k, generator=g) + 0.5).to(DEVICE)
+    for fold in (None, f):
+        with inputs_unchanged(x):
+            q, s = quantize_rows_kernel(x, fold)
+        q_ref, s_ref = quantize_rows_torch(x, fold)
+        assert q.dtype == FP8 and q.shape == (n, k) and s.shape == (n, 1)
+        assert torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_quant_kernel_rounds_every_e4m3_boundary_like_torch():
+    """Every finite e4m3 value, every midpoint between neighbours (ties to even) and the floats just beside each
+    midpoint, as one row whose max is 448 (scale 1): the kernel's codes are torch's conversion's."""
+    from swift_liger.ops.fp8_quant_kernel import quantize_rows_kernel
+    vals = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    vals = vals[torch.isfinite(vals)].sort().values
+    mids = (vals[1:] + vals[:-1]) / 2
+    y = torch.cat([vals, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9))])
+    y = torch.cat([y[y.abs() <= FP8_MAX], torch.tensor([FP8_MAX])]).to(DEVICE)
+    q, s = quantize_rows_kernel(y[None, :])
+    assert s.item() == 1.0
+    assert torch.equal(q.view(torch.uint8)[0], y.to(FP8).view(torch.uint8))

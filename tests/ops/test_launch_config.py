@@ -9,8 +9,8 @@ import torch
 
 from swift_liger.ops import (_common, _reduce as red, _scale as sc, _targets, cross_entropy_kernel as ce,
                              decode_attention_kernel as da,
-                             dropout_mask_kernel as dm, fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
-                             qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope_kernel as rope,
+                             dropout_mask_kernel as dm, fp8_quant_kernel as fq, fused_linear_cross_entropy_kernel as fl,
+                             kv_ring_write_kernel as kv, qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope_kernel as rope,
                              swiglu_kernel as sw)
 
 SMS = {"sm_75": 40, "sm_80": 108, "sm_90": 132}
@@ -36,6 +36,8 @@ def _calls():
         yield sc, None, lambda d, n=n: sc.launch_config(n, d)
     for I, contiguous in itertools.product((1, 4864, 11008, 28672), (True, False)):
         yield sw, None, lambda d, I=I, c=contiguous: sw.launch_config(I, c, d)
+    for K in (1, 16, 3584, 18944):
+        yield fq, None, lambda d, K=K: fq.launch_config(K, d)
     for V in (1, 1000, 32000, 151936, 256000):
         yield ce, None, lambda d, V=V: ce.launch_config(V, d)
         for kind in ("rows", "slice"):

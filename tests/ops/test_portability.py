@@ -71,6 +71,7 @@ FIXED_PTRS = {
     "delta_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32",
 }
 KERNEL_FIXED_PTRS = {  # per kernel overrides
+    "_fp8_quant_rows_kernel": {"q_ptr": "*u8", "fold_ptr": "*fp32"},
     "_decode_split_kernel": {"o_ptr": "*fp32"},
     "_decode_merge_kernel": {"o_ptr": "*fp32"},
     "_kv_sink_refresh_kernel": {"cos_ptr": "*fp32", "sin_ptr": "*fp32"},
@@ -95,7 +96,7 @@ TRIP_COUNT_ONLY = {
 # Boolean feature flags: a configuration with all of its flags off (the lightest variant) compiles for sm_90 only.
 FEATURE_FLAGS = {"HAS_W", "HAS_RES", "STORE_RSTD", "HAS_DS", "COMPUTE_DX", "COMPUTE_DW", "BACKWARD", "INTERLEAVED",
                  "GEMMA", "ROUND_Y", "HAS_SMOOTHING", "HAS_SOFTCAP", "HAS_Z_LOSS", "HAS_CAP", "HAS_EPS", "HAS_ZLOSS",
-                 "HAS_TEMP", "UNIFORM", "SPLIT_SINKS", "SOFTCAP", "WINDOW"}
+                 "HAS_TEMP", "UNIFORM", "SPLIT_SINKS", "SOFTCAP", "WINDOW", "HAS_FOLD"}
 
 
 def _both(flags, **modes):
@@ -118,7 +119,7 @@ def _enumerate():
     """{(module, kernel, constexprs-json, num_warps, num_stages)} over the shape grid, per arch when it matters."""
     from swift_liger.ops import (_common, _reduce as red, _scale as sc, cross_entropy_kernel as ce,
                                  decode_attention_kernel as da,
-                                 dropout_mask_kernel as dm,
+                                 dropout_mask_kernel as dm, fp8_quant_kernel as fq,
                                  fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
                                  qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope_kernel as rope,
                                  swiglu_kernel as sw, varlen_attention_kernel as va)
@@ -265,6 +266,13 @@ def _enumerate():
     add("dropout_mask_kernel", "_pack_kernel", dict(BLOCK=c.block), c.num_warps)
     c = dm.launch_config("scale", 1 << 20, cuda)
     add("dropout_mask_kernel", "_masked_scale_kernel", dict(BLOCK=c.block), c.num_warps)
+
+    # FP8 row quantization (fp8_linear's only kernel): launched on sm_89+ only (FP8 tensor cores).
+    for K in (1536, 3584, 18944):
+        c = fq.launch_config(K, cuda)
+        for fold in (True, False):
+            add("fp8_quant_kernel", "_fp8_quant_rows_kernel", dict(HAS_FOLD=fold, BLOCK=c.block), c.num_warps,
+                archs=("sm_89", "sm_90"))
     return jobs
 
 
