@@ -100,6 +100,10 @@ def quantize_lora_bases(model: torch.nn.Module) -> Dict[str, object]:
     part = st.parts.get(PART) or register(st)
     seen = part.setdefault("seen", set())                 # ids of the bases already decided
     report = st.report
+    counts: Dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    tied = {pid for pid, n in counts.items() if n > 1}   # e.g. lm_head tied to the embedding
     for module in model.modules():
         if not is_peft_lora_linear(module):
             continue
@@ -108,6 +112,8 @@ def quantize_lora_bases(model: torch.nn.Module) -> Dict[str, object]:
             continue
         seen.add(id(base))
         reason = base_problem(module)
+        if not reason and id(base._parameters["weight"]) in tied:
+            reason = "weight tied to another module (the embedding reads it as 16-bit)"
         if reason:
             part["kept"][reason] = part["kept"].get(reason, 0) + 1
             report.skip(PART, f"LoRA base kept 16-bit: {reason}")

@@ -205,3 +205,20 @@ def test_checkpointing_and_tiled_mlp_give_the_same_step(emulate, reentrant):
     assert g0.keys() == g1.keys()
     for k in g0:   # tiles sum the MLP's weight gradients in another order: rounding only
         close(g1[k], g0[k], k, atol=1e-3, rtol=1e-3)
+
+
+def test_tied_lm_head_stays_16bit(emulate):
+    """LoRA on a tied lm_head (Qwen2.5-0.5B/1.5B tie it to the embedding): its base stays 16-bit, counted with the
+    reason; the embedding keeps its weight on the device."""
+    cfg = transformers.AutoConfig.for_model(
+        "qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=96, tie_word_embeddings=True)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(DEVICE)
+    swift_liger.apply(m, fp8_base=True)
+    m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    record = swift_liger.quantize_lora_bases(m)
+    assert record["fp8_weights"] == 1 and list(record["kept_16bit"].values()) == [1]
+    assert "tied" in next(iter(record["kept_16bit"]))
+    emb = m.get_input_embeddings().weight
+    assert type(emb) is torch.nn.Parameter and emb.device.type == DEVICE.split(":")[0]
+    assert emb is m.get_output_embeddings().get_base_layer().weight
