@@ -163,7 +163,7 @@ def test_ddp_wraps_a_model_with_fp8_bases(emulate, monkeypatch):
         pytest.skip("a process group is already up in this process")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(29000 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=0, world_size=1)
     try:
         _, model = pair()
         swift_liger.quantize_lora_bases(model)
