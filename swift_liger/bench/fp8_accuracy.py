@@ -166,7 +166,8 @@ def fp8_sources() -> dict:
     import swift_liger.patching.fp8   # lazy: as in lora_arm
     pkg = Path(swift_liger.patching.fp8.__file__).parents[1]
     out = {f: hashlib.sha256((pkg / f).read_bytes()).hexdigest()[:16]
-           for f in ("ops/fp8_linear_op.py", "ops/fp8_quant_kernel.py", "patching/fp8.py", "ops/lora_linear_op.py")}
+           for f in ("ops/fp8_linear_op.py", "ops/fp8_quant_kernel.py", "patching/fp8.py",
+                     "ops/lora_linear_op.py")}
     try:
         out["git_head"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pkg, capture_output=True, text=True,
                                          timeout=10).stdout.strip() or None

@@ -380,7 +380,7 @@ def check_fp8_base(args, cfg, inference: bool) -> None:
     for flag in ("quant_method", "quant_bits"):
         if getattr(args, flag, None):
             raise ValueError(f"{head}: --{flag} {getattr(args, flag)} already loads the base quantized; use one of "
-                             "them (FP8 bases: drop --{flag}; 4-bit QLoRA: drop liger_fp8_base)".replace("{flag}", flag))
+                             f"them (FP8 bases: drop --{flag}; 4-bit QLoRA: drop liger_fp8_base)")
     for flag in ("deepspeed", "fsdp"):
         if getattr(args, flag, None):
             raise ValueError(f"{head} is built for one GPU per model copy (DDP); --{flag} shards the weights it "

@@ -91,7 +91,8 @@ def register(st: PatchState) -> dict:
 def quantize_lora_bases(model: torch.nn.Module) -> Dict[str, object]:
     """Store the frozen base of every plain LoRA projection of `model` (patched by swift_liger.apply with
     fp8_base=True, then wrapped by PEFT) in FP8. Idempotent. Returns the record: layers converted, layers kept 16-bit
-    by reason, their device bytes in 16 bits and in FP8. Raises ValueError when the model was not patched with fp8_base."""
+    by reason, their device bytes in 16 bits and in FP8. Raises ValueError when the model was not patched with
+    fp8_base."""
     states = [st for _, st in find_states(model) if getattr(st.config, "fp8_base", False)]
     if not states:
         raise ValueError("quantize_lora_bases needs a model patched with swift_liger.apply(model, fp8_base=True) "

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from swift_liger.ops import (_common, _reduce as red, _scale as sc, _targets, cross_entropy_kernel as ce,
-                             decode_attention_kernel as da,
-                             dropout_mask_kernel as dm, fp8_quant_kernel as fq, fused_linear_cross_entropy_kernel as fl,
-                             kv_ring_write_kernel as kv, qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope_kernel as rope,
+                             decode_attention_kernel as da, dropout_mask_kernel as dm, fp8_quant_kernel as fq,
+                             fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
+                             qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope_kernel as rope,
                              swiglu_kernel as sw)
 
 SMS = {"sm_75": 40, "sm_80": 108, "sm_90": 132}
