@@ -57,6 +57,15 @@ def _e4m3_bits(y):
 
 
 @triton.jit
+def _load_block(x_row, fold_ptr, offs, inb, HAS_FOLD: tl.constexpr):
+    """One block of the row in fp32, times fold when there is one."""
+    v = tl.load(x_row + offs, mask=inb, other=0.0).to(tl.float32)
+    if HAS_FOLD:
+        v = v * tl.load(fold_ptr + offs, mask=inb, other=0.0)
+    return v
+
+
+@triton.jit
 def _fp8_quant_rows_kernel(x_ptr, fold_ptr, q_ptr, scale_ptr, K, stride_x, HAS_FOLD: tl.constexpr,
                            BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -65,19 +74,13 @@ def _fp8_quant_rows_kernel(x_ptr, fold_ptr, q_ptr, scale_ptr, K, stride_x, HAS_F
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        inb = offs < K
-        v = tl.load(x_row + offs, mask=inb, other=0.0).to(tl.float32)
-        if HAS_FOLD:
-            v = v * tl.load(fold_ptr + offs, mask=inb, other=0.0)
-        amax = tl.maximum(amax, tl.abs(v))
+        amax = tl.maximum(amax, tl.abs(_load_block(x_row, fold_ptr, offs, offs < K, HAS_FOLD)))
     scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
     tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):
+    for k0 in range(0, K, BLOCK):                     # the row again: the quantization
         offs = k0 + tl.arange(0, BLOCK)
         inb = offs < K
-        v = tl.load(x_row + offs, mask=inb, other=0.0).to(tl.float32)
-        if HAS_FOLD:
-            v = v * tl.load(fold_ptr + offs, mask=inb, other=0.0)
+        v = _load_block(x_row, fold_ptr, offs, inb, HAS_FOLD)
         y = tl.minimum(tl.maximum(tl.div_rn(v, scale), -448.0), 448.0)
         tl.store(q_row + offs, _e4m3_bits(y).to(tl.uint8), mask=inb)
 
