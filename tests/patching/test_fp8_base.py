@@ -222,3 +222,28 @@ def test_tied_lm_head_stays_16bit(emulate):
     emb = m.get_input_embeddings().weight
     assert type(emb) is torch.nn.Parameter and emb.device.type == DEVICE.split(":")[0]
     assert emb is m.get_output_embeddings().get_base_layer().weight
+
+
+def test_generation_over_fp8_bases(emulate):
+    """GRPO / GKD rollouts generate with the policy: no-grad decode steps through the fused LoRA path over FP8 bases
+    (with transformers' cache and with our RollingKVCache sized to the call), logits within FP8 rounding of the
+    16-bit model's."""
+    from swift_liger.cache import install_rolling_cache, uninstall_rolling_cache
+    ref, model = pair()
+    swift_liger.quantize_lora_bases(model)
+    ids, _ = batch()
+    model.eval()
+    ref.eval()
+    call_counts(model, reset=True)
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        logits, want = model(ids).logits, ref(ids).logits
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        install_rolling_cache(model, window="exact")
+        try:
+            ring = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        finally:
+            uninstall_rolling_cache(model)
+    assert call_counts(model)["lora_fused"] >= 3 * len(PROJECTIONS) * LAYERS
+    rel = (logits.double() - want.double()).norm() / want.double().norm()
+    assert rel < 0.1, rel.item()
+    assert out.shape == ring.shape == (2, 28) and torch.equal(out, ring)
