@@ -20,6 +20,7 @@ weight cannot be stored). Pure op: no PEFT, transformers or ms-swift import.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -74,11 +75,44 @@ def quantize_rows_torch(x2: torch.Tensor, fold: Optional[torch.Tensor] = None):
     return q, scale
 
 
+# (device type, index) -> False where this torch has no row-wise scaled FP8 GEMM there (probed once per device, when
+# the first weight is quantized on it, outside any CUDA graph capture). Row-wise scaling is a CUTLASS kernel written
+# for sm_90; whether a given torch build has one for sm_89 (or a CPU one) is only known by calling it.
+_ROWWISE: dict = {}
+
+
+def _device_key(device: torch.device) -> tuple:
+    if device.type == "cuda" and device.index is None:
+        return ("cuda", torch.cuda.current_device())
+    return (device.type, device.index)
+
+
+def _probe_rowwise(device: torch.device) -> bool:
+    key = _device_key(device)
+    if key not in _ROWWISE:
+        a = torch.ones(16, 16, device=device).to(FP8)
+        s = torch.ones(16, 1, device=device)
+        try:
+            torch._scaled_mm(a, a.t(), scale_a=s, scale_b=s.t().contiguous(), out_dtype=torch.bfloat16)
+            _ROWWISE[key] = True
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
+            _ROWWISE[key] = False
+            name = torch.cuda.get_device_name(key[1]) if key[0] == "cuda" else key[0]
+            warnings.warn(f"swift_liger: torch {torch.__version__} has no row-wise scaled FP8 GEMM on {name} "
+                          f"({str(exc).splitlines()[0][:160]}); FP8 base weights there multiply through bf16 GEMMs: "
+                          "half the weight memory, no FP8 speed-up", stacklevel=3)
+    return _ROWWISE[key]
+
+
 def _scaled_mm(a_q, b_q_t, s_a, s_b, out_dtype: torch.dtype) -> torch.Tensor:
     """(s_a * s_b) * (a_q @ b_q_t) in out_dtype. a_q [M, K] row-major, b_q_t [K, N] column-major (the transpose of a
     row-major [N, K]); s_a [M, 1], s_b [1, N] fp32. cuBLASLt's row-wise scaled FP8 GEMM returns bf16 only; other
-    16-bit results are cast from it."""
+    16-bit results are cast from it. Where torch lacks it (see _ROWWISE): the same product from bf16 copies of the
+    operands (FP8 values are exact in bf16), scaled in fp32."""
     kind = a_q.device.type
+    if not _ROWWISE.get((kind, a_q.device.index), True):
+        out = (a_q.to(torch.bfloat16) @ b_q_t.to(torch.bfloat16)).float().mul_(s_a).mul_(s_b)
+        return out.to(out_dtype)
     if torch.is_autocast_enabled(kind):               # CPU autocast would recast the FP8 GEMM's operands
         with torch.autocast(kind, enabled=False):
             out = torch._scaled_mm(a_q, b_q_t, scale_a=s_a, scale_b=s_b, out_dtype=torch.bfloat16)
@@ -112,6 +146,7 @@ class Fp8Weight(torch.Tensor):
         if problem:
             raise ValueError(problem)
         w = weight.detach()
+        _probe_rowwise(w.device)
         q, scale = quantize_rows(w)
         return cls(q, scale.view(-1), w.to("cpu"))
 

@@ -229,3 +229,28 @@ def test_quant_kernel_rounds_every_e4m3_boundary_like_torch():
     q, s = quantize_rows_kernel(y[None, :])
     assert s.item() == 1.0
     assert torch.equal(q.view(torch.uint8)[0], y.to(FP8).view(torch.uint8))
+
+
+def test_without_a_rowwise_fp8_gemm_the_product_comes_from_bf16(monkeypatch):
+    """A torch build without a row-wise scaled FP8 GEMM for the device (probed when the first weight is quantized):
+    warned once, and fp8_linear computes the same product from bf16 copies of the FP8 operands."""
+    import swift_liger.ops.fp8_linear_op as op
+    w = weight()
+    x = torch.randn(6, 32, device=DEVICE).bfloat16().requires_grad_()
+    fw = Fp8Weight.quantize(w)
+    y_fp8 = fp8_linear(x, fw)
+    y_fp8.backward(torch.ones_like(y_fp8))
+    dx_fp8 = x.grad.clone()
+    x.grad = None
+
+    def no_rowwise(*args, **kwargs):
+        raise RuntimeError("Invalid scaling configuration (simulated)")
+    monkeypatch.setattr(op, "_ROWWISE", {})
+    monkeypatch.setattr(torch, "_scaled_mm", no_rowwise)
+    with pytest.warns(UserWarning, match="no row-wise scaled FP8 GEMM .* multiply through bf16"):
+        fw2 = Fp8Weight.quantize(w)
+    y = fp8_linear(x, fw2)
+    y.backward(torch.ones_like(y))
+    assert_close(y, y_fp8.double(), torch.bfloat16, name="y")
+    assert_close(x.grad, dx_fp8.double(), torch.bfloat16, name="dx")
+    assert_close(y, fp8_linear_reference(x, fw2), torch.bfloat16, name="y vs float64")
