@@ -60,7 +60,7 @@ def _to_dict(self) -> dict:
     return {name: getattr(self, name) for name in self.field_names()}
 
 
-_TYPES = {"bool": bool, "choice": str, "mapping": Optional[dict], "int": int}
+_TYPES = {"bool": bool, "choice": str, "mapping": Optional[dict], "int": int, "mode": object}
 
 # LigerConfig: one field per fusion of the registry (swift_liger/fusions/), then strict. Generated so a new fusion
 # is one module: its key, default, checks and help reach the config, the flags, YAML and the docs from there.

@@ -17,7 +17,7 @@ class Fusion:
     default: Any                      # value in LigerConfig() and the default preset
     help: str                         # for --help, the README table and LigerConfig's docstring
     applies_to: str                   # which modules of a family it changes
-    kind: str = "bool"                # "bool" | "choice" | "mapping" | "int" (normalize checks the int)
+    kind: str = "bool"                # "bool" | "choice" | "mapping" | "int" | "mode" (normalize checks int/mode)
     choices: Tuple[str, ...] = ()     # kind "choice": the allowed values
     off: Any = False                  # the value that switches it off (presets, `swift-liger ab --each`)
     order: int = 0                    # patch order (attention first: it folds q_norm/k_norm before RMSNorm runs)

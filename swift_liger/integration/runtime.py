@@ -110,9 +110,9 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         lines.append(line)
     fp8 = snap.get("policy") or {}
     if fp8.get("fp8_weights") is not None:
-        lines.append(f"fp8_base {when}: {fp8['fp8_weights']} frozen LoRA base weights in FP8; the base GEMMs of "
-                     "fused LoRA projections ran FP8, and PEFT's own base forward (adapters disabled) "
-                     f"{fp8['fp8_base_calls']} times")
+        lines.append(f"fp8_base {when}: {fp8['fp8_weights']} frozen weights in FP8; the base GEMMs of fused LoRA "
+                     "projections ran FP8, and the FP8 linears' own forward (PEFT with adapters disabled, frozen "
+                     f"linears without LoRA) {fp8['fp8_base_calls']} times")
     kept = (snap.get("policy") or {}).get("saved_attention")
     if kept:
         line = f"save_attention {when}: {kept['kept']} attention outputs kept in the forward for the recompute"

@@ -235,7 +235,7 @@ def _config_for(args, role):
         finalize(args)
         res = resolved(args)
     cfg, notes = res
-    if role in SIDE_ROLES and cfg.fp8_base:   # no LoRA trains on a side model: its weights stay as loaded
+    if role in SIDE_ROLES and cfg.fp8_base is True:   # no LoRA trains on a side model; "all" stores its linears
         cfg = dataclasses.replace(cfg, fp8_base=False)
     if role == "ref" and preference_fused(args, cfg):
         notes = [n for n in notes if not n.startswith("cross_entropy")]
@@ -290,11 +290,14 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
-def fp8_bases(args, model) -> None:
-    """With liger_fp8_base: store the frozen bases under the tuner's LoRA layers in FP8 (patching/fp8.py) and log
-    how many, the GPU bytes before and after, and which stayed 16-bit and why."""
-    res = resolved(args)
-    if res is None or not res[0].fp8_base or model is None:
+def fp8_bases(args, model, role: str = "policy") -> None:
+    """With liger_fp8_base: store the frozen bases under the tuner's LoRA layers in FP8 (patching/fp8.py; "all": every
+    frozen linear of the attention and MLP modules, and a side model's once ms-swift has frozen it) and log how many,
+    the device bytes before and after, and which stayed 16-bit and why."""
+    if model is None or resolved(args) is None:
+        return
+    cfg, _ = _config_for(args, role)
+    if not cfg.fp8_base:
         return
     from ..patching.fp8 import quantize_lora_bases   # lazy: needs torch
     record = quantize_lora_bases(model)
@@ -302,7 +305,8 @@ def fp8_bases(args, model) -> None:
         return
     logger = _logger()
     kept = "; ".join(f"{n} kept 16-bit: {why}" for why, n in record["kept_16bit"].items())
-    line = (f"swift_liger: fp8_base: {record['fp8_weights']} LoRA base weights in FP8 e4m3 "
+    what = "LoRA base weights" if cfg.fp8_base is True else "frozen linear weights"
+    line = (f"swift_liger: fp8_base: the {role} model's {record['fp8_weights']} {what} in FP8 e4m3 "
             f"({_size(record['bytes_16bit'])} -> {_size(record['bytes_fp8'])} on the device; the 16-bit weights "
             "wait in host memory)" + (f"; {kept}" if kept else ""))
     if record["fp8_weights"]:
@@ -420,6 +424,8 @@ def patch_rlhf_pipeline(module) -> None:
             _side_role[:] = [None, False]
         if result is not None and not done and role in SIDE_ROLES and getattr(self.args, "use_liger", False):
             patch_model(self.args, result[0], role)  # only if prepare_adapter below was not reached
+        if result is not None and role in SIDE_ROLES and getattr(self.args, "use_liger", False):
+            fp8_bases(self.args, result[0], role)   # liger_fp8_base all: the side model, frozen by now
         return result
 
     @functools.wraps(orig_adapter)

@@ -129,14 +129,14 @@ class Fp8Weight(torch.Tensor):
     (``original``). Writing into it is refused: it is frozen, and a write would land in a temporary copy."""
 
     @staticmethod
-    def __new__(cls, q: torch.Tensor, scale: torch.Tensor, original: torch.Tensor):
+    def __new__(cls, q: torch.Tensor, scale: torch.Tensor, original: torch.Tensor, ones=None):
         return torch.Tensor._make_wrapper_subclass(cls, q.shape, dtype=original.dtype, device=q.device,
                                                    requires_grad=False)
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, original: torch.Tensor):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, original: torch.Tensor, ones=None):
         self.q, self.scale, self.original = q, scale, original
         # the input-gradient GEMM's column scales (the row scales are folded into g): made once, not per call
-        self.ones = torch.ones(1, q.shape[1], dtype=torch.float32, device=q.device)
+        self.ones = ones if ones is not None else torch.ones(1, q.shape[1], dtype=torch.float32, device=q.device)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Fp8Weight":
@@ -195,7 +195,7 @@ class Fp8Weight(torch.Tensor):
         kwargs = kwargs or {}
         if func in (aten.detach.default, aten.alias.default):
             w = args[0]
-            return Fp8Weight(w.q, w.scale, w.original)
+            return Fp8Weight(w.q, w.scale, w.original, w.ones)
         for i, arg in enumerate(func._schema.arguments):
             info = arg.alias_info
             value = args[i] if i < len(args) else kwargs.get(arg.name)

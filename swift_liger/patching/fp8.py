@@ -1,12 +1,15 @@
 """FP8 frozen bases under LoRA: after PEFT has wrapped a patched model, each plain LoRA projection's frozen
 nn.Linear weight becomes an ops.fp8_linear_op.Fp8Weight (e4m3 rows + fp32 row scales on the GPU; the exact 16-bit
-weight moves to host memory, where revert and every read outside the FP8 matmuls find it).
+weight moves to host memory, where revert and every read outside the FP8 matmuls find it). With fp8_base "all",
+every other frozen nn.Linear child of the patched attention and MLP modules too (a policy with LoRA on some of its
+projections; a reference or teacher model, frozen whole).
 
 Which LoRA layers keep a 16-bit base, and why, is `base_problem`'s answer (DoRA and other LoRA variants read the base
-weight in their own maths; quantized or non-Linear bases; dims that are not multiples of 16). The LoRA op
-(patching/lora.py -> ops.lora_linear) multiplies through FP8 when it meets an Fp8Weight; the base nn.Linear gets an
-instance forward through ops.fp8_linear, so PEFT's own forward (adapters disabled: DPO/KTO/GRPO reference passes)
-uses the same FP8 weight. Revert puts the same Parameter objects back, their data copied back to the device.
+weight in their own maths; quantized or non-Linear bases; dims that are not multiples of 16; weights tied to another
+module). The LoRA op (patching/lora.py -> ops.lora_linear) multiplies through FP8 when it meets an Fp8Weight; each
+converted nn.Linear gets an instance forward through ops.fp8_linear, so PEFT's own forward (adapters disabled:
+DPO/KTO/GRPO reference passes) and plain linears use the same FP8 weight. Revert puts the same Parameter objects
+back, their data copied back to the device.
 """
 from __future__ import annotations
 
@@ -43,6 +46,11 @@ def base_problem(layer: torch.nn.Module) -> Optional[str]:
         return f"not a PEFT LoRA layer PEFT's API describes ({exc})"
     if dora or variants:
         return "DoRA / LoRA variant (its maths reads the base weight)"
+    return linear_problem(base)
+
+
+def linear_problem(base: torch.nn.Module) -> Optional[str]:
+    """Why this module's weight stays 16-bit (None: it can be stored in FP8)."""
     if type(base) is not torch.nn.Linear:
         return f"base is {type(base).__name__}, not torch.nn.Linear"
     weight = base._parameters.get("weight")
@@ -52,7 +60,7 @@ def base_problem(layer: torch.nn.Module) -> Optional[str]:
     if problem:
         return problem
     if base.bias is not None and base.bias.requires_grad:
-        return "the base bias trains"
+        return "the bias trains"
     device = fp8_device_problem(weight.device)
     if device:
         return device
@@ -81,17 +89,20 @@ def _restore(part: dict) -> None:
     part["converted"].clear()
 
 
-def register(st: PatchState) -> dict:
-    """At patch time: the record quantize_lora_bases fills later, and its undo (so revert restores the bases)."""
+def register(st: PatchState, owners=()) -> dict:
+    """At patch time: the record quantize_lora_bases fills later, the attention and MLP modules whose frozen linears
+    "all" converts, and its undo (so revert restores the weights)."""
     part = st.parts.setdefault(PART, new_part())
+    part["owners"] = list(owners)
     st.on_restore(_restore, part)
     return part
 
 
 def quantize_lora_bases(model: torch.nn.Module) -> Dict[str, object]:
     """Store the frozen base of every plain LoRA projection of `model` (patched by swift_liger.apply with
-    fp8_base=True, then wrapped by PEFT) in FP8. Idempotent. Returns the record: layers converted, layers kept 16-bit
-    by reason, their device bytes in 16 bits and in FP8. Raises ValueError when the model was not patched with
+    fp8_base=True or "all", then wrapped by PEFT) in FP8; with "all", every other frozen nn.Linear child of the
+    patched attention and MLP modules too. Idempotent. Returns the record: weights converted, weights kept 16-bit by
+    reason, their device bytes in 16 bits and in FP8. Raises ValueError when the model was not patched with
     fp8_base."""
     states = [st for _, st in find_states(model) if getattr(st.config, "fp8_base", False)]
     if not states:
@@ -99,40 +110,44 @@ def quantize_lora_bases(model: torch.nn.Module) -> Dict[str, object]:
                          "before PEFT wrapped it")
     st = states[0]
     part = st.parts.get(PART) or register(st)
-    seen = part.setdefault("seen", set())                 # ids of the bases already decided
-    report = st.report
     counts: Dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
     tied = {pid for pid, n in counts.items() if n > 1}   # e.g. lm_head tied to the embedding
     for module in model.modules():
-        if not is_peft_lora_linear(module):
-            continue
-        base = module.get_base_layer()
-        if id(base) in seen:
-            continue
-        seen.add(id(base))
-        reason = base_problem(module)
-        if not reason and id(base._parameters["weight"]) in tied:
-            reason = "weight tied to another module (the embedding reads it as 16-bit)"
-        if reason:
-            part["kept"][reason] = part["kept"].get(reason, 0) + 1
-            report.skip(PART, f"LoRA base kept 16-bit: {reason}")
-            continue
-        param = base._parameters["weight"]
-        fp8 = Fp8Weight.quantize(param.data)
-        host = fp8.original
-        fp8 = torch.nn.Parameter(fp8, requires_grad=False)
-        part["bytes_16bit"] += param.numel() * param.element_size()
-        part["bytes_fp8"] += fp8.nbytes_on_device()
-        base._parameters["weight"] = fp8
-        param.data = host                              # the device copy is freed; revert copies it back
-        part["converted"].append((base, param))
-        st.set(base, "_swift_liger_fp8_calls", part["calls"])
-        set_forward(st, base, _fp8_base_forward)
-    report.patched[PART] = len(part["converted"])
+        if is_peft_lora_linear(module):
+            _decide(st, part, module.get_base_layer(), base_problem(module), tied, "LoRA base")
+    if st.config.fp8_base == "all":
+        for owner in part.get("owners", ()):
+            for child in owner.children():
+                if type(child) is torch.nn.Linear:
+                    _decide(st, part, child, linear_problem(child), tied, "frozen linear")
+    st.report.patched[PART] = len(part["converted"])
     _ddp_ignore(model, part, st)
     return summary(part)
+
+
+def _decide(st: PatchState, part: dict, base: torch.nn.Module, reason: Optional[str], tied: set, what: str) -> None:
+    """Convert `base` (once), or count why it stays 16-bit."""
+    seen = part.setdefault("seen", set())              # ids of the modules already decided
+    if id(base) in seen:
+        return
+    seen.add(id(base))
+    if not reason and id(base._parameters["weight"]) in tied:
+        reason = "weight tied to another module (the embedding reads it as 16-bit)"
+    if reason:
+        part["kept"][reason] = part["kept"].get(reason, 0) + 1
+        st.report.skip(PART, f"{what} kept 16-bit: {reason}")
+        return
+    param = base._parameters["weight"]
+    fp8 = torch.nn.Parameter(Fp8Weight.quantize(param.data), requires_grad=False)
+    part["bytes_16bit"] += param.numel() * param.element_size()
+    part["bytes_fp8"] += fp8.nbytes_on_device()
+    base._parameters["weight"] = fp8
+    param.data = fp8.original                          # the device copy is freed; revert copies it back
+    part["converted"].append((base, param))
+    st.set(base, "_swift_liger_fp8_calls", part["calls"])
+    set_forward(st, base, _fp8_base_forward)
 
 
 def _ddp_ignore(model: torch.nn.Module, part: dict, st: PatchState) -> None:

@@ -456,6 +456,14 @@ def test_fp8_base_is_refused_where_it_cannot_apply(swift_mod, base_argv, monkeyp
     monkeypatch.setenv(EMULATE_ENV, "1")
     args = parse(swift_mod, base_argv + ["--use_liger", "--liger_fp8_base", "true"])
     assert liger_args.resolved(args)[0].fp8_base is True
+    args = parse(swift_mod, base_argv + ["--use_liger", "--liger_fp8_base", "all"])
+    assert liger_args.resolved(args)[0].fp8_base == "all"
+    from swift_liger.integration.swift_patches import _config_for
+    assert _config_for(args, "teacher")[0].fp8_base == "all" and _config_for(args, "policy")[0].fp8_base == "all"
+    args = parse(swift_mod, base_argv + ["--use_liger", "--liger_fp8_base", "lora"])
+    assert _config_for(args, "ref")[0].fp8_base is False     # no LoRA trains on a side model
+    with pytest.raises(ValueError, match="fp8_base must be true .* false, or all"):
+        parse(swift_mod, base_argv + ["--use_liger", "--liger_fp8_base", "maybe"])
     out = base_argv.index("--output_dir") + 1
     refused_dir = base_argv[out] + "_refused"
     lora = base_argv.index("--tuner_type") + 1

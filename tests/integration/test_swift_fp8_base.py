@@ -1,9 +1,9 @@
-"""`--liger_fp8_base true` through the real `swift sft` / `swift rlhf --rlhf_type dpo` CLI on the tiny Qwen3 (bf16
-weights; on CPU the FP8 GEMMs are torch's reference `_scaled_mm`, allowed by SWIFT_LIGER_FP8_EMULATE=1): every LoRA
-base becomes FP8 after the tuner (logged, counted in the first step), the losses stay within FP8 rounding of the
-16-bit `--use_liger` run, DPO's reference pass (adapters disabled) runs the FP8 base forward and gives the policy's
-log-probs exactly at the first step (loss ln 2: both sides multiply by the same FP8 weights), and the saved adapter
-has the 16-bit run's files, keys, shapes and dtypes."""
+"""`--liger_fp8_base` through the real `swift sft` / `swift rlhf` CLI on the tiny Qwen3 (bf16 weights; on CPU the
+FP8 GEMMs are torch's reference `_scaled_mm`, allowed by SWIFT_LIGER_FP8_EMULATE=1): every LoRA base becomes FP8
+after the tuner (logged, counted in the first step), the losses stay within FP8 rounding of the 16-bit `--use_liger`
+run, DPO's reference pass (adapters disabled) runs the FP8 base forward and gives the policy's log-probs exactly at
+the first step (loss ln 2: both sides multiply by the same FP8 weights), `all` stores a GKD teacher's linears too, and
+the saved adapter has the 16-bit run's files, keys, shapes and dtypes."""
 from __future__ import annotations
 
 import glob
@@ -29,14 +29,18 @@ BF16 = ["--torch_dtype", "bfloat16", "--fp16", "false", "--bf16", "false", "--ch
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_qwen3, tmp_path_factory):
+def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8_runs")
     sft = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *BF16, "--save_strategy", "steps",
            "--save_steps", str(STEPS), "--save_only_model", "true", "--use_liger"]
     dpo = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["pref"], *BF16, "--rlhf_type", "dpo",
            "--save_strategy", "no", "--use_liger"]
+    gkd = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *BF16, "--rlhf_type", "gkd",
+           "--teacher_model", tiny_llama["model"], "--teacher_model_type", "llama", "--lmbda", "0",
+           "--use_vllm", "false", "--save_strategy", "no", "--use_liger", "--liger_fp8_base", "all"]
     fp8 = ["--liger_fp8_base", "true"]
-    specs = {"sft": ("sft", sft), "sft_fp8": ("sft", sft + fp8), "dpo_fp8": ("rlhf", dpo + fp8)}
+    specs = {"sft": ("sft", sft), "sft_fp8": ("sft", sft + fp8), "dpo_fp8": ("rlhf", dpo + fp8),
+             "gkd_fp8_all": ("rlhf", gkd)}
     env = swift_env(SWIFT_LIGER_FP8_EMULATE="1")
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_swift, cmd, argv, str(root / name), env) for name, (cmd, argv) in
@@ -51,8 +55,9 @@ def first_step(run) -> dict:
 def test_sft_fp8_bases_train_within_fp8_rounding_of_16bit(runs):
     ref, fp8 = runs["sft"], runs["sft_fp8"]
     n = 7 * LAYERS
-    assert re.search(rf"fp8_base: {n} LoRA base weights in FP8 e4m3 \(.* -> .* on the device", fp8.log), fp8.log[-3000:]
-    assert f"fp8_base in the first step: {n} frozen LoRA base weights in FP8" in fp8.log
+    assert re.search(rf"fp8_base: the policy model's {n} LoRA base weights in FP8 e4m3 \(.* -> .* on the device",
+                     fp8.log), fp8.log[-3000:]
+    assert f"fp8_base in the first step: {n} frozen weights in FP8" in fp8.log
     assert "LoRA base weights in FP8" not in ref.log and "fp8_base in the first step" not in ref.log
     counts = first_step(fp8)
     assert (counts["fp8_weights"], counts["lora_fused"], counts["lora_peft"], counts["fp8_base_calls"]) == (n, 2 * n,
@@ -89,3 +94,16 @@ def test_saved_adapter_is_what_the_16bit_run_saves(runs):
             configs.append(json.load(f))
             configs[-1]["target_modules"] = sorted(configs[-1]["target_modules"])   # saved from a set
     assert configs[0] == configs[1]
+
+
+def test_gkd_all_stores_the_teacher_in_fp8_too(runs):
+    """`--liger_fp8_base all` in GKD: the student's LoRA bases and the teacher's attention and MLP linears (frozen by
+    ms-swift as it loads it) in FP8; the divergence still comes from both models' hidden states."""
+    run = runs["gkd_fp8_all"]
+    n = 7 * LAYERS
+    for role in ("policy", "teacher"):
+        assert re.search(rf"fp8_base: the {role} model's {n} frozen linear weights in FP8 e4m3", run.log), role
+    total = run.patch_record()["runtime"]["total"]
+    assert total["trainer"]["log_prob_passes"]["fused_linear_jsd"] == STEPS
+    steps = run.steps()
+    assert len(steps) == STEPS and all(math.isfinite(r["loss"]) for r in steps)

@@ -247,3 +247,61 @@ def test_generation_over_fp8_bases(emulate):
     rel = (logits.double() - want.double()).norm() / want.double().norm()
     assert rel < 0.1, rel.item()
     assert out.shape == ring.shape == (2, 28) and torch.equal(out, ring)
+
+
+def test_all_stores_every_frozen_linear_of_attention_and_mlp(emulate):
+    """fp8_base="all" with LoRA on q_proj / v_proj only: their bases and the other five frozen projections of each
+    layer become FP8 (lm_head and the embedding stay as they are); the loss stays within FP8 rounding; revert
+    restores every weight exactly."""
+    ref = tiny()
+    torch.manual_seed(3)
+    ref = peft.get_peft_model(ref, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                   target_modules=["q_proj", "v_proj"]))
+    m = tiny()
+    swift_liger.apply(m, fp8_base="all")
+    torch.manual_seed(3)
+    m = peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                               target_modules=["q_proj", "v_proj"]))
+    linears = [mod for mod in m.modules() if type(mod) is torch.nn.Linear]
+    before = {id(mod): mod.weight.detach().clone() for mod in linears}
+    record = swift_liger.quantize_lora_bases(m)
+    assert record["fp8_weights"] == len(PROJECTIONS) * LAYERS and record["kept_16bit"] == {}
+    head = m.get_output_embeddings()
+    assert type(head.weight) is torch.nn.Parameter and not isinstance(head.weight, Fp8Weight)
+    ids, labels = batch()
+    call_counts(m, reset=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        losses = [mod(ids, labels=labels).loss for mod in (ref, m)]
+    close(losses[1], losses[0], "loss", atol=2e-2, rtol=2e-2)
+    counts = call_counts(m)
+    assert counts["fp8_base_calls"] == 5 * LAYERS and counts["lora_fused"] == 2 * LAYERS
+    swift_liger.revert(m)
+    for mod in linears:
+        assert type(mod.weight) is torch.nn.Parameter and torch.equal(mod.weight, before[id(mod)])
+
+
+def test_all_on_a_frozen_side_model(emulate):
+    """A reference / teacher model (no LoRA, frozen whole): "all" stores its attention and MLP linears in FP8; its
+    logits stay within FP8 rounding; with fp8_base=True it has no LoRA base to store."""
+    want = tiny()
+    side = tiny()
+    swift_liger.apply(side, fp8_base="all", cross_entropy="off")
+    side.requires_grad_(False).eval()
+    record = swift_liger.quantize_lora_bases(side)
+    assert record["fp8_weights"] == len(PROJECTIONS) * LAYERS
+    ids, _ = batch()
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got, ref = side(ids).logits.double(), want(ids).logits.double()
+    assert (got - ref).norm() / ref.norm() < 0.1
+    lora_only = tiny()
+    swift_liger.apply(lora_only, fp8_base=True)
+    lora_only.requires_grad_(False)
+    assert swift_liger.quantize_lora_bases(lora_only)["fp8_weights"] == 0
+
+
+def test_fp8_base_values():
+    from swift_liger.config import LigerConfig
+    assert LigerConfig(fp8_base="all").fp8_base == "all"
+    assert LigerConfig(fp8_base="lora").fp8_base is True and LigerConfig(fp8_base="false").fp8_base is False
+    with pytest.raises(ValueError, match="fp8_base must be true .* false, or all"):
+        LigerConfig(fp8_base="everything")
