@@ -300,10 +300,15 @@ def fp8_bases(args, model, role: str = "policy") -> None:
     if not cfg.fp8_base:
         return
     from ..patching.fp8 import quantize_lora_bases   # lazy: needs torch
+    from ..patching.state import is_patched   # lazy: needs torch
+    logger = _logger()
+    if not is_patched(model):   # an unsupported model type trains unpatched (warned when it was patched)
+        if _is_master():
+            logger.warning(f"swift_liger: fp8_base: the {role} model is not patched, so nothing is stored in FP8")
+        return
     record = quantize_lora_bases(model)
     if not _is_master():
         return
-    logger = _logger()
     kept = "; ".join(f"{n} kept 16-bit: {why}" for why, n in record["kept_16bit"].items())
     what = "LoRA base weights" if cfg.fp8_base is True else "frozen linear weights"
     line = (f"swift_liger: fp8_base: the {role} model's {record['fp8_weights']} {what} in FP8 e4m3 "

@@ -486,3 +486,21 @@ def test_fp8_base_is_refused_where_it_cannot_apply(swift_mod, base_argv, monkeyp
     with pytest.raises(ValueError, match="liger_fp8_base .* is a training setting"):
         parse_args(InferArguments, [*tiny_qwen3["swift_flags"], "--use_liger", "--infer_backend", "transformers",
                                     "--liger_fp8_base", "true"])
+
+
+def test_fp8_bases_on_an_unpatched_model_warn_and_do_nothing(swift_mod, base_argv, monkeypatch, caplog):
+    """An unsupported model type trains unpatched (warned): fp8_bases after the tuner says nothing is stored in FP8
+    instead of failing the run."""
+    import logging
+
+    import torch
+
+    from swift_liger.integration.swift_patches import fp8_bases
+    from swift_liger.patching.fp8 import EMULATE_ENV
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    args = parse(swift_mod, base_argv + ["--use_liger", "--liger_fp8_base", "true"])
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    with caplog.at_level(logging.WARNING):
+        fp8_bases(args, plain)
+    assert "the policy model is not patched, so nothing is stored in FP8" in caplog.text
+    assert type(plain[0].weight) is torch.nn.Parameter
