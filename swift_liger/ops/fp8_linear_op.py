@@ -239,13 +239,15 @@ def fp8_device_problem(device) -> Optional[str]:
     return None
 
 
-def fp8_matmul(x: torch.Tensor, weight: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
-    """x [..., in] @ W^T -> [..., out] in out_dtype, x quantized per row. No autograd."""
+def fp8_matmul(x: torch.Tensor, weight: Fp8Weight, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """x [..., in] @ W^T (+ bias [out]) -> [..., out] in out_dtype, x quantized per row. No autograd."""
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     xq, sx = quantize_rows(x2)
     y = _scaled_mm(xq, weight.q.t(), sx, weight.scale.view(1, -1), out_dtype)
+    if bias is not None:
+        y.add_(bias.to(y.dtype))
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -263,8 +265,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.weight = weight                           # kept on ctx: a frozen weight, nothing to version-check
         ctx.x_dtype = x.dtype
-        y = fp8_matmul(x, weight, x.dtype)
-        return y if bias is None else y.add_(bias.to(y.dtype))
+        return fp8_matmul(x, weight, x.dtype, bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -287,8 +288,7 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: Optional[torch.Tensor] 
     if bias is not None and bias.requires_grad:
         raise ValueError("fp8_linear needs a frozen bias (requires_grad=False)")
     if not torch.is_grad_enabled() or not x.requires_grad:
-        y = fp8_matmul(x, weight, x.dtype)
-        return y if bias is None else y.add_(bias.to(y.dtype))
+        return fp8_matmul(x, weight, x.dtype, bias)
     return Fp8LinearFunction.apply(x, weight, bias)
 
 

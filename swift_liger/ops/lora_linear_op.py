@@ -67,8 +67,7 @@ def _dense(weight) -> torch.Tensor:
 def _base_linear(x: torch.Tensor, weight, bias) -> torch.Tensor:
     """x W^T + bias in x's dtype: an FP8 GEMM for an Fp8Weight, else F.linear on the (dequantized) weight."""
     if isinstance(weight, Fp8Weight):
-        y = fp8_matmul(x, weight, x.dtype)
-        return y if bias is None else y.add_(bias.to(y.dtype))
+        return fp8_matmul(x, weight, x.dtype, bias)
     return F.linear(x, _dense(weight), bias)
 
 
