@@ -74,3 +74,14 @@ def read_counters(part, names, reset: bool) -> dict:
 def is_count(text: str) -> bool:
     """True for ASCII digits only: str.isdigit() also accepts '²' or '①', which int() then refuses."""
     return text.isascii() and text.isdigit()
+
+
+OFF_WORDS = ("false", "no", "off", "none", "")   # a flag or YAML string that switches a fusion off; YAML 1.1 reads an
+ON_WORDS = ("true", "yes", "on")                 # unquoted `off` as false, which ms-swift passes on as "False"
+
+
+def switch_word(text: str) -> Optional[bool]:
+    """False for an off word, True for an on word (any case, spaces ignored), None for anything else (a count, a
+    mode) that the fusion's own parse_flag reads."""
+    text = text.strip().lower()
+    return False if text in OFF_WORDS else True if text in ON_WORDS else None

@@ -6,13 +6,13 @@ exact 16-bit weights wait in host memory (2 bytes per parameter) for revert and 
 The bases become FP8 after PEFT has wrapped the model: the ms-swift integration does it right after the tuner;
 a plain loop calls ``swift_liger.quantize_lora_bases(model)`` after ``get_peft_model``. ``all`` also stores every
 other frozen nn.Linear child of the attention and MLP modules (LoRA on a subset of the projections: the rest), and
-the reference / teacher models' (ms-swift freezes them as it loads them; converted right after). Numerics: activations and
-input gradients are quantized per token, so base outputs carry FP8 rounding (about 3% relative per GEMM on random
-data); see ops/fp8_linear_op.py.
+the reference / teacher models' (ms-swift freezes them as it loads them; converted right after). Numerics:
+activations and input gradients are quantized per token, so base outputs carry FP8 rounding (about 3% relative per
+GEMM on random data); see ops/fp8_linear_op.py.
 """
 from __future__ import annotations
 
-from .base import Fusion
+from .base import Fusion, switch_word
 
 ALL = "all"   # every frozen nn.Linear of the attention and MLP modules, side models' (reference, teacher) too
 
@@ -23,13 +23,14 @@ def normalize(value):
         return False
     if value is True:
         return True
-    text = value.strip().lower() if isinstance(value, str) else None
-    if text in ("false", "no", "off", "none", ""):
-        return False
-    if text in ("true", "yes", "on", "lora"):
-        return True
-    if text == ALL:
-        return ALL
+    if isinstance(value, str):
+        word = switch_word(value)
+        if word is not None:
+            return word
+        if value.strip().lower() == "lora":
+            return True
+        if value.strip().lower() == ALL:
+            return ALL
     raise ValueError(f"LigerConfig.fp8_base must be true (the frozen bases under LoRA), false, or all (every frozen "
                      f"linear of the attention and MLP modules, reference and teacher models' too), got {value!r}")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from .base import Fusion, is_count, read_counters
+from .base import Fusion, is_count, read_counters, switch_word
 
 
 def normalize(value):
@@ -27,10 +27,11 @@ def parse_flag(value):
     if value is None or isinstance(value, (int, bool)):
         return value
     text = str(value).strip().lower()
-    if text in ("false", "no", "none", "off", "0", ""):
-        return False
-    if text in ("true", "yes", "on", "all"):
-        return True
+    word = switch_word(text)
+    if word is not None:
+        return word
+    if text in ("0", "all"):
+        return text == "all"
     if not is_count(text):
         raise ValueError(f"liger_offload_checkpoints must be true, false or a number of decoder layers (the first "
                          f"N), got {value!r}")

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 
 from ..cache.settings import EXACT_WINDOW, MODEL_WINDOW, ROLLING_CACHE_KEYS, RollingCacheRefused, check_settings
-from .base import Fusion, is_count
+from .base import Fusion, is_count, switch_word
 
 
 def normalize(value):
@@ -36,7 +36,7 @@ def parse_flag(value):
     if value is None or isinstance(value, dict):
         return value
     text = str(value).strip()
-    if text.lower() in ("", "none", "null", "off", "false", "no"):
+    if text.lower() == "null" or switch_word(text) is False:
         return None
     if text.lower() == MODEL_WINDOW:
         return {"window": MODEL_WINDOW}

@@ -14,7 +14,7 @@ the RNG and autocast state), so the gradients are those of the loss computed.
 """
 from __future__ import annotations
 
-from .base import Fusion, is_count
+from .base import Fusion, is_count, switch_word
 
 DEFAULT_TILE = 8192   # tokens; [8192, 14336] bf16 = 224 MiB per intermediate buffer
 
@@ -34,10 +34,9 @@ def parse_flag(value):
     if value is None or isinstance(value, (int, bool)):
         return value
     text = str(value).strip().lower()
-    if text in ("false", "no", "none", "off", "0", ""):
-        return 0
-    if text in ("true", "yes"):
-        return DEFAULT_TILE
+    word = switch_word(text)
+    if word is not None:
+        return DEFAULT_TILE if word else 0
     if not is_count(text):
         raise ValueError(f"liger_tiled_mlp must be tokens per tile (an integer, 0 = off, true = {DEFAULT_TILE}), "
                          f"got {value!r}")

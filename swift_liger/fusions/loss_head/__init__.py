@@ -16,7 +16,7 @@ log-probs for trainers, ``keep_logits``), ``sharding.py`` (ZeRO-3 / FSDP2 heads)
 """
 from __future__ import annotations
 
-from ..base import Fusion
+from ..base import Fusion, switch_word
 from .state import counters
 
 MODES = ("fused_linear", "fused", "off")
@@ -34,12 +34,10 @@ def parse_flag(value):
     if value is None:
         return None
     text = str(value).strip().lower()
-    # YAML 1.1 reads an unquoted `off` as false, which ms-swift then passes on as the string "False".
-    if text in ("false", "no", "none", "0", "off"):
-        return "off"
-    if text in ("true", "yes", "1"):
-        return "fused_linear"
-    return text
+    word = switch_word(text) if text else None      # "" stays "" (refused as a mode)
+    if word is None and text in ("0", "1"):
+        word = text == "1"
+    return text if word is None else "fused_linear" if word else "off"
 
 
 def _patch(ctx) -> None:
