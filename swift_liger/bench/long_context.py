@@ -19,7 +19,9 @@ loads), one layer at a time. Variants:
 * plain:        the model as transformers builds it;
 * liger:        Liger-Kernel (rope, rms_norm, swiglu, fused linear cross-entropy), skipped when not importable;
 * swift_liger:  `swift_liger.apply(model)` (defaults);
-* long_context: `swift_liger.apply(model, tiled_mlp=8192, offload_checkpoints=True)` (configs/liger/long_context.yaml).
+* long_context: `swift_liger.apply(model, tiled_mlp=8192, offload_checkpoints=True)` (configs/liger/long_context.yaml);
+* swift_liger_fp8: `swift_liger.apply(model, fp8_base=True)`, then `swift_liger.quantize_lora_bases(model)` after
+  PEFT (LoRA bases in FP8; an sm_89+ GPU, or SWIFT_LIGER_FP8_EMULATE=1 on CPU).
 
 A point is a (sequence length, batch size) pair: (s, 1) for each of --seqs, or with --batches (one --seqs value)
 (seq, b) for each b, the [b, seq] batches of a point starting with the same row as batch 1's. For each point
@@ -64,8 +66,8 @@ from .harness import (DTYPES, GiB, counted, describe, environment, fmt, header, 
                       tail, write_report)
 from .shapes import SHAPES, ModelDims, build_model as build, hf_config, train_ready
 
-VARIANTS = ("plain", "liger", "swift_liger", "long_context")
-OURS = ("swift_liger", "long_context")
+VARIANTS = ("plain", "liger", "swift_liger", "long_context", "swift_liger_fp8")
+OURS = ("swift_liger", "long_context", "swift_liger_fp8")
 DEFAULT_SEQS = "8k,16k,32k,64k,128k,256k,512k"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LR = {"lora": 1e-4, "qlora": 1e-4, "full": 1e-5}
@@ -116,7 +118,8 @@ def patch(model, variant: str, family: str, tiled_mlp: int) -> Optional[str]:
         return None
     if variant == "liger":
         return _liger(model, family)
-    overrides = dict(tiled_mlp=tiled_mlp, offload_checkpoints=True) if variant == "long_context" else {}
+    overrides = {"long_context": dict(tiled_mlp=tiled_mlp, offload_checkpoints=True),
+                 "swift_liger_fp8": dict(fp8_base=True)}.get(variant, {})
     return str(swift_liger.apply(model, **overrides))
 
 
@@ -202,6 +205,10 @@ def run_point(variant: str, seq: int, *, shape: ModelDims, layers: int, steps: i
         if tuner == "qlora":
             row["quantized_linears"] = quantize_4bit(model, dtype)
         model = train_ready(model, lora=tuner in ("lora", "qlora"), targets=LORA_TARGETS, seed=SEED + 1)
+        if variant == "swift_liger_fp8":
+            fp8 = swift_liger.quantize_lora_bases(model)
+            row["fp8_weights"], row["fp8_kept_16bit"] = fp8["fp8_weights"], fp8["kept_16bit"]
+            gc.collect()
         params = [p for p in model.parameters() if p.requires_grad]
         row["trainable_params"] = sum(p.numel() for p in params)
         opt = torch.optim.AdamW(params, lr=LR[tuner], fused=cuda)   # the HF Trainer's default (adamw_torch_fused)
@@ -547,7 +554,16 @@ def write(out_dir: str, env, setup, rows, skipped, projection, halves) -> str:
                         to_markdown(env, setup, rows, skipped, projection, os.path.basename(png) if png else None))
 
 
-def _skip_reason(variant: str, device: str) -> Optional[str]:
+def _skip_reason(variant: str, device: str, tuner: str = "lora") -> Optional[str]:
+    if variant == "swift_liger_fp8":
+        from ..ops.fp8_linear_op import fp8_device_problem
+        from ..patching.fp8 import emulation_allowed
+        if tuner != "lora":
+            return f"FP8 bases are for LoRA over 16-bit weights, not --tuner {tuner}"
+        problem = fp8_device_problem(device)
+        if problem is None and not device.startswith("cuda") and not emulation_allowed():
+            problem = "FP8 bases on CPU need SWIFT_LIGER_FP8_EMULATE=1 (tests)"
+        return problem
     if variant != "liger":
         return None
     if importlib.util.find_spec("liger_kernel") is None:
@@ -642,7 +658,7 @@ def main(argv: Optional[Sequence[str]] = None):
                      f"pip install bitsandbytes")
 
     env = environment(f"python -m {MODULE}", argv, packages=("bitsandbytes",))
-    skipped = {v: why for v in variants if (why := _skip_reason(v, args.device))}
+    skipped = {v: why for v in variants if (why := _skip_reason(v, args.device, args.tuner))}
     setup: Dict[str, Any] = {
         "model": args.model, "shape": shape.asdict(), "layers": layers, "tuner": args.tuner,
         "variants": variants, "seqs": seqs, "steps": args.steps, "warmup": args.warmup, "batches": batches,

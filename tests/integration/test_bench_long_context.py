@@ -95,6 +95,22 @@ def test_long_context_bench_qlora_cpu(tmp_path, monkeypatch):
     assert "QLoRA: NF4 double-quant base (bitsandbytes), LoRA r=16" in (tmp_path / "long_context.md").read_text()
 
 
+def test_long_context_bench_fp8_base_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
+    monkeypatch.setenv("SWIFT_LIGER_FP8_EMULATE", "1")   # torch's CPU FP8 GEMM stands in for the GPU's
+    long_context.main(["--model", "tiny", "--device", "cpu", "--dtype", "bf16", "--seqs", "32", "--variants",
+                       "swift_liger,swift_liger_fp8", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    bf16, fp8 = json.loads((tmp_path / "long_context.json").read_text())["rows"]
+    assert bf16["status"] == fp8["status"] == "ok", (bf16, fp8)
+    assert fp8["fp8_weights"] == 14 and fp8["fp8_kept_16bit"] == {}   # 7 LoRA bases x 2 layers
+    assert "fp8_weights" not in bf16 and fp8["trainable_params"] == bf16["trainable_params"]
+    assert abs(fp8["losses"][0] - bf16["losses"][0]) < 0.05 * abs(bf16["losses"][0]), (bf16, fp8)
+
+    monkeypatch.delenv("SWIFT_LIGER_FP8_EMULATE")
+    assert "SWIFT_LIGER_FP8_EMULATE=1" in long_context._skip_reason("swift_liger_fp8", "cpu")
+    assert "not --tuner qlora" in long_context._skip_reason("swift_liger_fp8", "cpu", "qlora")
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--seqs", "32,64", "--batches", "1,2"], "--seqs must have exactly one value"),
     (["--seqs", "32", "--batches", "2,2"], "--batches must be strictly increasing"),
