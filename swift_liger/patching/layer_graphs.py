@@ -325,7 +325,8 @@ class LayerGraphs:
         capture saw: weights that hooks gather, move or re-shard per call would be stale at replay."""
         total = trainable = 0
         for p in layer.parameters():
-            if hasattr(p, "ds_id") or type(p).__name__ not in ("Parameter", "Params4bit"):
+            # FP8 bases (fp8_base) keep their q / scale tensors where quantization put them: replayable
+            if hasattr(p, "ds_id") or type(p).__name__ not in ("Parameter", "Params4bit", "Fp8Weight"):
                 return "parameters managed per call (DeepSpeed ZeRO-3 / FSDP)"
             total += p.numel()
             trainable += p.numel() if p.requires_grad else 0

@@ -179,10 +179,10 @@ def test_lora_linear_fp8_base_upcast_path():
     dy = torch.randn(6, 48, generator=g).bfloat16().to(DEVICE)
     y = lora_linear(x, None, fw, None, a, b, 0.5)
     y.backward(dy)
-    want = fp8_linear_reference(x, fw) + 0.5 * (f64(x) @ f64(a).t()) @ f64(b).t()
+    want = f64(fp8_linear_reference(x, fw)) + 0.5 * (f64(x) @ f64(a).t()) @ f64(b).t()
     assert_close(y, want, torch.bfloat16, name="y")
-    lora_dx = 0.5 * (dy.double() @ f64(b)) @ f64(a)
-    assert_close(x.grad, fp8_input_grad(dy, fw, torch.bfloat16).double() + lora_dx, torch.bfloat16, slack=2,
+    lora_dx = 0.5 * (f64(dy) @ f64(b)) @ f64(a)
+    assert_close(x.grad, f64(fp8_input_grad(dy, fw, torch.bfloat16)) + lora_dx, torch.bfloat16, slack=2,
                  name="dx")
 
 

@@ -277,6 +277,32 @@ def test_full_fine_tuning_runs_eagerly(backend):
     assert s["captures"] == 0 and s["eager"] == {"trainable parameters beyond adapters (full fine-tuning)": 2}, s
 
 
+def test_fp8_bases_replay(backend, monkeypatch):
+    """LoRA over FP8 bases (fp8_base): their FP8 rows and scales stay put, so the layers replay, and match eager."""
+    device = backend
+    monkeypatch.setenv("SWIFT_LIGER_FP8_EMULATE", "1")   # CPU: torch's reference FP8 GEMM
+    from peft import LoraConfig, get_peft_model
+    base = tiny_causal_lm("qwen2", layers=2, attn="sdpa").to(device, torch.bfloat16)
+    out = []
+    for graphs in (False, True):
+        m = copy.deepcopy(base)
+        swift_liger.apply(m, graph_layers=graphs, fp8_base=True)
+        m.config.use_cache = False
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        m.enable_input_require_grads()
+        torch.manual_seed(5)
+        m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear"))
+        assert swift_liger.quantize_lora_bases(m)["fp8_weights"] == 14
+        m.train()
+        out.append(m)
+    eager, graphed = out
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(7)).to(device)
+    for _ in range(2):
+        assert_same(step(eager, ids), step(graphed, ids), atol=2e-2, rtol=2e-2)
+    s = stats(graphed)
+    assert s["captures"] == 2 and s["replays"] == 2 * 2 * 2 and not s["eager"], s
+
+
 def test_bucket_lengths():
     assert [layer_graphs.bucket(n) for n in (1, 16, 17, 100, 448, 449, 2011, 2048, 4097)] == \
         [16, 16, 32, 112, 448, 480, 2048, 2048, 4608]
