@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 
 from ._common import use_triton
 from .fp8_quant_kernel import quantize_rows_kernel
+from .fp8_transpose_kernel import transpose_kernel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0            # the largest finite e4m3fn value
@@ -58,6 +59,12 @@ def quantize_rows(x2: torch.Tensor, fold: Optional[torch.Tensor] = None):
     if use_triton(x2):
         return quantize_rows_kernel(x2, None if fold is None else fold.contiguous())
     return quantize_rows_torch(x2, fold)
+
+
+def transpose_codes(q: torch.Tensor) -> torch.Tensor:
+    """q [R, C] (an Fp8Weight's codes) -> its contiguous transpose [C, R]: the Triton kernel where the backend is
+    Triton (fp8_transpose_kernel: torch's copy moves 1-byte elements at a fraction of the memory's speed)."""
+    return transpose_kernel(q) if use_triton(q) else q.t().contiguous()
 
 
 def quantize_rows_torch(x2: torch.Tensor, fold: Optional[torch.Tensor] = None):
@@ -255,7 +262,7 @@ def fp8_input_grad(g: torch.Tensor, weight: Fp8Weight, out_dtype: torch.dtype) -
     """g [..., out] @ W -> [..., in] in out_dtype: W's row scales folded into g before g is quantized per row."""
     g2 = g.reshape(-1, g.shape[-1])
     gq, sg = quantize_rows(g2, fold=weight.scale)
-    w_t = weight.q.t().contiguous()                   # [in, out]: K-major for this GEMM (see the module docstring)
+    w_t = transpose_codes(weight.q)                   # [in, out]: K-major for this GEMM (see the module docstring)
     dx = _scaled_mm(gq, w_t.t(), sg, weight.ones, out_dtype)
     return dx.view(*g.shape[:-1], weight.shape[1])
 

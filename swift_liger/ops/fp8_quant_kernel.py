@@ -4,9 +4,10 @@
                                                   -> q [N, K] float8_e4m3fn, scale [N, 1] fp32;  x2 * fold ~= scale * q
 
 The same values as the torch ops of fp8_linear_op (fp32 multiply by fold, row max, max(amax, 1e-12) / 448, an IEEE
-division, clamp to +-448, round to nearest even), bit for bit. One program per row reads the row twice (the max,
-then the quantization; the second pass mostly from L2) and writes 1 byte per element: ~5 bytes per bf16 element
-against ~13 for the torch ops (an fp32 copy written and read twice), in one launch instead of six.
+division, clamp to +-448, round to nearest even), bit for bit. One program per row: a row of up to BLOCK (4096)
+elements is read once and kept in registers; a longer one is read twice (the max, then the quantization; the second
+pass mostly from L2). 1 byte written per element: ~3-5 bytes per bf16 element against ~13 for the torch ops (an fp32
+copy written and read twice), in one launch instead of six.
 
 The rounding to e4m3 is integer arithmetic on the fp32 bits, not a conversion instruction: Triton's interpreter
 rounds float8 stores wrongly (it is what the CPU tests run), and the same code then runs on every GPU.
@@ -67,22 +68,31 @@ def _load_block(x_row, fold_ptr, offs, inb, HAS_FOLD: tl.constexpr):
 
 @triton.jit
 def _fp8_quant_rows_kernel(x_ptr, fold_ptr, q_ptr, scale_ptr, K, stride_x, HAS_FOLD: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * K
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        amax = tl.maximum(amax, tl.abs(_load_block(x_row, fold_ptr, offs, offs < K, HAS_FOLD)))
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):                     # the row again: the quantization
-        offs = k0 + tl.arange(0, BLOCK)
+    if ONE_PASS:                                      # K <= BLOCK: the row stays in registers between the two steps
+        offs = tl.arange(0, BLOCK)
         inb = offs < K
         v = _load_block(x_row, fold_ptr, offs, inb, HAS_FOLD)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12), 448.0)
+        tl.store(scale_ptr + row, scale)
         y = tl.minimum(tl.maximum(tl.div_rn(v, scale), -448.0), 448.0)
         tl.store(q_row + offs, _e4m3_bits(y).to(tl.uint8), mask=inb)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_load_block(x_row, fold_ptr, offs, offs < K, HAS_FOLD)))
+        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
+        tl.store(scale_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):                 # the row again: the quantization
+            offs = k0 + tl.arange(0, BLOCK)
+            inb = offs < K
+            v = _load_block(x_row, fold_ptr, offs, inb, HAS_FOLD)
+            y = tl.minimum(tl.maximum(tl.div_rn(v, scale), -448.0), 448.0)
+            tl.store(q_row + offs, _e4m3_bits(y).to(tl.uint8), mask=inb)
 
 
 _QUANT = _launch.FastLaunch(_fp8_quant_rows_kernel)
@@ -98,5 +108,5 @@ def quantize_rows_kernel(x2: torch.Tensor, fold=None):
     if n and k:
         cfg = launch_config(k, x2.device)
         _QUANT.launch((n,), x2, fold if fold is not None else scale, q, scale, k, x2.stride(0),
-                      HAS_FOLD=fold is not None, BLOCK=cfg.block, num_warps=cfg.num_warps)
+                      HAS_FOLD=fold is not None, BLOCK=cfg.block, ONE_PASS=k <= cfg.block, num_warps=cfg.num_warps)
     return q.view(torch.float8_e4m3fn), scale

@@ -186,6 +186,18 @@ def test_lora_linear_fp8_base_upcast_path():
                  name="dx")
 
 
+@pytest.mark.parametrize("r, c", [(5, 48), (33, 70), (64, 128), (130, 16)])
+def test_transpose_kernel_equals_torch(r, c):
+    """The FP8 codes' transpose (the input gradient's K-major operand) is torch's, for tiles cut at both edges."""
+    from swift_liger.ops.fp8_transpose_kernel import transpose_kernel
+    g = torch.Generator().manual_seed(r * c)
+    q = torch.randint(0, 256, (r, c), generator=g, dtype=torch.uint8).to(DEVICE).view(FP8)
+    with inputs_unchanged(q.view(torch.uint8)):
+        t = transpose_kernel(q)
+    assert t.dtype == FP8 and t.shape == (c, r) and t.is_contiguous()
+    assert torch.equal(t.view(torch.uint8), q.view(torch.uint8).t())
+
+
 def test_quantize_rows_in_chunks_equals_whole(monkeypatch):
     import swift_liger.ops.fp8_linear_op as op
     g = torch.Generator().manual_seed(6)

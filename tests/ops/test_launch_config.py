@@ -9,6 +9,7 @@ import torch
 
 from swift_liger.ops import (_common, _reduce as red, _scale as sc, _targets, cross_entropy_kernel as ce,
                              decode_attention_kernel as da, dropout_mask_kernel as dm, fp8_quant_kernel as fq,
+                             fp8_transpose_kernel as ft,
                              fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
                              qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope_kernel as rope,
                              swiglu_kernel as sw)
@@ -38,6 +39,7 @@ def _calls():
         yield sw, None, lambda d, I=I, c=contiguous: sw.launch_config(I, c, d)
     for K in (1, 16, 3584, 18944):
         yield fq, None, lambda d, K=K: fq.launch_config(K, d)
+    yield ft, None, lambda d: ft.launch_config(d)
     for V in (1, 1000, 32000, 151936, 256000):
         yield ce, None, lambda d, V=V: ce.launch_config(V, d)
         for kind in ("rows", "slice"):
@@ -50,7 +52,7 @@ def _calls():
         yield da, None, lambda d, b=block_d, e=elt: da.launch_config(b, e, d)
 
 
-MODULES = (rn, rope, qk, red, sc, sw, ce, fl, kv, dm, da)
+MODULES = (rn, rope, qk, red, sc, sw, ce, fl, kv, dm, da, fq, ft)
 
 
 def test_every_module_follows_the_convention():

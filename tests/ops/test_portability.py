@@ -72,6 +72,7 @@ FIXED_PTRS = {
 }
 KERNEL_FIXED_PTRS = {  # per kernel overrides
     "_fp8_quant_rows_kernel": {"q_ptr": "*u8", "fold_ptr": "*fp32"},
+    "_fp8_transpose_kernel": {"src_ptr": "*u8", "dst_ptr": "*u8"},
     "_decode_split_kernel": {"o_ptr": "*fp32"},
     "_decode_merge_kernel": {"o_ptr": "*fp32"},
     "_kv_sink_refresh_kernel": {"cos_ptr": "*fp32", "sin_ptr": "*fp32"},
@@ -120,6 +121,7 @@ def _enumerate():
     from swift_liger.ops import (_common, _reduce as red, _scale as sc, cross_entropy_kernel as ce,
                                  decode_attention_kernel as da,
                                  dropout_mask_kernel as dm, fp8_quant_kernel as fq,
+                                 fp8_transpose_kernel as ft,
                                  fused_linear_cross_entropy_kernel as fl, kv_ring_write_kernel as kv,
                                  qk_norm_rope_kernel as qk, rms_norm_kernel as rn, rope_kernel as rope,
                                  swiglu_kernel as sw, varlen_attention_kernel as va)
@@ -271,13 +273,16 @@ def _enumerate():
     for K in (1536, 3584, 18944):
         c = fq.launch_config(K, cuda)
         for fold in (True, False):
-            add("fp8_quant_kernel", "_fp8_quant_rows_kernel", dict(HAS_FOLD=fold, BLOCK=c.block), c.num_warps,
+            add("fp8_quant_kernel", "_fp8_quant_rows_kernel",
+                dict(HAS_FOLD=fold, BLOCK=c.block, ONE_PASS=K <= c.block), c.num_warps,
                 archs=("sm_89", "sm_90"))
+    c = ft.launch_config(cuda)   # the FP8 weight's transpose (fp8_linear's input gradient)
+    add("fp8_transpose_kernel", "_fp8_transpose_kernel", dict(BLOCK=c.block), c.num_warps, archs=("sm_89", "sm_90"))
     return jobs
 
 
 def _dtypes_for(fn_name, consts, arch, first=False):
-    if fn_name == "_pack_kernel":
+    if fn_name in ("_pack_kernel", "_fp8_transpose_kernel"):
         return ("u8",)
     if fn_name in ("_decode_split_kernel", "_varlen_fwd_kernel", "_varlen_dkdv_kernel",
                    "_varlen_dq_kernel"):   # IEEE is True exactly for fp32 inputs
