@@ -47,7 +47,8 @@ CHUNK_BYTES = 256 << 20
 def _quantize(x2: torch.Tensor, fold: Optional[torch.Tensor]):
     xf = x2.float() if fold is None else x2.float().mul_(fold)
     amax = torch.linalg.vector_norm(xf, float("inf"), dim=1, keepdim=True)
-    scale = amax.clamp_(min=_TINY).div_(FP8_MAX)
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, 1 ulp off IEEE's quotient
+    scale = amax.clamp_(min=_TINY).div_(torch.full_like(amax, FP8_MAX))
     return xf.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

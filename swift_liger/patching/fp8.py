@@ -26,6 +26,23 @@ PART = "fp8_base"
 EMULATE_ENV = "SWIFT_LIGER_FP8_EMULATE"   # "1": allow FP8 bases on CPU (torch's reference FP8 GEMM; tests only)
 
 
+# FP8 pays for a weight [out, in] when its GEMMs' saving outweighs quantizing the activations (in bytes per token)
+# and output gradients (out per token) and transposing the codes: per token ~in*out*1.1e-15 s saved (FP8 ~1200 vs
+# bf16 ~720 TFLOP/s) against ~(in+out)*1e-12 s spent, so in*out/(in+out) must reach ~1000. Measured on an H200
+# (forward + input gradient): [3584, 3584] (1792) ran 1.11x faster than bf16 and [18944, 3584] (3014) 1.4x at 8192
+# tokens; [1536, 1536] (768) ran 2x slower at 2048 tokens (GPU time) and [512, 3584] (448) lost in the op benchmark.
+MIN_SIZE = 1280
+
+
+def size_problem(out_features: int, in_features: int, device_type: str, min_size: Optional[int] = None):
+    """Why a CUDA weight [out, in] stays 16-bit for speed (None: FP8 pays); CPU (emulated FP8) takes every size."""
+    min_size = MIN_SIZE if min_size is None else min_size
+    size = out_features * in_features / max(1, out_features + in_features)
+    if device_type != "cuda" or size >= min_size:
+        return None
+    return f"too small for FP8 to pay (in*out/(in+out) < {min_size})"
+
+
 def emulation_allowed() -> bool:
     return os.environ.get(EMULATE_ENV, "") == "1"
 
@@ -98,12 +115,13 @@ def register(st: PatchState, owners=()) -> dict:
     return part
 
 
-def quantize_lora_bases(model: torch.nn.Module) -> Dict[str, object]:
+def quantize_lora_bases(model: torch.nn.Module, min_size: Optional[int] = None) -> Dict[str, object]:
     """Store the frozen base of every plain LoRA projection of `model` (patched by swift_liger.apply with
     fp8_base=True or "all", then wrapped by PEFT) in FP8; with "all", every other frozen nn.Linear child of the
-    patched attention and MLP modules too. Idempotent. Returns the record: weights converted, weights kept 16-bit by
-    reason, their device bytes in 16 bits and in FP8. Raises ValueError when the model was not patched with
-    fp8_base."""
+    patched attention and MLP modules too. On a GPU, weights with in*out/(in+out) below `min_size` (default
+    MIN_SIZE: where FP8 ran slower than bf16) stay 16-bit; min_size=0 converts every eligible weight. Idempotent.
+    Returns the record: weights converted, weights kept 16-bit by reason, their device bytes in 16 bits and in FP8.
+    Raises ValueError when the model was not patched with fp8_base."""
     states = [st for _, st in find_states(model) if getattr(st.config, "fp8_base", False)]
     if not states:
         raise ValueError("quantize_lora_bases needs a model patched with swift_liger.apply(model, fp8_base=True) "
@@ -116,15 +134,24 @@ def quantize_lora_bases(model: torch.nn.Module) -> Dict[str, object]:
     tied = {pid for pid, n in counts.items() if n > 1}   # e.g. lm_head tied to the embedding
     for module in model.modules():
         if is_peft_lora_linear(module):
-            _decide(st, part, module.get_base_layer(), base_problem(module), tied, "LoRA base")
+            base = module.get_base_layer()
+            _decide(st, part, base, base_problem(module) or _size(base, min_size), tied, "LoRA base")
     if st.config.fp8_base == "all":
         for owner in part.get("owners", ()):
             for child in owner.children():
                 if type(child) is torch.nn.Linear:
-                    _decide(st, part, child, linear_problem(child), tied, "frozen linear")
+                    _decide(st, part, child, linear_problem(child) or _size(child, min_size), tied,
+                            "frozen linear")
     st.report.patched[PART] = len(part["converted"])
     _ddp_ignore(model, part, st)
     return summary(part)
+
+
+def _size(base: torch.nn.Module, min_size: Optional[int]) -> Optional[str]:
+    weight = base.weight
+    if isinstance(weight, Fp8Weight):
+        return None
+    return size_problem(weight.shape[0], weight.shape[1], weight.device.type, min_size)
 
 
 def _decide(st: PatchState, part: dict, base: torch.nn.Module, reason: Optional[str], tied: set, what: str) -> None:

@@ -13,6 +13,7 @@ from helpers import close_scaled as close
 import swift_liger
 from swift_liger import call_counts
 from swift_liger.ops.fp8_linear_op import Fp8Weight, fp8_device_problem
+from swift_liger.patching import fp8 as fp8_patch
 from swift_liger.patching.fp8 import EMULATE_ENV
 
 transformers = pytest.importorskip("transformers")
@@ -21,6 +22,12 @@ peft = pytest.importorskip("peft")
 LAYERS = 2
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEVICE = "cuda" if torch.cuda.is_available() and fp8_device_problem("cuda") is None else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def every_size(monkeypatch):
+    """The tiny models' weights are far below the size where FP8 pays on a GPU (MIN_SIZE): take them all here."""
+    monkeypatch.setattr(fp8_patch, "MIN_SIZE", 0)
 
 
 @pytest.fixture
@@ -305,3 +312,28 @@ def test_fp8_base_values():
     assert LigerConfig(fp8_base="lora").fp8_base is True and LigerConfig(fp8_base="false").fp8_base is False
     with pytest.raises(ValueError, match="fp8_base must be true .* false, or all"):
         LigerConfig(fp8_base="everything")
+
+
+def test_size_rule():
+    """On a GPU a weight [out, in] becomes FP8 only where in*out/(in+out) reaches MIN_SIZE (measured: smaller ones ran
+    slower than bf16); emulated FP8 on the CPU takes every size; min_size=0 takes every size anywhere."""
+    from swift_liger.patching.fp8 import MIN_SIZE, size_problem
+    assert MIN_SIZE == 0   # this module's fixture; the default is restored after each test
+    assert size_problem(3584, 3584, "cuda", 1280) is None and size_problem(18944, 3584, "cuda", 1280) is None
+    assert size_problem(8960, 1536, "cuda", 1280) is None          # 1311: Qwen2.5-1.5B's MLP
+    for out, in_ in ((512, 3584), (1536, 1536), (256, 1536)):      # k/v projections, 1.5B's q/o
+        assert "too small for FP8 to pay" in size_problem(out, in_, "cuda", 1280)
+    assert size_problem(16, 32, "cpu", 1280) is None and size_problem(16, 32, "cuda", 0) is None
+
+
+def test_small_weights_stay_16bit_on_a_gpu(emulate, monkeypatch):
+    """quantize_lora_bases applies the size rule (a GPU pretended here) and min_size=0 lifts it."""
+    monkeypatch.setattr(fp8_patch, "MIN_SIZE", 1280)
+    rule = fp8_patch.size_problem
+    monkeypatch.setattr(fp8_patch, "size_problem", lambda o, i, device, m=None: rule(o, i, "cuda", m))
+    _, m = pair()
+    record = swift_liger.quantize_lora_bases(m)
+    assert record["fp8_weights"] == 0, record
+    assert record["kept_16bit"] == {"too small for FP8 to pay (in*out/(in+out) < 1280)": LAYERS * 7}, record
+    _, m = pair()
+    assert swift_liger.quantize_lora_bases(m, min_size=0)["fp8_weights"] == LAYERS * 7

@@ -281,6 +281,7 @@ def test_fp8_bases_replay(backend, monkeypatch):
     """LoRA over FP8 bases (fp8_base): their FP8 rows and scales stay put, so the layers replay, and match eager."""
     device = backend
     monkeypatch.setenv("SWIFT_LIGER_FP8_EMULATE", "1")   # CPU: torch's reference FP8 GEMM
+    monkeypatch.setattr("swift_liger.patching.fp8.MIN_SIZE", 0)   # the tiny weights are converted on a GPU too
     from peft import LoraConfig, get_peft_model
     base = tiny_causal_lm("qwen2", layers=2, attn="sdpa").to(device, torch.bfloat16)
     out = []
