@@ -9,7 +9,7 @@ import torch
 import triton.testing as tt
 from torch.profiler import ProfilerActivity, profile
 
-from swift_liger.ops import fp8_transpose_kernel as ft
+from swift_liger.ops import fp8_quant_kernel as fq, fp8_transpose_kernel as ft
 from swift_liger.ops._common import launch_override
 from swift_liger.ops.fp8_linear_op import Fp8Weight, _scaled_mm, fp8_linear, quantize_rows
 
@@ -42,6 +42,10 @@ for n, k, o in shapes:
     x2 = x.detach()
     ms = tt.do_bench(lambda: quantize_rows(x2), rep=100)
     print(f"quantize_rows [{n},{k}]: {ms * 1e3:.1f} us, {(n * k * 3 + n * 4) / ms / 1e6:.0f} GB/s (read bf16, write e4m3)")
+    for rows, warps in ((1, 4), (2, 4), (2, 8), (4, 8), (8, 8)):
+        with launch_override(fq, None, rows=rows, num_warps=warps):
+            ms = tt.do_bench(lambda: quantize_rows(x2), rep=100)
+        print(f"quantize_rows rows {rows} warps {warps}: {ms * 1e3:.1f} us, {(n * k * 3 + n * 4) / ms / 1e6:.0f} GB/s")
     xq, sx = quantize_rows(x2)
     ms = tt.do_bench(lambda: _scaled_mm(xq, fw.q.t(), sx, fw.scale.view(1, -1), torch.bfloat16), rep=100)
     print(f"_scaled_mm [{n},{k}]x[{k},{o}]: {ms * 1e3:.1f} us, {2 * n * k * o / ms / 1e9:.0f} TFLOP/s")

@@ -210,19 +210,21 @@ def test_quantize_rows_in_chunks_equals_whole(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("n,k", [(5, 48), (3, 4100), (7, 33), (1, 16)])
-def test_quant_kernel_equals_torch_bit_for_bit(dtype, n, k):
+@pytest.mark.parametrize("n,k,rows", [(5, 48, 1), (3, 4100, 1), (7, 33, 1), (1, 16, 1), (7, 33, 4), (5, 48, 2)])
+def test_quant_kernel_equals_torch_bit_for_bit(dtype, n, k, rows):
     """The Triton kernel (run here: the interpreter on CPU, compiled on a GPU) against the torch ops: the same scales
-    and the same e4m3 codes, zeros, signed zeros, subnormals and ties included; strided rows too."""
+    and the same e4m3 codes, zeros, signed zeros, subnormals and ties included; strided rows too; several rows per
+    program with the last program's rows cut short."""
+    from swift_liger.ops import fp8_quant_kernel
+    from swift_liger.ops._common import launch_override
     from swift_liger.ops.fp8_linear_op import quantize_rows_torch
-    from swift_liger.ops.fp8_quant_kernel import quantize_rows_kernel
     g = torch.Generator().manual_seed(n * k)
     x = (torch.randn(n, k + 3, generator=g) * torch.logspace(-4, 4, n)[:, None]).to(dtype)[:, :k].to(DEVICE)
     x[0, :4] = torch.tensor([0.0, -0.0, 1e-30, 3.0])
     f = (torch.rand(k, generator=g) + 0.5).to(DEVICE)
     for fold in (None, f):
-        with inputs_unchanged(x):
-            q, s = quantize_rows_kernel(x, fold)
+        with inputs_unchanged(x), launch_override(fp8_quant_kernel, None, rows=rows):
+            q, s = fp8_quant_kernel.quantize_rows_kernel(x, fold)
         q_ref, s_ref = quantize_rows_torch(x, fold)
         assert q.dtype == FP8 and q.shape == (n, k) and s.shape == (n, 1)
         assert torch.equal(s, s_ref)

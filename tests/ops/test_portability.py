@@ -274,7 +274,8 @@ def _enumerate():
         c = fq.launch_config(K, cuda)
         for fold in (True, False):
             add("fp8_quant_kernel", "_fp8_quant_rows_kernel",
-                dict(HAS_FOLD=fold, BLOCK=c.block, ONE_PASS=K <= c.block), c.num_warps,
+                dict(HAS_FOLD=fold, BLOCK=c.block, ONE_PASS=K <= c.block, ROWS=c.rows if K <= c.block else 1),
+                c.num_warps,
                 archs=("sm_89", "sm_90"))
     c = ft.launch_config(cuda)   # the FP8 weight's transpose (fp8_linear's input gradient)
     add("fp8_transpose_kernel", "_fp8_transpose_kernel", dict(BLOCK=c.block), c.num_warps, archs=("sm_89", "sm_90"))
