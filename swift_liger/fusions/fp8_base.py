@@ -54,8 +54,9 @@ def _counters(part, reset) -> dict:
 FUSION = Fusion(key="fp8_base", default=False, kind="mode", normalize=normalize, parse_flag=normalize,
                 help="Store the frozen base weight under each LoRA projection in FP8 e4m3 with row scales (half "
                      "its GPU bytes; FP8 GEMMs); all: every frozen linear of the attention and MLP modules, the "
-                     "reference and teacher models' too; needs an sm_89+ GPU (L4, L40S, RTX 4090, H100, H200); exact "
-                     "16-bit weights kept in host memory; checkpoints and adapters unchanged.",
+                     "reference and teacher models' too; needs an sm_89+ GPU (L4, L40S, RTX 4090, H100, H200); weights "
+                     "too small for FP8 to pay (in*out/(in+out) < 1280) stay 16-bit; exact 16-bit weights kept in host "
+                     "memory; checkpoints and adapters unchanged.",
                 applies_to="the nn.Linear base of PEFT lora.Linear projections (vanilla LoRA; not DoRA); with all, "
                            "every frozen nn.Linear child of the attention and MLP modules",
                 order=95, patch=patch, say_off=False, counters=_counters)
