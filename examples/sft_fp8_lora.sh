@@ -3,8 +3,8 @@
 # one plot of both runs' loss, tokens/s and peak memory.
 #   bash examples/sft_fp8_lora.sh     (needs: pip install swift-liger[swift], an sm_89+ GPU: L4, L40S, RTX 4090,
 #                                      H100, H200)
-# Offline by default: a random-init Qwen2.5-7B-shaped model and rows of ~8k tokens are built on the GPU first
-# (~30 s, 15 GB on disk; speed and memory are the real model's, the loss is not meaningful).
+# Offline by default: a random-init Qwen2.5-7B-shaped model (SHAPE=llama3-8b, ...) and rows of ~8k tokens are built
+# on the GPU first (examples/offline_model.sh; speed and memory are the real model's, the loss is not meaningful).
 # MODEL=Qwen/Qwen2.5-7B-Instruct bash examples/sft_fp8_lora.sh trains a hub model on alpaca-gpt4 instead.
 # On an older GPU, or without CUDA, the fp8 run stops while its arguments are parsed and says why.
 set -euo pipefail
@@ -14,9 +14,9 @@ OUT=${OUT:-output/sft_fp8_compare}
 if [ -n "${MODEL:-}" ]; then
   data=(--model "$MODEL" --use_hf true --dataset 'AI-ModelScope/alpaca-gpt4-data-en#20000')
 else
-  M=$OUT/model_qwen2.5-7b
-  [ -f "$M/build.json" ] || python -m swift_liger.bench.swift_cli build "$M" --shape qwen2.5-7b --seq 8192 --device cuda
-  data=(--model "$M/model" --model_type qwen2 --template qwen --dataset "$M/sft.jsonl")
+  SHAPE=${SHAPE:-qwen2.5-7b} SEQ=8192
+  source "$(dirname "$0")/offline_model.sh"
+  data=("${MODEL_FLAGS[@]}" --dataset "$SFT_DATA")
 fi
 common=("${data[@]}" --tuner_type lora --lora_rank 16 --target_modules all-linear --torch_dtype bfloat16
         --max_length 8192 --per_device_train_batch_size 1 --gradient_accumulation_steps 8
