@@ -62,6 +62,8 @@ import torch
 
 import swift_liger
 
+from ..ops.fp8_linear_op import fp8_device_problem
+from ..patching.fp8 import emulation_allowed
 from .harness import (DTYPES, GiB, counted, describe, environment, fmt, header, last_json, run_child as run_process,
                       tail, write_report)
 from .shapes import SHAPES, ModelDims, build_model as build, hf_config, train_ready
@@ -556,8 +558,6 @@ def write(out_dir: str, env, setup, rows, skipped, projection, halves) -> str:
 
 def _skip_reason(variant: str, device: str, tuner: str = "lora") -> Optional[str]:
     if variant == "swift_liger_fp8":
-        from ..ops.fp8_linear_op import fp8_device_problem
-        from ..patching.fp8 import emulation_allowed
         if tuner != "lora":
             return f"FP8 bases are for LoRA over 16-bit weights, not --tuner {tuner}"
         problem = fp8_device_problem(device)
