@@ -25,11 +25,10 @@ def normalize(value):
         return True
     if isinstance(value, str):
         word = switch_word(value)
-        if word is not None:
-            return word
-        if value.strip().lower() == "lora":
-            return True
-        if value.strip().lower() == ALL:
+        text = value.strip().lower()
+        if word is not None or text == "lora":
+            return word is not False
+        if text == ALL:
             return ALL
     raise ValueError(f"LigerConfig.fp8_base must be true (the frozen bases under LoRA), false, or all (every frozen "
                      f"linear of the attention and MLP modules, reference and teacher models' too), got {value!r}")

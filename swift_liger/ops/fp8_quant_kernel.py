@@ -5,9 +5,9 @@
 
 The same values as the torch ops of fp8_linear_op (fp32 multiply by fold, row max, max(amax, 1e-12) / 448, an IEEE
 division, clamp to +-448, round to nearest even), bit for bit. A row of up to BLOCK (4096) elements is read
-once and kept in registers (ROWS rows per program); a longer one, one per program, is read twice (the max, then the quantization; the second
-pass mostly from L2). 1 byte written per element: ~3-5 bytes per bf16 element against ~13 for the torch ops (an fp32
-copy written and read twice), in one launch instead of six.
+once and kept in registers (ROWS rows per program); a longer one, one per program, is read twice (the max, then
+the quantization; the second pass mostly from L2). 1 byte written per element: ~3-5 bytes per bf16 element
+against ~13 for the torch ops (an fp32 copy written and read twice), in one launch instead of six.
 
 The rounding to e4m3 is integer arithmetic on the fp32 bits, not a conversion instruction: Triton's interpreter
 rounds float8 stores wrongly (it is what the CPU tests run), and the same code then runs on every GPU.

@@ -6,9 +6,10 @@ projections; a reference or teacher model, frozen whole).
 
 Which LoRA layers keep a 16-bit base, and why, is `base_problem`'s answer (DoRA and other LoRA variants read the base
 weight in their own maths; quantized or non-Linear bases; dims that are not multiples of 16; weights tied to another
-module), and on a GPU `size_problem`'s (too small for FP8 to be faster: MIN_SIZE). The LoRA op (patching/lora.py -> ops.lora_linear) multiplies through FP8 when it meets an Fp8Weight; each
-converted nn.Linear gets an instance forward through ops.fp8_linear, so PEFT's own forward (adapters disabled:
-DPO/KTO/GRPO reference passes) and plain linears use the same FP8 weight. Revert puts the same Parameter objects
+module), and on a GPU `size_problem`'s (too small for FP8 to be faster: MIN_SIZE). The LoRA op
+(patching/lora.py -> ops.lora_linear) multiplies through FP8 when it meets an Fp8Weight; each converted nn.Linear
+gets an instance forward through ops.fp8_linear, so PEFT's own forward (adapters disabled: DPO/KTO/GRPO reference
+passes) and plain linears use the same FP8 weight. Revert puts the same Parameter objects
 back, their data copied back to the device.
 """
 from __future__ import annotations
@@ -27,10 +28,11 @@ EMULATE_ENV = "SWIFT_LIGER_FP8_EMULATE"   # "1": allow FP8 bases on CPU (torch's
 
 
 # FP8 pays for a weight [out, in] when its GEMMs' saving outweighs quantizing the activations (`in` elements per
-# token) and output gradients (`out` per token) and transposing the codes: per token ~in*out*1.1e-15 s saved (FP8 ~1200 vs
-# bf16 ~720 TFLOP/s) against ~(in+out)*1e-12 s spent, so in*out/(in+out) must reach ~1000. Measured on an H200
-# (forward + input gradient): [3584, 3584] (1792) ran 1.11x faster than bf16 and [18944, 3584] (3014) 1.4x at 8192
-# tokens; [1536, 1536] (768) ran 2x slower at 2048 tokens (GPU time) and [512, 3584] (448) lost in the op benchmark.
+# token) and output gradients (`out` per token) and transposing the codes: per token ~in*out*1.1e-15 s saved
+# (FP8 ~1200 vs bf16 ~720 TFLOP/s) against ~(in+out)*1e-12 s spent, so in*out/(in+out) must reach ~1000.
+# Measured on an H200 (forward + input gradient): [3584, 3584] (1792) ran 1.11x faster than bf16 and
+# [18944, 3584] (3014) 1.4x at 8192 tokens; [1536, 1536] (768) ran 2x slower at 2048 tokens (GPU time) and
+# [512, 3584] (448) lost in the op benchmark.
 MIN_SIZE = 1280
 
 
