@@ -8,19 +8,8 @@ from __future__ import annotations
 from .base import Fusion
 
 
-def _forward(self, hidden_states, *args, **kwargs):
-    """The decoder layer's forward: replayed from its graphs where possible, else the class's own forward."""
-    import torch   # lazy: the spec loads without torch (imported by now: the layer is a torch module)
-    graphs = None if torch.compiler.is_compiling() else self.__dict__.get("_liger_graphs")   # torch.compile: eager
-    if graphs is not None and not args:
-        out = graphs.forward(self, type(self).forward, hidden_states, **kwargs)
-        if out is not None:
-            return out
-    return type(self).forward(self, hidden_states, *args, **kwargs)
-
-
 def patch(ctx) -> None:
-    from ..patching import layer_graphs, state as pstate   # lazy: the spec loads without torch
+    from ..patching import layer_forward, layer_graphs   # lazy: the spec loads without torch
     layers = ctx.of(ctx.family.decoder_layer)
     if not layers:
         ctx.report.skip("graph_layers", f"no {'/'.join(ctx.family.decoder_layer)} module found", problem=True)
@@ -32,12 +21,11 @@ def patch(ctx) -> None:
     shared = layer_graphs.Shared()
     n = 0
     for layer in layers:
-        reason = pstate.foreign_forward(layer)
+        reason = layer_forward.install(ctx.state, layer)
         if reason is not None:
             ctx.report.skip("graph_layers", reason, problem=True)
             continue
         ctx.state.set(layer, "_liger_graphs", layer_graphs.LayerGraphs(shared))
-        pstate.set_forward(ctx.state, layer, _forward)
         n += 1
     ctx.state.parts["graph_layers"] = shared
     ctx.report.patched["graph_layers"] += n

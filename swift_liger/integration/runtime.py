@@ -155,6 +155,17 @@ def describe(snap: dict, when: str = "in the first step") -> list:
                                  + (f" (at {m['when']})" if m.get("when", "capture") != "capture" else "")
                                  for m in graphs["measured"]))
         lines.append(line)
+    sdpa = (snap.get("policy") or {}).get("sdpa")
+    if sdpa and (sdpa["cudnn_calls"] or sdpa["torch_calls"]):
+        line = (f"cudnn_attention {when}: {sdpa['cudnn_calls']} decoder-layer calls ran SDPA cuDNN-first, "
+                f"{sdpa['torch_calls']} in torch's order (FlashAttention-2 first)")
+        if sdpa.get("measured"):
+            line += ("; timed per batch shape, attention ms FlashAttention-2 vs cuDNN: "
+                     + "; ".join(f"{m['rows']} x {m['tokens']} tokens "
+                                 + ("refused" if m["flash_ms"] is None else f"{m['flash_ms']:.2f}") + " vs "
+                                 + ("refused" if m["cudnn_ms"] is None else f"{m['cudnn_ms']:.2f}")
+                                 + f" -> {m['chose']}" for m in sdpa["measured"]))
+        lines.append(line)
     lora = snap.get("lora_fusion")
     if lora:
         line = (f"lora_fusion {when}: {lora['ops.lora_linear']} LoRA projection calls through ops.lora_linear, "

@@ -1,0 +1,71 @@
+"""Run decoder layers' SDPA attention through cuDNN's fused kernel where it is measured faster than torch's first
+choice, FlashAttention-2 (patching/sdpa_choice.py): per batch shape, timed once on random tensors of the layer's head
+shape. Only plain causal calls (no mask tensor, no KV cache, bf16/fp16, at least 512 tokens per row); everything else
+keeps torch's order. Off by default until it is measured end to end on a GPU (cuDNN builds an execution plan per exact
+shape, a cost the per-shape timing does not see)."""
+from __future__ import annotations
+
+from .base import Fusion, read_counters
+
+CALLS = ("cudnn_calls", "torch_calls")
+
+
+def _heads(layer):
+    """(attention config, heads, kv heads, head dim) of a decoder layer's self-attention, or None."""
+    attn = getattr(layer, "self_attn", None)
+    config = getattr(attn, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads <= 0:
+        return None
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(attn, "head_dim", None) or getattr(config, "head_dim", None) or (
+        getattr(config, "hidden_size", 0) // heads)
+    return (config, heads, kv, dim) if isinstance(kv, int) and isinstance(dim, int) and dim > 0 else None
+
+
+def patch(ctx) -> None:
+    from ..patching import layer_forward, sdpa_choice   # lazy: the spec loads without torch
+    layers = ctx.of(ctx.family.decoder_layer)
+    if not layers:
+        ctx.report.skip("cudnn_attention", f"no {'/'.join(ctx.family.decoder_layer)} module found", problem=False)
+        return
+    if ctx.config.compile_layers:
+        ctx.report.skip("cudnn_attention", "not combined with compile_layers: torch's order", problem=False)
+        return
+    heads = _heads(layers[0])
+    if heads is None:
+        ctx.report.skip("cudnn_attention", f"{type(layers[0]).__name__}.self_attn has no head counts in its config",
+                        problem=False)
+        return
+    choice = sdpa_choice.SdpaChoice(*heads)
+    n = 0
+    for layer in layers:
+        if _heads(layer) != heads:
+            ctx.report.skip("cudnn_attention", f"{type(layer).__name__} layers differ in head shape", problem=False)
+            continue
+        reason = layer_forward.install(ctx.state, layer)
+        if reason is not None:
+            ctx.report.skip("cudnn_attention", reason, problem=True)
+            continue
+        ctx.state.set(layer, "_liger_sdpa", choice)
+        n += 1
+    ctx.state.parts["cudnn_attention"] = choice
+    ctx.report.patched["cudnn_attention"] += n
+
+
+def _counters(choice, reset) -> dict:
+    if choice is None:
+        return {}
+    out = {"sdpa": dict(read_counters(choice.stats, CALLS, False), measured=list(choice.stats["measured"]))}
+    if reset:
+        choice.stats.update(cudnn_calls=0, torch_calls=0, measured=[])
+    return out
+
+
+FUSION = Fusion(key="cudnn_attention", default=False,
+                label=lambda count, report: f"cuDNN-first SDPA in {count} decoder layers",
+                help="Time cuDNN's fused attention against FlashAttention-2 (torch's first choice) once per batch "
+                     "shape and run SDPA cuDNN-first where cuDNN is faster (causal calls without a mask tensor or "
+                     "KV cache, 512+ tokens per row).",
+                applies_to="decoder layers with SDPA self-attention", order=94, patch=patch, say_off=False,
+                counters=_counters)

@@ -1,0 +1,47 @@
+"""The per-instance forward of a patched decoder layer, shared by the fusions that act around a whole layer call:
+graph_layers (`_liger_graphs`: replay the layer from CUDA graphs) and cudnn_attention (`_liger_sdpa`: the SDPA
+priority order the layer's attention runs under). Each fusion sets its attribute; whichever patches first installs
+this forward, the other finds it installed (`install`)."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import sdpa_choice
+from .state import PatchState, forward_attr, foreign_forward, set_forward
+
+
+def forward(self, hidden_states, *args, **kwargs):
+    """Under cudnn_attention's order where it chose one, replayed from graph_layers' graphs where possible, else the
+    class's own forward."""
+    sdpa = self.__dict__.get("_liger_sdpa")
+    order = None if sdpa is None else sdpa.order_for(hidden_states, kwargs, self.training)
+    if order is None:
+        return _run(self, hidden_states, args, kwargs)
+    prev = sdpa_choice.prefer(order)
+    try:
+        return _run(self, hidden_states, args, kwargs)
+    finally:
+        sdpa_choice.restore(prev)
+
+
+def _run(self, hidden_states, args, kwargs):
+    graphs = None if torch.compiler.is_compiling() else self.__dict__.get("_liger_graphs")   # torch.compile: eager
+    if graphs is not None and not args:
+        out = graphs.forward(self, type(self).forward, hidden_states, **kwargs)
+        if out is not None:
+            return out
+    return type(self).forward(self, hidden_states, *args, **kwargs)
+
+
+def install(st: PatchState, layer: torch.nn.Module):
+    """Install the shared forward on `layer` (a no-op when it is already there). Returns None, or the reason the
+    layer cannot take it (another tool's instance-level forward)."""
+    current = layer.__dict__.get(forward_attr(layer))
+    if isinstance(current, types.MethodType) and current.__func__ is forward:
+        return None
+    reason = foreign_forward(layer)
+    if reason is None:
+        set_forward(st, layer, forward)
+    return reason
