@@ -52,7 +52,7 @@ VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_graphs_alw
             "swift_liger_ce_off", "swift_liger_ce_fused",
             "swift_liger_compiled", "swift_liger_long_context",
             "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel",
-            "swift_liger_rollout_eager", "swift_liger_fp8")
+            "swift_liger_rollout_eager", "swift_liger_fp8", "swift_liger_cudnn")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
                  "swift_liger_graphs_always": ["--use_liger"],
@@ -66,7 +66,8 @@ VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "packing_attention_only": ["--packing", "true", "--attn_impl", "swift_liger"],
                  "liger_kernel": ["--use_liger_kernel", "true"],
                  "swift_liger_rollout_eager": ["--use_liger", "--liger_rolling_cache", "none"],
-                 "swift_liger_fp8": ["--use_liger", "--liger_fp8_base", "true"]}
+                 "swift_liger_fp8": ["--use_liger", "--liger_fp8_base", "true"],
+                 "swift_liger_cudnn": ["--use_liger", "--liger_cudnn_attention", "true"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
                   "swift_liger_eager": "`--use_liger --liger_graph_layers false`",
                   "swift_liger_graphs_always": "`--use_liger`, graphs at every shape (SWIFT_LIGER_GRAPH_LAYERS=always)",
@@ -81,7 +82,9 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                   "liger_kernel": "`--use_liger_kernel true` (liger-kernel)",
                   "swift_liger_rollout_eager": "`--use_liger --liger_rolling_cache none` (rollouts on transformers' "
                                                "cache)",
-                  "swift_liger_fp8": "`--use_liger --liger_fp8_base true` (FP8 frozen LoRA bases)"}
+                  "swift_liger_fp8": "`--use_liger --liger_fp8_base true` (FP8 frozen LoRA bases)",
+                  "swift_liger_cudnn": "`--use_liger --liger_cudnn_attention true` (SDPA cuDNN-first where it times "
+                                       "faster)"}
 VARIANT_ENV = {"swift_liger_graphs_always": {"SWIFT_LIGER_GRAPH_LAYERS": "always"}}
 SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
                      "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
