@@ -164,6 +164,8 @@ def describe(snap: dict, when: str = "in the first step") -> list:
                      + "; ".join(f"{m['rows']} x {m['tokens']} tokens "
                                  + ("refused" if m["flash_ms"] is None else f"{m['flash_ms']:.2f}") + " vs "
                                  + ("refused" if m["cudnn_ms"] is None else f"{m['cudnn_ms']:.2f}")
+                                 + ("" if m.get("cudnn_first_ms") is None
+                                    else f" (cuDNN's first call {m['cudnn_first_ms']:.2f})")
                                  + f" -> {m['chose']}" for m in sdpa["measured"]))
         lines.append(line)
     lora = snap.get("lora_fusion")

@@ -10,7 +10,7 @@ one 8k-token row, forward + backward 499 TFLOP/s against FlashAttention-2's 287 
   passes one; cuDNN's backward has returned NaN with explicit masks, pytorch#196678), no KV cache, CUDA, bf16/fp16;
 * per key (rows, tokens rounded up to a power of two, dtype, training or not) the first call times FlashAttention
   against cuDNN on random tensors of the layer's head shape (forward, plus backward for a training layer or with
-  autograd on; 3 timed runs each after one warm-up) and keeps cuDNN only if it is at least 3% faster; nothing is
+  autograd on; median of 3 timed runs after a first one, which is recorded apart) and keeps cuDNN only if it is at least 3% faster; nothing is
   timed while a CUDA graph is being captured or torch.compile traces (those calls keep torch's order);
 * the order only moves cuDNN to the front: torch still checks each call and falls back to the next backend it
   supports, and a backend the user switched off (torch.backends.cuda.enable_cudnn_sdp(False)) stays off.
@@ -91,18 +91,20 @@ class SdpaChoice:
         times = {b: self.timer(b, rows, self.heads, self.kv_heads, tokens, self.head_dim, dtype, grad, dev)
                  for b in (_FLASH, _CUDNN)}
         flash, cudnn = times[_FLASH], times[_CUDNN]
-        use = cudnn is not None and (flash is None or cudnn <= MARGIN * flash)
+        use = cudnn is not None and (flash is None or cudnn[0] <= MARGIN * flash[0])
         self.stats["measured"].append({"rows": rows, "tokens": tokens, "grad": grad,
-                                       "flash_ms": None if flash is None else round(flash, 4),
-                                       "cudnn_ms": None if cudnn is None else round(cudnn, 4),
+                                       "flash_ms": None if flash is None else round(flash[0], 4),
+                                       "cudnn_ms": None if cudnn is None else round(cudnn[0], 4),
+                                       "cudnn_first_ms": None if cudnn is None else round(cudnn[1], 4),
                                        "chose": "cudnn" if use else "torch"})
         return cudnn_first(torch._C._get_sdp_priority_order()) if use else None
 
 
 def time_backend(backend: SDPBackend, rows: int, heads: int, kv_heads: int, tokens: int, head_dim: int, dtype,
-                 grad: bool, dev, reps: int = 3) -> Optional[float]:
-    """Median ms of one causal SDPA call (forward, plus backward when `grad`) with only `backend` allowed, on random
-    tensors of the layer's shape; None when that backend refuses the call."""
+                 grad: bool, dev, reps: int = 3) -> Optional[Tuple[float, float]]:
+    """(median ms of `reps` calls, ms of the first call) of one causal SDPA call (forward, plus backward when `grad`)
+    with only `backend` allowed, on random tensors of the layer's shape; None when that backend refuses the call.
+    The first call includes what a new shape costs once (cuDNN builds its execution plans then)."""
     gqa = heads != kv_heads
     with torch.no_grad():
         q = torch.randn(rows, heads, tokens, head_dim, device=dev, dtype=dtype)
@@ -120,8 +122,7 @@ def time_backend(backend: SDPBackend, rows: int, heads: int, kv_heads: int, toke
     ms = []
     try:
         with sdpa_kernel(backend), torch.enable_grad() if grad else torch.no_grad():
-            run()
-            for _ in range(reps):
+            for _ in range(reps + 1):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 run()
@@ -130,4 +131,5 @@ def time_backend(backend: SDPBackend, rows: int, heads: int, kv_heads: int, toke
                 ms.append(start.elapsed_time(end))
     except RuntimeError:      # "No available kernel": this backend does not support the call
         return None
-    return sorted(ms)[len(ms) // 2]
+    warm = sorted(ms[1:])
+    return warm[len(warm) // 2], ms[0]

@@ -40,7 +40,8 @@ def on_cpu(model, cudnn_ms=1.0, flash_ms=2.0):
 
     def timer(backend, rows, heads, kv, tokens, dim, dtype, grad, dev):
         calls.append((backend, rows, tokens, grad))
-        return cudnn_ms if backend == sdpa_choice._CUDNN else flash_ms
+        ms = cudnn_ms if backend == sdpa_choice._CUDNN else flash_ms
+        return None if ms is None else (ms, 10 * ms)
     choice.timer = timer
     return choice, calls
 
@@ -85,7 +86,7 @@ def test_first_pass_and_recompute_run_cudnn_first_and_order_is_restored():
     counts = swift_liger.call_counts(model)["sdpa"]
     assert counts["cudnn_calls"] == 2 * LAYERS and counts["torch_calls"] == 0
     assert counts["measured"] == [{"rows": 2, "tokens": 12, "grad": True, "flash_ms": 2.0, "cudnn_ms": 1.0,
-                                   "chose": "cudnn"}]
+                                   "cudnn_first_ms": 10.0, "chose": "cudnn"}]
     for p, q in zip(model.parameters(), ref.parameters()):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad))
 
@@ -193,8 +194,8 @@ def test_flag_and_preset_values():
 @pytest.mark.skipif(not GPU, reason="GPU test (SWIFT_LIGER_TEST_GPU=1)")
 def test_gpu_real_timer_and_a_bf16_step_matches_torch_order():
     for backend in (sdpa_choice._FLASH, sdpa_choice._CUDNN):
-        ms = sdpa_choice.time_backend(backend, 2, 4, 2, 1024, 64, torch.bfloat16, True, torch.device("cuda"))
-        assert ms is None or ms > 0
+        got = sdpa_choice.time_backend(backend, 2, 4, 2, 1024, 64, torch.bfloat16, True, torch.device("cuda"))
+        assert got is None or (got[0] > 0 and got[1] > 0)
     torch.manual_seed(0)
     base = tiny_causal_lm("llama", layers=LAYERS, vocab=VOCAB, attn="sdpa").to("cuda", torch.bfloat16)
     runs = []
@@ -222,12 +223,13 @@ def test_gpu_real_timer_and_a_bf16_step_matches_torch_order():
 def test_first_step_log_line():
     from swift_liger.integration.runtime import describe   # imports no ms-swift module at import time
     sdpa = {"cudnn_calls": 56, "torch_calls": 0,
-            "measured": [{"rows": 1, "tokens": 8128, "grad": True, "flash_ms": 5.9, "cudnn_ms": 3.4, "chose": "cudnn"},
+            "measured": [{"rows": 1, "tokens": 8128, "grad": True, "flash_ms": 5.9, "cudnn_ms": 3.4,
+                          "cudnn_first_ms": 61.0, "chose": "cudnn"},
                          {"rows": 1, "tokens": 700, "grad": True, "flash_ms": 0.2, "cudnn_ms": None,
-                          "chose": "torch"}]}
+                          "cudnn_first_ms": None, "chose": "torch"}]}
     assert describe({"policy": {"sdpa": sdpa, "cross_entropy_mode": "off"}}) == [
         "cudnn_attention in the first step: 56 decoder-layer calls ran SDPA cuDNN-first, 0 in torch's order "
         "(FlashAttention-2 first); timed per batch shape, attention ms FlashAttention-2 vs cuDNN: 1 x 8128 tokens "
-        "5.90 vs 3.40 -> cudnn; 1 x 700 tokens 0.20 vs refused -> torch"]
+        "5.90 vs 3.40 (cuDNN's first call 61.00) -> cudnn; 1 x 700 tokens 0.20 vs refused -> torch"]
     idle = {"cudnn_calls": 0, "torch_calls": 0, "measured": []}   # CPU: no call qualifies, nothing said
     assert describe({"policy": {"sdpa": idle, "cross_entropy_mode": "off"}}) == []
