@@ -209,7 +209,12 @@ def cli_runs(tiny_qwen3, tmp_path_factory):
     dpo = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["pref"], "--rlhf_type", "dpo", "--tuner_type", "lora",
            *CPU_FLAGS, "--max_length", "64", "--per_device_train_batch_size", "2", "--learning_rate", "2e-3",
            "--lora_dropout", "0", "--max_steps", str(DPO_STEPS), "--save_strategy", "no", "--report_to", "none"]
+    kto = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["kto"], "--rlhf_type", "kto", "--tuner_type", "lora",
+           *CPU_FLAGS, "--max_length", "64", "--per_device_train_batch_size", "4", "--learning_rate", "2e-3",
+           "--lora_dropout", "0", "--max_steps", str(DPO_STEPS), "--save_strategy", "no", "--report_to", "none"]
     rlhf = {"dpo_base": (dpo, None), "dpo_padding_free_liger": (dpo + ["--padding_free", "true", "--use_liger"],
+                                                                  torch_env),
+            "kto_base": (kto, None), "kto_padding_free_liger": (kto + ["--padding_free", "true", "--use_liger"],
                                                                   torch_env)}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_swift, "sft", argv, str(root / name), env)
@@ -281,3 +286,18 @@ def test_dpo_padding_free_logs_the_padded_runs_metrics(cli_runs):
         assert not bad, (a["step"], bad)
     assert "--padding_free with --use_liger and no --attn_impl: using --attn_impl swift_liger" in \
         cli_runs["dpo_padding_free_liger"].log
+
+
+@pytest.mark.slow
+def test_kto_padding_free_logs_the_padded_runs_metrics(cli_runs):
+    """swift rlhf --rlhf_type kto --padding_free true --use_liger (the completions and their mismatched KL rows
+    packed; log-probs from hidden states) against stock padded KTO over the same rows."""
+    base, run = cli_runs["kto_base"].check().steps(), cli_runs["kto_padding_free_liger"].check().steps()
+    assert [r["step"] for r in base] == [r["step"] for r in run] == list(range(1, DPO_STEPS + 1))
+    keys = sorted(k for k in base[0] if k.startswith(("loss", "grad_norm", "rewards/", "logps/", "kl")))
+    assert {"loss", "grad_norm", "kl"} <= set(keys), keys
+    for a, b in zip(base, run):
+        bad = {k: (a[k], b[k]) for k in keys if not _close(a[k], b[k], atol=1e-5, rtol=1e-4)}
+        assert not bad, (a["step"], bad)
+    assert "--padding_free with --use_liger and no --attn_impl: using --attn_impl swift_liger" in \
+        cli_runs["kto_padding_free_liger"].log
