@@ -7,8 +7,8 @@ exists; ms-swift's AttnImpl.update_attn_impl registers the implementation before
 
 The real `swift sft` CLI (slow): padding-free runs (one packed row per step, position ids restarting, no mask) log
 the same per-step losses and token counts as the stock padded run over the same rows, with and without --use_liger;
-a --packing run trains over exactly the dataset's tokens; `swift rlhf --rlhf_type dpo --padding_free true
---use_liger` logs stock padded DPO's metrics. The run without --use_liger executes the varlen kernel in
+a --packing run trains over exactly the dataset's tokens; `swift rlhf --rlhf_type dpo|kto|gkd --padding_free true
+--use_liger` logs the stock padded run's metrics, every attention call through the packed-row kernel. The run without --use_liger executes the varlen kernel in
 Triton's interpreter; the two --use_liger runs use the PyTorch references (SWIFT_LIGER_BACKEND=torch) to stay fast
 on CPU (every fusion's kernels through the interpreter cost ~30 s a step at these lengths).
 """
@@ -189,7 +189,7 @@ DPO_STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def cli_runs(tiny_qwen3, tmp_path_factory):
+def cli_runs(tiny_qwen3, tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("packing_runs")
     data = root / "sft.jsonl"
     with open(tiny_qwen3["sft"]) as f:
@@ -216,6 +216,14 @@ def cli_runs(tiny_qwen3, tmp_path_factory):
                                                                   torch_env),
             "kto_base": (kto, None), "kto_padding_free_liger": (kto + ["--padding_free", "true", "--use_liger"],
                                                                   torch_env)}
+    # GKD: the llama-shaped teacher (same tokenizer) packed the same way as the student
+    gkd = [*tiny_qwen3["swift_flags"], "--dataset", str(data), "--rlhf_type", "gkd", "--tuner_type", "lora",
+           "--teacher_model", tiny_llama["model"], "--teacher_model_type", "llama", "--beta", "0.5", "--lmbda", "0",
+           "--use_vllm", "false", *CPU_FLAGS, "--max_length", "64", "--per_device_train_batch_size", "4",
+           "--learning_rate", "2e-3", "--lora_dropout", "0", "--max_steps", str(DPO_STEPS), "--save_strategy", "no",
+           "--report_to", "none"]
+    rlhf.update({"gkd_base": (gkd, None),
+                 "gkd_padding_free_liger": (gkd + ["--padding_free", "true", "--use_liger"], torch_env)})
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_swift, "sft", argv, str(root / name), env)
                    for name, (argv, env) in specs.items()}
@@ -301,3 +309,25 @@ def test_kto_padding_free_logs_the_padded_runs_metrics(cli_runs):
         assert not bad, (a["step"], bad)
     assert "--padding_free with --use_liger and no --attn_impl: using --attn_impl swift_liger" in \
         cli_runs["kto_padding_free_liger"].log
+    _assert_packed_attention(cli_runs["kto_padding_free_liger"])
+
+
+def _assert_packed_attention(run):
+    """Every attention call of the run went through the packed-row kernel (none to SDPA with a mask)."""
+    att = run.patch_record()["runtime"]["total"]["attention"]
+    assert att["impl"] == "swift_liger" and att["varlen"] > 0 and att["sdpa"] == att["eager"] == 0, att
+
+
+@pytest.mark.slow
+def test_gkd_padding_free_logs_the_padded_runs_metrics(cli_runs):
+    """swift rlhf --rlhf_type gkd --padding_free true --use_liger: student and teacher on one packed row per step
+    (swift_liger attention for both), the divergence from both models' hidden states, against stock padded GKD."""
+    base, run = cli_runs["gkd_base"].check().steps(), cli_runs["gkd_padding_free_liger"].check().steps()
+    assert [r["step"] for r in base] == [r["step"] for r in run] == list(range(1, DPO_STEPS + 1))
+    for a, b in zip(base, run):
+        bad = {k: (a[k], b[k]) for k in ("loss", "grad_norm") if not _close(a[k], b[k], atol=1e-5, rtol=1e-4)}
+        assert not bad, (a["step"], bad)
+    log = cli_runs["gkd_padding_free_liger"].log
+    assert "--padding_free with --use_liger and no --attn_impl: using --attn_impl swift_liger" in log
+    assert "distillation losses (generalized JSD) from hidden states" in log
+    _assert_packed_attention(cli_runs["gkd_padding_free_liger"])
