@@ -10,7 +10,8 @@ the same per-step losses and token counts as the stock padded run over the same 
 a --packing run trains over exactly the dataset's tokens; `swift rlhf --rlhf_type dpo|kto|gkd
 --padding_free true --use_liger` logs the stock padded run's metrics, every attention call through the packed-row
 kernel. The run without --use_liger executes the varlen kernel in Triton's interpreter; the --use_liger runs use the
-PyTorch references (SWIFT_LIGER_BACKEND=torch) to stay fast on CPU (every fusion's kernels through the interpreter cost ~30 s a step at these lengths).
+PyTorch references (SWIFT_LIGER_BACKEND=torch) to stay fast on CPU (every fusion's kernels through the interpreter
+cost ~30 s a step at these lengths).
 """
 from __future__ import annotations
 
