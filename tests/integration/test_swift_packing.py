@@ -206,6 +206,9 @@ def cli_runs(tiny_qwen3, tiny_llama, tmp_path_factory):
         "padding_free_liger": (common + ["--padding_free", "true", "--attn_impl", "sdpa", "--use_liger"], torch_env),
         "packing": (common + ["--packing", "true", "--packing_length", "128", "--use_liger",
                               "--per_device_train_batch_size", "1"], torch_env),
+        # tiles of 32 tokens cut across the packed documents; checkpoints offloaded to (pinned) host memory
+        "padding_free_long": (common + ["--padding_free", "true", "--use_liger", "--liger_tiled_mlp", "32",
+                                        "--liger_offload_checkpoints", "true"], torch_env),
     }
     dpo = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["pref"], "--rlhf_type", "dpo", "--tuner_type", "lora",
            *CPU_FLAGS, "--max_length", "64", "--per_device_train_batch_size", "2", "--learning_rate", "2e-3",
@@ -242,7 +245,7 @@ def _close(a, b, atol=1e-5, rtol=1e-5) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["padding_free", "padding_free_liger"])
+@pytest.mark.parametrize("name", ["padding_free", "padding_free_liger", "padding_free_long"])
 def test_padding_free_logs_the_padded_runs_losses(cli_runs, name):
     base, run = cli_runs["base"].check().steps(), cli_runs[name].check().steps()
     assert len(base) == len(run) >= 3, (base, run)
@@ -332,3 +335,17 @@ def test_gkd_padding_free_logs_the_padded_runs_metrics(cli_runs):
     assert "--padding_free with --use_liger and no --attn_impl: using --attn_impl swift_liger" in log
     assert "distillation losses (generalized JSD) from hidden states" in log
     _assert_packed_attention(cli_runs["gkd_padding_free_liger"])
+
+
+@pytest.mark.slow
+def test_tiled_mlp_and_offloaded_checkpoints_on_packed_rows(cli_runs):
+    """The padding_free_long run (its losses checked above against the padded run): tiles of 32 tokens cut across
+    the packed documents, and every decoder layer's checkpoint went to the host and came back."""
+    run = cli_runs["padding_free_long"].check()
+    record = run.patch_record()
+    report = record["models"]["policy"]["report"]
+    assert report["patched"]["tiled_mlp"] > 0 and report["patched"]["offload_checkpoints"] > 0, report
+    first = record["runtime"]["first_step"]["policy"]["offloaded_checkpoints"]
+    assert first["offloaded"] == report["patched"]["offload_checkpoints"] > 0, first
+    assert first["prefetched"] + first["fetched_late"] == first["offloaded"], first
+    _assert_packed_attention(run)
