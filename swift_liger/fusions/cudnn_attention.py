@@ -25,30 +25,21 @@ def _heads(layer):
 
 def patch(ctx) -> None:
     from ..patching import layer_forward, sdpa_choice   # lazy: the spec loads without torch
-    layers = ctx.of(ctx.family.decoder_layer)
-    if not layers:
-        ctx.report.skip("cudnn_attention", f"no {'/'.join(ctx.family.decoder_layer)} module found", problem=False)
-        return
-    if ctx.config.compile_layers:
-        ctx.report.skip("cudnn_attention", "not combined with compile_layers: torch's order", problem=False)
-        return
-    heads = _heads(layers[0])
-    if heads is None:
+    layers = layer_forward.decoder_layers(ctx, "cudnn_attention", False,
+                                          "not combined with compile_layers: torch's order")
+    heads = _heads(layers[0]) if layers else None
+    if layers and heads is None:
         ctx.report.skip("cudnn_attention", f"{type(layers[0]).__name__}.self_attn has no head counts in its config",
                         problem=False)
+    if heads is None:
         return
     choice = sdpa_choice.SdpaChoice(*heads)
     n = 0
     for layer in layers:
         if _heads(layer) != heads:
             ctx.report.skip("cudnn_attention", f"{type(layer).__name__} layers differ in head shape", problem=False)
-            continue
-        reason = layer_forward.install(ctx.state, layer)
-        if reason is not None:
-            ctx.report.skip("cudnn_attention", reason, problem=True)
-            continue
-        ctx.state.set(layer, "_liger_sdpa", choice)
-        n += 1
+        else:
+            n += layer_forward.attach(ctx, "cudnn_attention", layer, "_liger_sdpa", lambda: choice)
     ctx.state.parts["cudnn_attention"] = choice
     ctx.report.patched["cudnn_attention"] += n
 

@@ -10,23 +10,13 @@ from .base import Fusion
 
 def patch(ctx) -> None:
     from ..patching import layer_forward, layer_graphs   # lazy: the spec loads without torch
-    layers = ctx.of(ctx.family.decoder_layer)
+    layers = layer_forward.decoder_layers(ctx, "graph_layers", True, "not combined with compile_layers (a compiled "
+                                          "layer is replayed by torch.compile's own code)")
     if not layers:
-        ctx.report.skip("graph_layers", f"no {'/'.join(ctx.family.decoder_layer)} module found", problem=True)
-        return
-    if ctx.config.compile_layers:
-        ctx.report.skip("graph_layers", "not combined with compile_layers (a compiled layer is replayed by "
-                                        "torch.compile's own code)")
         return
     shared = layer_graphs.Shared()
-    n = 0
-    for layer in layers:
-        reason = layer_forward.install(ctx.state, layer)
-        if reason is not None:
-            ctx.report.skip("graph_layers", reason, problem=True)
-            continue
-        ctx.state.set(layer, "_liger_graphs", layer_graphs.LayerGraphs(shared))
-        n += 1
+    n = sum(layer_forward.attach(ctx, "graph_layers", layer, "_liger_graphs", lambda: layer_graphs.LayerGraphs(shared))
+            for layer in layers)
     ctx.state.parts["graph_layers"] = shared
     ctx.report.patched["graph_layers"] += n
 

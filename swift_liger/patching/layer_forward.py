@@ -1,7 +1,7 @@
 """The per-instance forward of a patched decoder layer, shared by the fusions that act around a whole layer call:
 graph_layers (`_liger_graphs`: replay the layer from CUDA graphs) and cudnn_attention (`_liger_sdpa`: the SDPA
 priority order the layer's attention runs under). Each fusion sets its attribute; whichever patches first installs
-this forward, the other finds it installed (`install`)."""
+this forward, the other finds it installed (`attach`)."""
 from __future__ import annotations
 
 import types
@@ -33,6 +33,30 @@ def _run(self, hidden_states, args, kwargs):
         if out is not None:
             return out
     return type(self).forward(self, hidden_states, *args, **kwargs)
+
+
+def decoder_layers(ctx, key: str, problem: bool, compiled: str) -> list:
+    """The decoder layers a whole-layer fusion `key` acts on, or [] after reporting why none (no decoder layer
+    found; compile_layers on, for the reason `compiled`)."""
+    layers = ctx.of(ctx.family.decoder_layer)
+    if not layers:
+        ctx.report.skip(key, f"no {'/'.join(ctx.family.decoder_layer)} module found", problem=problem)
+        return []
+    if ctx.config.compile_layers:
+        ctx.report.skip(key, compiled)
+        return []
+    return layers
+
+
+def attach(ctx, key: str, layer: torch.nn.Module, attr: str, make) -> bool:
+    """Install the shared forward on `layer` and set its `attr` to make() (both undone by revert); False after
+    reporting why the layer cannot take it (make is not called then)."""
+    reason = install(ctx.state, layer)
+    if reason is not None:
+        ctx.report.skip(key, reason, problem=True)
+        return False
+    ctx.state.set(layer, attr, make())
+    return True
 
 
 def install(st: PatchState, layer: torch.nn.Module):
