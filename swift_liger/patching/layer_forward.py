@@ -13,26 +13,22 @@ from .state import PatchState, forward_attr, foreign_forward, set_forward
 
 
 def forward(self, hidden_states, *args, **kwargs):
-    """Under cudnn_attention's order where it chose one, replayed from graph_layers' graphs where possible, else the
-    class's own forward."""
-    sdpa = self.__dict__.get("_liger_sdpa")
-    order = None if sdpa is None else sdpa.order_for(hidden_states, kwargs, self.training)
-    if order is None:
-        return _run(self, hidden_states, args, kwargs)
-    prev = sdpa_choice.prefer(order)
-    try:
-        return _run(self, hidden_states, args, kwargs)
-    finally:
-        sdpa_choice.restore(prev)
-
-
-def _run(self, hidden_states, args, kwargs):
+    """Replayed from graph_layers' graphs where possible (their captures run in torch's SDPA order), else the class's
+    own forward, under cudnn_attention's order where it chose one."""
     graphs = None if torch.compiler.is_compiling() else self.__dict__.get("_liger_graphs")   # torch.compile: eager
     if graphs is not None and not args:
         out = graphs.forward(self, type(self).forward, hidden_states, **kwargs)
         if out is not None:
             return out
-    return type(self).forward(self, hidden_states, *args, **kwargs)
+    sdpa = self.__dict__.get("_liger_sdpa")
+    order = None if sdpa is None else sdpa.order_for(hidden_states, kwargs, self.training)
+    if order is None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    prev = sdpa_choice.prefer(order)
+    try:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    finally:
+        sdpa_choice.restore(prev)
 
 
 def decoder_layers(ctx, key: str, problem: bool, compiled: str) -> list:

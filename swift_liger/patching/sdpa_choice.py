@@ -16,8 +16,9 @@ one 8k-token row, forward + backward 499 TFLOP/s against FlashAttention-2's 287 
   supports, and a backend the user switched off (torch.backends.cuda.enable_cudnn_sdp(False)) stays off.
 
 `prefer(order)` / `restore(prev)` set and restore torch's process-wide priority order (0.2 us per pair on this CPU,
-against 15 us for torch.nn.attention.sdpa_kernel): the layer's forward runs between them, so its reentrant recompute
-does too. Not yet measured end to end on a GPU: cuDNN builds an execution plan per exact shape (rows, tokens), a
+against 15 us for torch.nn.attention.sdpa_kernel): the layer's eager forward runs between them, so its reentrant
+recompute does too. Layers that graph_layers replays keep torch's order (their captures hold FlashAttention-2):
+those are the short, host-bound shapes; at 7B-8B and long rows graph_layers measures the eager layer faster. Not yet measured end to end on a GPU: cuDNN builds an execution plan per exact shape (rows, tokens), a
 first-call cost the timing (after a warm-up) does not count and batches of varying length pay per new length.
 """
 from __future__ import annotations

@@ -233,3 +233,28 @@ def test_first_step_log_line():
         "5.90 vs 3.40 (cuDNN's first call 61.00) -> cudnn; 1 x 700 tokens 0.20 vs refused -> torch"]
     idle = {"cudnn_calls": 0, "torch_calls": 0, "measured": []}   # CPU: no call qualifies, nothing said
     assert describe({"policy": {"sdpa": idle, "cross_entropy_mode": "off"}}) == []
+
+
+def test_layers_replayed_from_graphs_keep_torch_order():
+    """A pass graph_layers replays (its capture included) runs before any order is set; a pass it leaves eager gets
+    the cuDNN-first order."""
+    model, _ = build(graph_layers=True)
+    choice, calls = on_cpu(model)
+    before = list(torch._C._get_sdp_priority_order())
+    seen = []
+
+    class FakeGraphs:   # replays the first layer's passes (returns the eager result), leaves the rest eager
+        def __init__(self, replay):
+            self.replay = replay
+
+        def forward(self, layer, call, hidden_states, **kwargs):
+            seen.append((self.replay, list(torch._C._get_sdp_priority_order())))
+            return call(layer, hidden_states, **kwargs) if self.replay else None
+    for i, layer in enumerate(model.model.layers):
+        layer.__dict__["_liger_graphs"] = FakeGraphs(i == 0)
+    inner = orders_seen(model)
+    step(model)
+    assert seen and all(order == before for _, order in seen)
+    n_eager = sum(1 for replay, _ in seen if not replay)
+    assert choice.stats["cudnn_calls"] == n_eager == 2 * (LAYERS - 1)
+    assert sum(order != before for _, order in inner) == n_eager
