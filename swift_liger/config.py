@@ -50,7 +50,10 @@ def _from_yaml(cls, path: str):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"liger_config: no such file {path!r}")
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"liger_config {path!r} is not valid YAML: {e}") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"liger_config {path!r} must hold a mapping of keys, got {type(data).__name__}")
     return cls.from_dict(data)

@@ -38,8 +38,8 @@ def parse_flag(value):
     if word is not None:
         return DEFAULT_TILE if word else 0
     if not is_count(text):
-        raise ValueError(f"liger_tiled_mlp must be tokens per tile (an integer, 0 = off, true = {DEFAULT_TILE}), "
-                         f"got {value!r}")
+        raise ValueError(f"--liger_tiled_mlp must be tokens per tile (an integer >= 0; 0 = off, true = "
+                         f"{DEFAULT_TILE}), got {value!r}")
     return int(text)
 
 

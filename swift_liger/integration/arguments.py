@@ -225,16 +225,26 @@ def resolve_config(args) -> LigerConfig:
             data.update(LigerConfig.from_yaml(path).to_dict())
         except (ValueError, TypeError) as e:
             raise ValueError(f"liger_config {path}: {e}") from None
-    for flag, value in liger_flags_given(args).items():
+    given = liger_flags_given(args)
+
+    def flag_error(e):   # name what the user typed, not the config field behind it
+        text = str(e)
+        for flag in given:
+            text = text.replace(f"LigerConfig.{FLAG_TO_KEY[flag]} ", f"--{flag} ")
+        return ValueError(f"swift_liger flags: {text}")
+    for flag, value in given.items():
         key = FLAG_TO_KEY[flag]
         fusion = BY_KEY.get(key)
         if fusion is not None and fusion.parse_flag is not None:
-            value = fusion.parse_flag(value)
+            try:
+                value = fusion.parse_flag(value)
+            except (ValueError, TypeError) as e:
+                raise flag_error(e) from None
         data[key] = value
     try:
         return LigerConfig.from_dict(data)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"swift_liger flags: {e}") from None
+        raise flag_error(e) from None
 
 
 def check_argv(class_type, argv) -> None:

@@ -75,10 +75,18 @@ def test_bad_flags_fail_while_parsing(swift_mod, base_argv, tmp_path):
         parse(swift_mod, base_argv + ["--use_liger", "--liger_config", str(bad)])
     with pytest.raises(ValueError, match="neither a file nor a known preset"):
         parse(swift_mod, base_argv + ["--use_liger", "--liger_config", "no_such_preset"])
-    with pytest.raises(ValueError, match="cross_entropy must be one of"):
+    with pytest.raises(ValueError, match="swift_liger flags: --liger_cross_entropy must be one of"):   # the flag
         parse(swift_mod, base_argv + ["--use_liger", "--liger_cross_entropy", "fast"])
     with pytest.raises(ValueError, match="without --use_liger"):
         parse(swift_mod, base_argv + ["--liger_config", "minimal"])
+    with pytest.raises(ValueError, match=r"--liger_tiled_mlp must be tokens per tile \(an integer >= 0"):
+        parse(swift_mod, base_argv + ["--use_liger", "--liger_tiled_mlp", "-5"])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("rms_norm: [true\n")
+    with pytest.raises(ValueError, match="liger_config .*broken.yaml.* is not valid YAML"):
+        parse(swift_mod, base_argv + ["--use_liger", "--liger_config", str(broken)])
+    with pytest.raises(ValueError, match="unknown swift_liger config key"):   # a preset value keeps the key's name
+        parse(swift_mod, base_argv + ["--use_liger", "--liger_config", str(bad)])
 
 
 def test_yaml_preset_and_cli_flags_agree(swift_mod, base_argv, tmp_path):
@@ -462,7 +470,7 @@ def test_fp8_base_is_refused_where_it_cannot_apply(swift_mod, base_argv, monkeyp
     assert _config_for(args, "teacher")[0].fp8_base == "all" and _config_for(args, "policy")[0].fp8_base == "all"
     args = parse(swift_mod, base_argv + ["--use_liger", "--liger_fp8_base", "lora"])
     assert _config_for(args, "ref")[0].fp8_base is False     # no LoRA trains on a side model
-    with pytest.raises(ValueError, match="fp8_base must be true .* false, or all"):
+    with pytest.raises(ValueError, match="--liger_fp8_base must be true .* false, or all"):
         parse(swift_mod, base_argv + ["--use_liger", "--liger_fp8_base", "maybe"])
     out = base_argv.index("--output_dir") + 1
     refused_dir = base_argv[out] + "_refused"
