@@ -7,6 +7,8 @@
 # On a real model and a GPU: swift infer --infer_backend pt --model <dir> --use_liger --liger_rolling_cache 4096,4
 # (the same flags work for `swift deploy --infer_backend pt`; other backends are refused with --use_liger).
 set -euo pipefail
+# after `make venv` in a checkout: its swift / swift-liger / python when none is on PATH
+command -v swift-liger >/dev/null || PATH="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin:$PATH"
 OUT=${OUT:-runs/infer_cpu}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export SWIFT_LIGER_BACKEND=${SWIFT_LIGER_BACKEND:-torch}   # PyTorch reference ops on CPU (Triton needs CUDA)

@@ -9,6 +9,8 @@
 # With --use_liger the trainer takes its log-probs from hidden states: no [tokens, vocab] logits for the policy or
 # the reference pass. The first step logs how many passes ran that way; liger_patch.json records it.
 set -euo pipefail
+# after `make venv` in a checkout: its swift / swift-liger / python when none is on PATH
+command -v swift-liger >/dev/null || PATH="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin:$PATH"
 RLHF_TYPE=${RLHF_TYPE:-dpo}
 TUNER=${TUNER:-lora}
 STEPS=${STEPS:-100}

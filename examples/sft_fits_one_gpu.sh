@@ -10,6 +10,8 @@
 #               (configs/sft/qwen2_5_1_5b_full_16k.yaml)
 # The stock run may run out of memory: that is the comparison; the script goes on to the plot either way.
 set -euo pipefail
+# after `make venv` in a checkout: its swift / swift-liger / python when none is on PATH
+command -v swift-liger >/dev/null || PATH="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin:$PATH"
 case "${1:-}" in
   qlora_24gb) cfg=configs/sft/qwen2_5_7b_qlora_24gb.yaml ;;
   long_context) cfg=configs/sft/llama3_lora_long_context.yaml ;;

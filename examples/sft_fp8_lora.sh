@@ -6,8 +6,11 @@
 # Offline by default: a random-init Qwen2.5-7B-shaped model (SHAPE=llama3-8b, ...) and rows of ~8k tokens are built
 # on the GPU first (examples/offline_model.sh; speed and memory are the real model's, the loss is not meaningful).
 # MODEL=Qwen/Qwen2.5-7B-Instruct bash examples/sft_fp8_lora.sh trains a hub model on alpaca-gpt4 instead.
-# On an older GPU, or without CUDA, the fp8 run stops while its arguments are parsed and says why.
+# Without CUDA the offline model build stops first and says why; on a GPU older than sm_89 the fp8 run stops while
+# its arguments are parsed and says why.
 set -euo pipefail
+# after `make venv` in a checkout: its swift / swift-liger / python when none is on PATH
+command -v swift-liger >/dev/null || PATH="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin:$PATH"
 STEPS=${STEPS:-50}
 OUT=${OUT:-output/sft_fp8_compare}
 

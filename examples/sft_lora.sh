@@ -5,6 +5,8 @@
 # the GPU (examples/offline_model.sh). MODEL=Qwen/Qwen3-8B bash examples/sft_lora.sh trains a hub model on alpaca-gpt4.
 # Multi-GPU: NPROC_PER_NODE=8 bash examples/sft_lora.sh  (swift launches torchrun; every rank is patched).
 set -euo pipefail
+# after `make venv` in a checkout: its swift / swift-liger / python when none is on PATH
+command -v swift-liger >/dev/null || PATH="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin:$PATH"
 STEPS=${STEPS:-200}
 OUT=${OUT:-output/sft_lora_compare}
 

@@ -6,6 +6,8 @@
 # TRITON=1 runs the real Triton kernels in Triton's interpreter (slower); without it, CPU tensors run the PyTorch
 # references. On a GPU the same flags run the Triton varlen attention kernel.
 set -euo pipefail
+# after `make venv` in a checkout: its swift / swift-liger / python when none is on PATH
+command -v swift-liger >/dev/null || PATH="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin:$PATH"
 OUT=${OUT:-runs/packing_tiny_cpu}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [[ "${TRITON:-0}" == "1" ]]; then export TRITON_INTERPRET=1 SWIFT_LIGER_BACKEND=triton; fi

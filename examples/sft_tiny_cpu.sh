@@ -4,6 +4,8 @@
 #   bash examples/sft_tiny_cpu.sh
 # TRITON=1 bash examples/sft_tiny_cpu.sh runs the real Triton kernels in Triton's interpreter (slower).
 set -euo pipefail
+# after `make venv` in a checkout: its swift / swift-liger / python when none is on PATH
+command -v swift-liger >/dev/null || PATH="$(cd "$(dirname "$0")/.." && pwd)/.venv/bin:$PATH"
 OUT=${OUT:-runs/tiny_cpu}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [[ "${TRITON:-0}" == "1" ]]; then export TRITON_INTERPRET=1 SWIFT_LIGER_BACKEND=triton; fi
