@@ -16,7 +16,7 @@ import sys
 from . import __version__
 from .ab import main as ab_main
 from .integration import hook
-from .integration.arguments import flags_markdown
+from .integration.arguments import flags_markdown, preset_names
 from .plot import output_format, plot_runs, read_steps, run_labels
 from .testing import tiny
 
@@ -59,6 +59,7 @@ def _info(args) -> int:
     print(f"ms-swift hook: {state}")
     print(f"SWIFT_LIGER_BACKEND={os.environ.get('SWIFT_LIGER_BACKEND', 'auto')} "
           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    print(f"presets (--liger_config NAME): {', '.join(preset_names())}")
     return 0
 
 
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--arch", default="qwen3", choices=_tiny_archs())
     p.set_defaults(func=_tiny)
 
-    p = sub.add_parser("info", help="show whether the ms-swift hook is active")
+    p = sub.add_parser("info", help="show whether the ms-swift hook is active, and the presets")
     p.set_defaults(func=_info)
 
     p = sub.add_parser("flags", help="the table of every flag (default, meaning) and environment variable")

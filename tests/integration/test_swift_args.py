@@ -201,6 +201,15 @@ def test_per_token_weights_keep_fused_linear(prepared):
             and "come from hidden states" in note), note
 
 
+def test_info_lists_the_presets(monkeypatch, capsys):
+    from swift_liger import cli
+    monkeypatch.delenv(liger_args.PRESET_DIR_ENV, raising=False)
+    assert cli.main(["info"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == "presets (--liger_config NAME): " + ", ".join(liger_args.preset_names()), line
+    assert {"default", "off", "long_context", "fp8"} <= set(liger_args.preset_names())
+
+
 def test_readme_flags_table_is_the_generated_one(monkeypatch):
     monkeypatch.delenv(liger_args.PRESET_DIR_ENV, raising=False)
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
