@@ -14,6 +14,10 @@ def patch(ctx) -> None:
                                           "layer is replayed by torch.compile's own code)")
     if not layers:
         return
+    import torch   # lazy: the spec loads without torch
+    if not torch.cuda.is_available() and layer_graphs.LayerGraphs.backend_for == layer_graphs._Backend.of:
+        ctx.report.skip("graph_layers", "no CUDA device (CUDA graphs replay on one only)")
+        return
     shared = layer_graphs.Shared()
     n = sum(layer_forward.attach(ctx, "graph_layers", layer, "_liger_graphs", lambda: layer_graphs.LayerGraphs(shared))
             for layer in layers)

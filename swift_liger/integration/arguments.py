@@ -351,6 +351,14 @@ def check_takes_effect(args, cfg):
         warnings.warn("swift_liger: " + message, stacklevel=2)
         notes.append(message)
     checkpointing = getattr(args, "gradient_checkpointing", None)   # training arguments only
+    if cfg.graph_layers and (inference or checkpointing is False):
+        why = f"{type(args).__name__} does not train" if inference else "--gradient_checkpointing false"
+        if getattr(args, "liger_graph_layers", None) is not None:
+            fix = "drop the flag" if inference else "keep ms-swift's default --gradient_checkpointing true"
+            raise ValueError(f"swift_liger: liger_graph_layers replays training's reentrant gradient checkpoints; "
+                             f"{why} here ({fix})")
+        cfg = dataclasses.replace(cfg, graph_layers=False)
+        notes.append(f"graph_layers off: it replays training's gradient checkpoints ({why})")
     if checkpointing is False:
         for key in TRAINING_ONLY:
             if getattr(cfg, key):

@@ -157,7 +157,9 @@ def test_order_restored_when_the_layer_raises():
     assert list(torch._C._get_sdp_priority_order()) == before
 
 
-def test_shares_the_layer_forward_with_graph_layers_and_reverts():
+def test_shares_the_layer_forward_with_graph_layers_and_reverts(monkeypatch):
+    from swift_liger.patching import layer_graphs
+    monkeypatch.setattr(layer_graphs.LayerGraphs, "backend_for", lambda device: None)   # patch as if on CUDA
     model, report = build(graph_layers=True)
     assert report.patched["cudnn_attention"] == LAYERS and report.patched["graph_layers"] == LAYERS
     for layer in model.model.layers:

@@ -393,6 +393,26 @@ def test_training_only_fusions_are_not_patched_into_inference(tiny_qwen3, tmp_pa
     cfg, notes = liger_args.resolved(args)
     assert cfg.offload_checkpoints is False and cfg.tiled_mlp == 8192
     assert any("offload_checkpoints off: training only" in n for n in notes), notes
+    args, _ = parse_args(InferArguments, argv)   # the default preset's graph_layers: off, and said
+    cfg, notes = liger_args.resolved(args)
+    assert cfg.graph_layers is False and "graph_layers off: it replays training's gradient checkpoints " \
+        "(InferArguments does not train)" in notes, notes
+    with pytest.raises(ValueError, match="liger_graph_layers replays training's reentrant gradient checkpoints"):
+        parse_args(InferArguments, argv + ["--liger_graph_layers", "true"])
+
+
+def test_graph_layers_off_without_gradient_checkpointing(swift_mod, base_argv):
+    """graph_layers replays reentrant checkpoints: with --gradient_checkpointing false the preset's setting is
+    switched off (and said); an explicit flag is refused before the run directory exists."""
+    with pytest.raises(ValueError, match="liger_graph_layers replays .* --gradient_checkpointing false here"):
+        parse(swift_mod, base_argv + ["--use_liger", "--gradient_checkpointing", "false", "--liger_graph_layers",
+                                      "true"])
+    assert not os.path.exists(base_argv[base_argv.index("--output_dir") + 1])
+    args = parse(swift_mod, base_argv + ["--use_liger", "--gradient_checkpointing", "false"])
+    cfg, notes = liger_args.resolved(args)
+    assert cfg.graph_layers is False and cfg.rms_norm is True
+    assert "graph_layers off: it replays training's gradient checkpoints (--gradient_checkpointing false)" in notes
+    assert liger_args.resolved(parse(swift_mod, base_argv + ["--use_liger"]))[0].graph_layers is True
 
 
 def test_tiny_mlp_tiles_are_warned(swift_mod, base_argv):

@@ -109,6 +109,17 @@ def stats(model):
     return swift_liger.call_counts(model)["graph_layers"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_no_cuda_device_installs_nothing_and_says_so():
+    model = tiny_causal_lm("qwen2", layers=2)
+    report = swift_liger.apply(model)
+    assert report.patched["graph_layers"] == 0 and not report.problems
+    assert {"fusion": "graph_layers", "reason": "no CUDA device (CUDA graphs replay on one only)", "count": 1,
+            "problem": False} in report.skipped
+    assert all("_liger_graphs" not in layer.__dict__ for layer in model.model.layers)
+    assert "CUDA graphs of" not in str(report)
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_replayed_layers_match_eager_over_lengths(backend, dropout):
     device = backend
