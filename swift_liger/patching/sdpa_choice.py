@@ -101,17 +101,25 @@ class SdpaChoice:
         return cudnn_first(torch._C._get_sdp_priority_order()) if use else None
 
 
+def inputs(rows: int, heads: int, kv_heads: int, tokens: int, head_dim: int, dtype, dev):
+    """q [rows, heads, tokens, D], k, v [rows, kv_heads, tokens, D] and an output gradient like q, random from a
+    generator of their own: timing inside a training step must not move the global RNG (a reentrant checkpoint's
+    recompute replays the first pass's dropout draws from it)."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(rows, heads, tokens, head_dim, device=dev, dtype=dtype, generator=gen)
+    k = torch.randn(rows, kv_heads, tokens, head_dim, device=dev, dtype=dtype, generator=gen)
+    v = torch.randn(rows, kv_heads, tokens, head_dim, device=dev, dtype=dtype, generator=gen)
+    do = torch.randn(rows, heads, tokens, head_dim, device=dev, dtype=dtype, generator=gen)
+    return q, k, v, do
+
+
 def time_backend(backend: SDPBackend, rows: int, heads: int, kv_heads: int, tokens: int, head_dim: int, dtype,
                  grad: bool, dev, reps: int = 3) -> Optional[Tuple[float, float]]:
     """(median ms of `reps` calls, ms of the first call) of one causal SDPA call (forward, plus backward when `grad`)
     with only `backend` allowed, on random tensors of the layer's shape; None when that backend refuses the call.
     The first call includes what a new shape costs once (cuDNN builds its execution plans then)."""
     gqa = heads != kv_heads
-    with torch.no_grad():
-        q = torch.randn(rows, heads, tokens, head_dim, device=dev, dtype=dtype)
-        k = torch.randn(rows, kv_heads, tokens, head_dim, device=dev, dtype=dtype)
-        v = torch.randn_like(k)
-        do = torch.randn_like(q)
+    q, k, v, do = inputs(rows, heads, kv_heads, tokens, head_dim, dtype, dev)
     if grad:
         q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
 

@@ -196,8 +196,10 @@ def test_flag_and_preset_values():
 @pytest.mark.skipif(not GPU, reason="GPU test (SWIFT_LIGER_TEST_GPU=1)")
 def test_gpu_real_timer_and_a_bf16_step_matches_torch_order():
     for backend in (sdpa_choice._FLASH, sdpa_choice._CUDNN):
+        state = torch.cuda.get_rng_state()
         got = sdpa_choice.time_backend(backend, 2, 4, 2, 1024, 64, torch.bfloat16, True, torch.device("cuda"))
         assert got is None or (got[0] > 0 and got[1] > 0)
+        assert torch.equal(torch.cuda.get_rng_state(), state)
     torch.manual_seed(0)
     base = tiny_causal_lm("llama", layers=LAYERS, vocab=VOCAB, attn="sdpa").to("cuda", torch.bfloat16)
     runs = []
@@ -220,6 +222,16 @@ def test_gpu_real_timer_and_a_bf16_step_matches_torch_order():
     assert abs(l0 - l1) <= 1e-2 * abs(l0)
     for a, b in zip(g0, g1):
         assert torch.isfinite(b).all() and (a - b).norm() <= 5e-2 * a.norm() + 1e-6
+
+
+def test_timing_inputs_leave_the_global_rng_alone():
+    """The timer's random tensors come from their own generator: a reentrant recompute replays the first pass's
+    dropout draws from the global RNG, which a timing inside the first pass must not move."""
+    state = torch.get_rng_state()
+    q, k, v, do = sdpa_choice.inputs(2, 4, 2, 16, 8, torch.float32, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert q.shape == do.shape == (2, 4, 16, 8) and k.shape == v.shape == (2, 2, 16, 8)
+    assert not torch.equal(k, v) and torch.equal(q, sdpa_choice.inputs(2, 4, 2, 16, 8, torch.float32, "cpu")[0])
 
 
 def test_first_step_log_line():
