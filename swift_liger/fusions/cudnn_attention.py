@@ -27,6 +27,10 @@ def patch(ctx) -> None:
     from ..patching import layer_forward, sdpa_choice   # lazy: the spec loads without torch
     layers = layer_forward.decoder_layers(ctx, "cudnn_attention", False,
                                           "not combined with compile_layers: torch's order")
+    import torch   # lazy: the spec loads without torch
+    if layers and sdpa_choice.SdpaChoice.device_type == "cuda" and not torch.cuda.is_available():
+        ctx.report.skip("cudnn_attention", "no CUDA device (cuDNN attention runs on one only)")
+        return
     heads = _heads(layers[0]) if layers else None
     if layers and heads is None:
         ctx.report.skip("cudnn_attention", f"{type(layers[0]).__name__}.self_attn has no head counts in its config",

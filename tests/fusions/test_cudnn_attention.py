@@ -35,7 +35,7 @@ def build(attn="sdpa", **kw):
 def on_cpu(model, cudnn_ms=1.0, flash_ms=2.0):
     """Make the model's choice run on CPU with a fake timer; returns (choice, timer calls)."""
     choice = model.model.layers[0].__dict__["_liger_sdpa"]
-    choice.device_type, choice.dtypes, choice.min_tokens = "cpu", (torch.float32,), 4
+    choice.dtypes, choice.min_tokens = (torch.float32,), 4
     calls = []
 
     def timer(backend, rows, heads, kv, tokens, dim, dtype, grad, dev):
@@ -65,6 +65,17 @@ def step(model, rows=2, t=12, seed=0, **kw):
 @pytest.fixture(autouse=True)
 def torch_backend(monkeypatch):
     monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
+    monkeypatch.setattr(sdpa_choice.SdpaChoice, "device_type", "cpu")   # patch (and choose) as on CUDA
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_no_cuda_device_installs_nothing_and_says_so(monkeypatch):
+    monkeypatch.setattr(sdpa_choice.SdpaChoice, "device_type", "cuda")
+    model, report = build()
+    assert report.patched["cudnn_attention"] == 0 and not report.problems
+    assert {"fusion": "cudnn_attention", "reason": "no CUDA device (cuDNN attention runs on one only)", "count": 1,
+            "problem": False} in report.skipped
+    assert all("_liger_sdpa" not in layer.__dict__ and "forward" not in layer.__dict__ for layer in model.model.layers)
 
 
 def test_first_pass_and_recompute_run_cudnn_first_and_order_is_restored():
@@ -194,7 +205,8 @@ def test_flag_and_preset_values():
 
 
 @pytest.mark.skipif(not GPU, reason="GPU test (SWIFT_LIGER_TEST_GPU=1)")
-def test_gpu_real_timer_and_a_bf16_step_matches_torch_order():
+def test_gpu_real_timer_and_a_bf16_step_matches_torch_order(monkeypatch):
+    monkeypatch.setattr(sdpa_choice.SdpaChoice, "device_type", "cuda")
     for backend in (sdpa_choice._FLASH, sdpa_choice._CUDNN):
         state = torch.cuda.get_rng_state()
         got = sdpa_choice.time_backend(backend, 2, 4, 2, 1024, 64, torch.bfloat16, True, torch.device("cuda"))
