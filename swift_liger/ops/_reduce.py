@@ -16,7 +16,7 @@ import triton.language as tl
 from . import _common, _launch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _column_sum_kernel(part_ptr, out0_ptr, out1_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid: (cdiv(N, BLOCK_N), G). part: [G, P, N] fp32, contiguous; group 0 sums into out0 [N], group 1 into
     out1 [N] (G <= 2), each stored in its pointer's dtype."""

@@ -69,7 +69,7 @@ def _load_block(x_row, fold_ptr, offs, inb, HAS_FOLD: tl.constexpr):
     return v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _fp8_quant_rows_kernel(x_ptr, fold_ptr, q_ptr, scale_ptr, N, K, stride_x, HAS_FOLD: tl.constexpr,
                            BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ROWS: tl.constexpr):
     if ONE_PASS:                                      # K <= BLOCK: ROWS rows stay in registers between the two steps

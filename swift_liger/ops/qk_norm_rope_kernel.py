@@ -101,7 +101,7 @@ def _load_vec(ptr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, D: tl.constexpr
     return v1, v2, v3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _qk_norm_rope_fwd_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
                              T, eps, offset,
                              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,
@@ -143,7 +143,7 @@ def _qk_norm_rope_fwd_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_
             store_heads(k_out, sko_h, h0, o1, o2, o3, HK, BLOCK_HK, HALF, BLOCK_HALF, D, BLOCK_PASS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tok", "T"])
 def _qk_norm_rope_bwd_kernel(q_ptr, k_ptr, gq_ptr, gk_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, dq_ptr, dk_ptr,
                              part_ptr, n_tok, T, eps, offset,
                              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,

@@ -154,7 +154,7 @@ def _load_tile(PTR, tile, n_rows, n_inner, s_outer, s_inner, cols, col_mask, BLO
     return tl.load(PTR + offs[:, None] + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_inner"])
 def _rms_norm_fwd_kernel(
     X, R, W, Y, S, RSTD,
     n_rows, n_inner, H,
@@ -272,7 +272,7 @@ def _bwd_tile(X, DX, x, dy, ds, rstd, scale, acc, tile, n_rows, H, cols, col_mas
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "n_inner"])
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DS, DX, DW_PART,
     n_rows, n_inner, H,

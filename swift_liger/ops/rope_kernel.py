@@ -131,7 +131,7 @@ def token_coords(tok, T):
     return b, tok64 - b * T
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
                  T,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t,

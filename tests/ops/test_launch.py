@@ -265,3 +265,64 @@ def test_unmodelled_argument_goes_through_triton(fast):
         fl.launch((1,), x, odd, BLOCK=64)
         assert kernel.log[-1][0] == "triton"
     assert not fl._cache
+
+
+def _unspecialized(kernel) -> set:
+    """Parameter names a kernel leaves unspecialized (JITFunction, or the interpreter's InterpretedFunction)."""
+    names = getattr(kernel, "do_not_specialize", None)
+    if names is None:
+        names = getattr(kernel, "kwargs", {}).get("do_not_specialize") or ()
+    return set(names)
+
+
+def test_token_counts_are_not_specialized():
+    """Arguments that follow the token count of a batch (rows, sequence length, partial rows) are left unspecialized:
+    Triton would otherwise compile a kernel again the first time a batch's count changes between a multiple of 16
+    and not (padded SFT batches do, step to step). Strides and widths stay specialized: their 16-divisibility sets
+    the vector width of the loads."""
+    from swift_liger.ops import _reduce, fp8_quant_kernel, qk_norm_rope_kernel, rope_kernel, varlen_attention_kernel
+    expected = {
+        rms_norm_kernel._rms_norm_fwd_kernel: {"n_rows", "n_inner"},
+        rms_norm_kernel._rms_norm_bwd_kernel: {"n_rows", "n_inner"},
+        rope_kernel._rope_kernel: {"T"},
+        qk_norm_rope_kernel._qk_norm_rope_fwd_kernel: {"T"},
+        qk_norm_rope_kernel._qk_norm_rope_bwd_kernel: {"n_tok", "T"},
+        fp8_quant_kernel._fp8_quant_rows_kernel: {"N"},
+        _reduce._column_sum_kernel: {"P"},
+        varlen_attention_kernel._varlen_fwd_kernel: {"T"},
+        varlen_attention_kernel._varlen_dq_kernel: {"T"},
+        varlen_attention_kernel._varlen_dkdv_kernel: {"T"},
+    }
+    for kernel, names in expected.items():
+        params = inspect.signature(kernel.fn).parameters
+        assert names <= set(params), kernel.fn.__name__
+        assert names <= _unspecialized(kernel), kernel.fn.__name__
+        for name in ("H", "sx_outer", "sx_inner", "stride_x", "K", "N"):   # widths and strides stay specialized
+            if name in params and name not in names:
+                assert name not in _unspecialized(kernel), (kernel.fn.__name__, name)
+
+
+@pytest.mark.skipif(not GPU, reason="compiled kernels need CUDA")
+def test_row_count_changes_compile_nothing_new():
+    """RMSNorm forward and backward and RoPE at 64 rows, then at 63 and 48: one compiled kernel each."""
+    from swift_liger.ops import apply_rope, rope_kernel
+    dev, bf = "cuda", torch.bfloat16
+    kernels = (rms_norm_kernel._rms_norm_fwd_kernel, rms_norm_kernel._rms_norm_bwd_kernel, rope_kernel._rope_kernel)
+
+    def compiled():
+        return {k: len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels}
+
+    def step(rows):
+        x = torch.randn(rows, 256, device=dev, dtype=bf, requires_grad=True)
+        w = torch.randn(256, device=dev, dtype=bf, requires_grad=True)
+        rms_norm_op(x, w, 1e-6).float().sum().backward()
+        q, k = torch.randn(1, 4, rows, 64, device=dev, dtype=bf), torch.randn(1, 2, rows, 64, device=dev, dtype=bf)
+        cos, sin = torch.randn(1, rows, 64, device=dev, dtype=bf), torch.randn(1, rows, 64, device=dev, dtype=bf)
+        apply_rope(q, k, cos, sin)
+        torch.cuda.synchronize()
+
+    step(64)
+    before = compiled()
+    for rows in (63, 48, 2049):
+        step(rows)
+    assert compiled() == before
