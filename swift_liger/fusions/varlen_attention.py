@@ -249,9 +249,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                       **kwargs) -> Tuple[torch.Tensor, None]:
     """transformers' attention signature: query [B, Hq, T, D], key/value [B, Hkv, S, D] -> ([B, T, Hq, D], None)."""
-    if torch.compiler.is_compiling():   # a compiled decoder layer (liger_compile_layers): run this part eagerly
-        return _forward_eagerly(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
-                                softcap, **kwargs)
     return _forward(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, **kwargs)
 
 
@@ -282,16 +279,20 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, slidin
     if value.stride(-1) != 1:
         value = value.contiguous()
     B, _, T, _ = query.shape
-    seq_ids, bounds = doc_bounds_for(kwargs.get("position_ids"), attention_mask, kwargs.get("cu_seq_lens_q"),
-                                     B, T, query.device)
-    COUNTS["varlen"] += 1
+    if torch.compiler.is_compiling():
+        # A compiled decoder layer (liger_compile_layers): the bounds are six traced ops per layer (the cache's weak
+        # references and version counters are not traceable) and the kernels are custom-op nodes, so the layer
+        # stays one graph. Nothing is counted: a compiled graph replays without running this Python.
+        seq_ids = documents(kwargs.get("position_ids"), attention_mask, kwargs.get("cu_seq_lens_q"), B, T,
+                            query.device)
+        bounds = vk.doc_bounds(seq_ids)
+    else:
+        seq_ids, bounds = doc_bounds_for(kwargs.get("position_ids"), attention_mask, kwargs.get("cu_seq_lens_q"),
+                                         B, T, query.device)
+        COUNTS["varlen"] += 1
     out = vk.varlen_attention_unchecked(query, key, value, bounds, float(scaling), float(softcap or 0.0),
                                         int(sliding_window or 0), seq_ids)
     return out, None
-
-
-# The bounds cache (weak references, version counters) and the kernel's launches are not traceable: a graph break
-_forward_eagerly = torch.compiler.disable(_forward)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -500,10 +500,38 @@ def _bwd_launch(grad, q, k, v, out, lse, lo, hi, scale: float, softcap: float, w
     return dq, dk, dv
 
 
+@torch.library.custom_op("swift_liger::varlen_attention_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, scale: float, softcap: float,
+            window: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_launch(q, k, v, lo, scale, softcap, window)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, lo, scale, softcap, window):
+    B, HQ, T, D = q.shape
+    return q.new_empty((B, T, HQ, D)), q.new_empty((B, HQ, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("swift_liger::varlen_attention_bwd", mutates_args=())
+def _bwd_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float, softcap: float,
+            window: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_launch(grad, q, k, v, out, lse, lo, hi, scale, softcap, window)
+
+
+@_bwd_op.register_fake
+def _(grad, q, k, v, out, lse, lo, hi, scale, softcap, window):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 class VarlenAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper; under torch.compile the launches are the custom ops above (one opaque node each, so a
+    compiled decoder layer keeps packed attention without a graph break)."""
+
     @staticmethod
     def forward(ctx, q, k, v, lo, hi, scale, softcap, window):
-        out, lse = _fwd_launch(q, k, v, lo, scale, softcap, window)
+        out, lse = _common.compiled_or_eager("swift_liger::varlen_attention_fwd", _fwd_launch)(
+            q, k, v, lo, scale, softcap, window)
         ctx.save_for_backward(q, k, v, out, lse, lo, hi)
         ctx.args = (scale, softcap, window)
         return out
@@ -513,7 +541,8 @@ class VarlenAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, lo, hi = ctx.saved_tensors
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
-        dq, dk, dv = _bwd_launch(grad, q, k, v, out, lse, lo, hi, *ctx.args)
+        dq, dk, dv = _common.compiled_or_eager("swift_liger::varlen_attention_bwd", _bwd_launch)(
+            grad, q, k, v, out, lse, lo, hi, *ctx.args)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -587,7 +616,8 @@ def varlen_attention_unchecked(q, k, v, bounds: Tuple[torch.Tensor, torch.Tensor
         lo, hi = bounds
         if _common.records_grad(q, k, v):
             return VarlenAttentionFunction.apply(q, k, v, lo, hi, scale, softcap, window)
-        return _fwd_launch(q, k, v, lo, scale, softcap, window)[0]
+        return _common.compiled_or_eager("swift_liger::varlen_attention_fwd", _fwd_launch)(
+            q, k, v, lo, scale, softcap, window)[0]
     ids = seq_ids if seq_ids is not None else bounds[0]
     return varlen_attention_reference(q, k, v, ids, scale=scale, softcap=softcap or None, window=window or None)
 
