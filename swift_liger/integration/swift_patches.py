@@ -144,8 +144,16 @@ def patch_pipeline_base(module) -> None:
         tokens = json.loads(ray_args) if ray_args else sys.argv[1:] if argv is None else argv
         if {"-h", "--help"} & set(tokens) and "use_liger" in getattr(class_type, "__dataclass_fields__", {}):
             print_help(class_type, FIELD_NAMES)
-        check_argv(class_type, tokens)
-        return orig(class_type, argv)
+        try:
+            check_argv(class_type, tokens)
+            return orig(class_type, argv)
+        except ValueError as e:
+            # Our refusals of the command line (they all start "swift_liger"): the message alone, as argparse
+            # reports a bad flag, not a traceback through ms-swift's parser. Arguments handed in from Python raise.
+            if argv is None and not ray_args and str(e).startswith("swift_liger"):
+                sys.stderr.write(f"error: {e}\n")
+                sys.exit(2)
+            raise
 
     module.parse_args = parse_args
 

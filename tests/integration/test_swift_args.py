@@ -320,6 +320,22 @@ def test_commands_we_do_not_patch_refuse_our_flags_by_name(tmp_path):
     assert "ValueError: remaining_argv" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_command_line_refusals_are_one_line_errors(tmp_path):
+    """A refused flag on the command line ends the run with exit status 2 and the message alone on stderr, as
+    argparse reports a bad flag (no traceback through ms-swift's parser); nothing is written to the output dir."""
+    import subprocess
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for flags, message in ((["--liger_tiled_mlp", "3x"], "error: swift_liger flags: --liger_tiled_mlp must be"),
+                           (["--liger_tiled_mpl", "3"], "did you mean --liger_tiled_mlp?")):
+        proc = subprocess.run([sys.executable, "-m", "swift.cli.main", "sft", "--model", "/nonexistent", "--dataset",
+                               "x.jsonl", "--output_dir", str(tmp_path / "out"), "--use_liger", *flags],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert message in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
 def test_yaml_list_for_a_liger_key_is_refused_naming_it(swift_mod, tmp_path):
     """ms-swift turns a YAML list into several values after the flag; ours take one, so the key is named while the
     arguments are checked (before any run directory), not left to ms-swift's remaining-arguments error."""
