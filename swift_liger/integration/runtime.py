@@ -8,6 +8,8 @@ The patch report says what was installed; this says what ran. Sources:
   gradient (the policy) or without (the reference pass, KTO's KL pass, eval);
 * the policy's attention implementation and, for ``swift_liger``, its calls since training began: through the
   packed-row kernel (``varlen``), handed to SDPA or the softcap-aware eager softmax, document bounds computed.
+* Triton's kernel builds (compiles on a cold cache, loads from disk on a warm one) until the first optimizer step
+  ends (compile_watch.py): the part of the first step's time that later steps do not pay.
 "liger_patch.json" gets ``runtime: {"first_step": {...}, "total": {...}}``; "total" is written at the end of training.
 """
 from __future__ import annotations
@@ -16,6 +18,8 @@ from transformers import TrainerCallback
 
 from ..fusions import varlen_attention
 from ..patcher import call_counts
+from .compile_watch import CompileWatch
+from .compile_watch import describe as describe_compiles
 from .preference import fallback_reasons
 from .record import update_record
 
@@ -186,6 +190,7 @@ class RuntimeRecord(TrainerCallback):
         self.trainer, self.args = trainer, args
         self.first = None
         self.attention_since = {}
+        self.compiles = CompileWatch()
 
     def _master(self):
         from swift.utils import is_master
@@ -195,19 +200,27 @@ class RuntimeRecord(TrainerCallback):
         for _, model in _models(self.trainer):
             call_counts(model, reset=True)
         self.attention_since = dict(varlen_attention.COUNTS)
+        self.compiles.start()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step != 1 or self.first is not None or not self._master():
+        if state.global_step != 1 or self.first is not None:
+            return
+        self.compiles.stop()
+        if not self._master():
             return
         from swift.utils import get_logger
 
         self.first = snapshot(self.trainer, self.attention_since)
+        compiles = self.compiles.summary()
+        if compiles:
+            self.first["triton_compiles"] = compiles
         logger = get_logger()
-        for line in describe(self.first):
+        for line in describe(self.first) + [describe_compiles(compiles)] * bool(compiles):
             logger.info(f"swift_liger: {line}")
         update_record(self.args, "runtime", {"first_step": self.first})
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.compiles.stop()   # a run that ended before its first optimizer step
         if not self._master():
             return
         total = snapshot(self.trainer, self.attention_since)
