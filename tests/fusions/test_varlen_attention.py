@@ -71,6 +71,17 @@ def packed_row(docs, seed=0):
     return ids, pos, labels
 
 
+def train_step_matches(ours, ref, seed):
+    """One packed row through both models, loss and backward: equal losses and every gradient."""
+    ids, pos, labels = packed_row(DOCS, seed=seed)
+    out = ours(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+    out.loss.backward()
+    expected = ref(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+    expected.loss.backward()
+    close_scaled(out.loss, expected.loss, "loss")
+    assert_grads_match(ours, ref)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_packed_row_equals_per_document_forwards(name):
     ours, ref = pair(name)
@@ -293,13 +304,7 @@ def test_with_every_fusion_applied_and_checkpointing():
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
         assert swift_liger.apply(m, save_attention=True).patched["rope"] > 0
-    ids, pos, labels = packed_row(DOCS, seed=4)
-    out = ours(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
-    out.loss.backward()
-    expected = ref(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
-    expected.loss.backward()
-    close_scaled(out.loss, expected.loss, "loss")
-    assert_grads_match(ours, ref)
+    train_step_matches(ours, ref, seed=4)
     assert va.COUNTS["varlen"] == 2 * LAYERS and va.COUNTS["bounds"] == 1, va.COUNTS
     assert swift_liger.call_counts(ours)["saved_attention"] == {"kept": 0}
 
@@ -316,14 +321,8 @@ def test_compiled_decoder_layers_keep_it_in_the_graph(backend):
     counter = CompileCounterWithBackend(backend)
     for layer in ours.model.layers:
         layer.compile(backend=counter, fullgraph=True)
-    for seed in (6, 7):   # the second forward reuses the compiled layers (other documents: dynamic lengths aside)
-        ids, pos, labels = packed_row(DOCS, seed=seed)
-        out = ours(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
-        out.loss.backward()
-        expected = ref(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
-        expected.loss.backward()
-        close_scaled(out.loss, expected.loss, "loss")
-        assert_grads_match(ours, ref)
+    for seed in (6, 7):   # the second forward reuses the compiled layers
+        train_step_matches(ours, ref, seed)
         ours.zero_grad()
         ref.zero_grad()
     assert counter.frame_count >= 1
