@@ -9,9 +9,9 @@ cp swift_liger_hook.pth "$(python3 -c 'import site; print(site.getsitepackages()
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 echo "== wheels installed at ${SECONDS}s"
 
-gpu_tests() {   # TEST_PATHS (pytest paths) on the GPU (SWIFT_LIGER_TEST_GPU=1) -> $OUT/gpu_tests.txt
+gpu_tests() {   # TEST_PATHS (pytest paths) on the GPU (SWIFT_LIGER_TEST_GPU=1) -> $OUT/gpu_tests.txt; PYTEST_X= runs on past failures
   [ -n "${TEST_PATHS:-}" ] || return 0
   echo "== GPU tests: $TEST_PATHS"
-  SWIFT_LIGER_TEST_GPU=1 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -x -p no:cacheprovider $TEST_PATHS \
+  SWIFT_LIGER_TEST_GPU=1 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q ${PYTEST_X--x} -p no:cacheprovider $TEST_PATHS \
     >"$OUT/gpu_tests.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"; tail -4 "$OUT/gpu_tests.txt"
 }
