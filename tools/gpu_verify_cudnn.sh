@@ -12,6 +12,7 @@ echo "== sdpa probe at ${SECONDS}s"
 timeout ${PROBE_TIMEOUT:-120} python3 tools/sdpa_probe.py --out "$OUT/sdpa_probe.json" >"$OUT/sdpa_probe.txt" 2>&1
 echo "-- rc $?"; cut -c1-300 "$OUT/sdpa_probe.txt" | head -40
 echo "== 7B 8k CLI at ${SECONDS}s"
+[ $(( ${CALL_S:-570} - SECONDS )) -lt 250 ] && { echo "== CLI skipped: under 250 s left"; exit 0; }
 OUT=$OUT/b SHAPE=qwen2.5-7b SEQ=8192 VARIANTS="${VARIANTS:-swift_liger swift_liger_cudnn liger_kernel}" TEST_PATHS= \
   DEADLINE=$(( ${CALL_S:-570} - SECONDS )) STEPS=${STEPS:-10} WARMUP=3 NAME=swift_cli_qwen2_5_7b_cudnn \
   bash "$(dirname "$0")/gpu_swift_cli.sh" 2>&1 | grep -E "^\||done in|^== |rc |Triton built|cudnn_attention"
