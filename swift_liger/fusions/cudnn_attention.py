@@ -59,8 +59,9 @@ def _counters(choice, reset) -> dict:
 
 FUSION = Fusion(key="cudnn_attention", default=False,
                 label=lambda count, report: f"cuDNN-first SDPA in {count} decoder layers",
-                help="Time cuDNN's fused attention against FlashAttention-2 (torch's first choice) once per batch "
-                     "shape and run SDPA cuDNN-first where cuDNN is faster (causal calls without a mask tensor or "
-                     "KV cache, 512+ tokens per row).",
+                help="Where torch's SDPA order puts FlashAttention-2 before cuDNN, time both once per batch shape "
+                     "and run SDPA cuDNN-first where cuDNN is faster (causal calls without a mask tensor or KV cache, "
+                     "512+ tokens per row). A no-op where torch already starts with cuDNN (torch 2.11 on the H200: "
+                     "Qwen2.5-7B 8k LoRA 10115 vs 10079 tok/s).",
                 applies_to="decoder layers with SDPA self-attention", order=94, patch=patch, say_off=False,
                 counters=_counters)

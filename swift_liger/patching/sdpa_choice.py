@@ -1,8 +1,10 @@
 """Which fused SDPA kernel a decoder layer's attention runs, chosen per batch shape by timing (fusions/cudnn_attention).
 
-torch's SDPA tries its backends in a priority order (FlashAttention-2 first, cuDNN last) and runs the first that
-supports the call. On Hopper cuDNN's fused attention is the faster kernel at long causal rows: H200, Qwen2.5-7B heads,
-one 8k-token row, forward + backward 499 TFLOP/s against FlashAttention-2's 287 (`attn_lab_h200.json`).
+torch's SDPA tries its backends in a priority order and runs the first that supports the call. On Hopper cuDNN's
+fused attention is the faster kernel at long causal rows: H200, Qwen2.5-7B heads, one 8k-token row, forward +
+backward 499 TFLOP/s against FlashAttention-2's 287 (`attn_lab_h200.json`). torch's CPU build lists FlashAttention-2
+first and cuDNN after math; torch 2.11's CUDA build on the H200 already ran cuDNN by default at every training shape
+of tools/sdpa_probe.py (`sdpa_probe_h200.json`), so there every call keeps torch's order and nothing is timed.
 `SdpaChoice.order_for(hidden_states, kwargs, training)` returns the priority order to run one layer call under
 (cuDNN first) or None (torch's own order):
 
@@ -18,8 +20,9 @@ one 8k-token row, forward + backward 499 TFLOP/s against FlashAttention-2's 287 
 `prefer(order)` / `restore(prev)` set and restore torch's process-wide priority order (0.2 us per pair on this CPU,
 against 15 us for torch.nn.attention.sdpa_kernel): the layer's eager forward runs between them, so its reentrant
 recompute does too. Layers that graph_layers replays keep torch's order (their captures hold FlashAttention-2):
-those are the short, host-bound shapes; at 7B-8B and long rows graph_layers measures the eager layer faster. Not yet measured end to end on a GPU: cuDNN builds an execution plan per exact shape (rows, tokens), a
-first-call cost the timing (after a warm-up) does not count and batches of varying length pay per new length.
+those are the short, host-bound shapes; at 7B-8B and long rows graph_layers measures the eager layer faster. cuDNN
+builds an execution plan per exact shape (rows, tokens): its first call at Qwen2.5-7B 8k took 121 ms (recorded apart as
+cudnn_first_ms); batches of varying length pay that per new length.
 """
 from __future__ import annotations
 
@@ -77,6 +80,11 @@ class SdpaChoice:
         dev = hidden_states.device
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else hidden_states.dtype
         if dtype not in self.dtypes:
+            return None
+        if torch._C._get_sdp_priority_order()[0] == int(_CUDNN):
+            # torch already tries cuDNN first (torch 2.11 on the H200 does: its default SDPA ran cuDNN's kernels at
+            # every training shape of tools/sdpa_probe.py): nothing to change, nothing to time
+            self.stats["torch_calls"] += 1
             return None
         grad = training or torch.is_grad_enabled()   # a training layer's first pass (autograd off) and recompute agree
         key = (hidden_states.shape[0], _bucket(hidden_states.shape[1]), dtype, grad, dev)

@@ -13,6 +13,8 @@ import copy
 import pytest
 import torch
 
+from torch.nn.attention import SDPBackend
+
 import swift_liger
 from swift_liger.patching import layer_forward, sdpa_choice
 from helpers import tiny_causal_lm
@@ -62,10 +64,23 @@ def step(model, rows=2, t=12, seed=0, **kw):
     return out.loss.detach()
 
 
+def first(backend, order):
+    return [int(backend)] + [int(b) for b in order if int(b) != int(backend)]
+
+
+FLASH_FIRST = first(SDPBackend.FLASH_ATTENTION, torch._C._get_sdp_priority_order())
+
+
 @pytest.fixture(autouse=True)
 def torch_backend(monkeypatch):
+    """Torch's CPU build orders SDPA FlashAttention-2 first; its CUDA builds may start with cuDNN (torch 2.11 on the
+    H200 does). The tests pin the flash-first order (restored after) unless they set another."""
     monkeypatch.setenv("SWIFT_LIGER_BACKEND", "torch")
     monkeypatch.setattr(sdpa_choice.SdpaChoice, "device_type", "cpu")   # patch (and choose) as on CUDA
+    saved = list(torch._C._get_sdp_priority_order())
+    torch._C._set_sdp_priority_order(FLASH_FIRST)
+    yield
+    torch._C._set_sdp_priority_order(saved)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
@@ -254,9 +269,13 @@ def test_first_step_log_line():
                          {"rows": 1, "tokens": 700, "grad": True, "flash_ms": 0.2, "cudnn_ms": None,
                           "cudnn_first_ms": None, "chose": "torch"}]}
     assert describe({"policy": {"sdpa": sdpa, "cross_entropy_mode": "off"}}) == [
-        "cudnn_attention in the first step: 56 decoder-layer calls ran SDPA cuDNN-first, 0 in torch's order "
-        "(FlashAttention-2 first); timed per batch shape, attention ms FlashAttention-2 vs cuDNN: 1 x 8128 tokens "
+        "cudnn_attention in the first step: 56 decoder-layer calls ran SDPA cuDNN-first, 0 in torch's own order; "
+        "timed per batch shape, attention ms FlashAttention-2 vs cuDNN: 1 x 8128 tokens "
         "5.90 vs 3.40 (cuDNN's first call 61.00) -> cudnn; 1 x 700 tokens 0.20 vs refused -> torch"]
+    already = {"cudnn_calls": 0, "torch_calls": 56, "measured": []}
+    assert describe({"policy": {"sdpa": already, "cross_entropy_mode": "off"}}) == [
+        "cudnn_attention in the first step: 0 decoder-layer calls ran SDPA cuDNN-first, 56 in torch's own order "
+        "(torch's order starts with cuDNN here: nothing timed)"]
     idle = {"cudnn_calls": 0, "torch_calls": 0, "measured": []}   # CPU: no call qualifies, nothing said
     assert describe({"policy": {"sdpa": idle, "cross_entropy_mode": "off"}}) == []
 
@@ -284,3 +303,17 @@ def test_layers_replayed_from_graphs_keep_torch_order():
     n_eager = sum(1 for replay, _ in seen if not replay)
     assert choice.stats["cudnn_calls"] == n_eager == 2 * (LAYERS - 1)
     assert sum(order != before for _, order in inner) == n_eager
+
+
+def test_torch_order_already_cudnn_first_times_nothing():
+    """Where torch's SDPA order already starts with cuDNN (torch 2.11's CUDA build on the H200), every call keeps it:
+    nothing is timed, nothing reordered, the step equals the unpatched model's."""
+    ref, _ = build(cudnn_attention=False)
+    model, _ = build()
+    choice, calls = on_cpu(model)
+    mine = first(SDPBackend.CUDNN_ATTENTION, FLASH_FIRST)
+    torch._C._set_sdp_priority_order(mine)
+    seen = orders_seen(model)
+    assert torch.equal(step(model), step(ref))
+    assert not calls and choice.stats == {"cudnn_calls": 0, "torch_calls": 2 * LAYERS, "measured": []}
+    assert all(order == mine for _, order in seen) and list(torch._C._get_sdp_priority_order()) == mine
