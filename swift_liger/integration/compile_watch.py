@@ -3,8 +3,9 @@
 A cold Triton cache makes the first step of a run pay one compile per kernel variant; a warm one still loads each
 compiled kernel from disk (H200 host, Qwen2.5-7B LoRA 8k: 11 kernels, 1.41 s cold, 0.36 s warm). This counts
 both through Triton's JIT hooks (``knobs.runtime.jit_cache_hook`` before a kernel is built or loaded,
-``jit_post_compile_hook`` after), chaining any hooks already installed and restoring them on ``stop``. Compiles of every Triton kernel in the process count
-(ours, torch.compile's, other libraries'); ``ours`` counts those of swift_liger's kernels.
+``jit_post_compile_hook`` after), chaining any hooks already installed and restoring them on ``stop``. Compiles of
+every Triton kernel in the process count (ours, torch.compile's, other libraries'); ``ours`` counts those of
+swift_liger's kernels.
 """
 from __future__ import annotations
 
