@@ -311,7 +311,7 @@ def test_torch_order_already_cudnn_first_times_nothing():
     ref, _ = build(cudnn_attention=False)
     model, _ = build()
     choice, calls = on_cpu(model)
-    mine = first(SDPBackend.CUDNN_ATTENTION, FLASH_FIRST)
+    mine = sdpa_choice.cudnn_first(FLASH_FIRST)
     torch._C._set_sdp_priority_order(mine)
     seen = orders_seen(model)
     assert torch.equal(step(model), step(ref))
