@@ -147,8 +147,37 @@ def profile_step(runner: Runner, i: int) -> dict:
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     layer_ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("lab::layer0")]
     in_layer = sum(1 for e in launches if any(a <= e.time_range.start <= b for a, b in layer_ranges))
+    by_name = {}
+    for e in kernels:
+        n, us = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (n + 1, us + e.time_range.elapsed_us())
+    groups = {}
+    for name, (n, us) in by_name.items():
+        g = kernel_group(name)
+        groups[g] = groups.get(g, 0.0) + us / 1e3
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]
     return {"launches_per_step": len(launches), "device_kernel_ms": sum(e.time_range.elapsed_us() for e in kernels)
-            / 1e3, "layer0_forward_launches_incl_recompute": in_layer, "layer0_passes_marked": len(layer_ranges)}
+            / 1e3, "layer0_forward_launches_incl_recompute": in_layer, "layer0_passes_marked": len(layer_ranges),
+            "kernel_groups_ms": {g: round(v, 3) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [{"kernel": k[:160], "calls": n, "ms": round(us / 1e3, 3)} for k, (n, us) in top]}
+
+
+def kernel_group(name: str) -> str:
+    """A device kernel's kind, from its name: GEMMs (cuBLAS / CUTLASS / nvjet), attention (cuDNN, flash, efficient),
+    our Triton kernels (names start with one of our kernel functions' prefixes), other Triton kernels, copies and
+    casts, reductions, other elementwise aten kernels."""
+    n = name.lower()
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "splitk")):
+        return "gemm"
+    if any(k in n for k in ("fmha", "flash", "cudnn", "attention", "attn", "sdpa")):
+        return "attention"
+    if n.startswith("_") or n.startswith("triton"):
+        return "triton"
+    if any(k in n for k in ("copy", "cast", "cat", "fill")):
+        return "copy/fill"
+    if "reduce" in n or "norm" in n:
+        return "reduction"
+    return "other aten"
 
 
 def _first_layer(model):
@@ -385,6 +414,16 @@ def report(paths, title: str) -> str:
                              f"{tok / r['wall_ms'] * 1e3:.0f} | {vs} | {r['fwd_host_ms']:.1f} | "
                              f"{r['bwd_opt_host_ms']:.1f} | {dev} | {r.get('launches_per_step', '')} | {syncs} | {peak} |")
             lines.append("")
+            kinds = [k for k in ("gemm", "attention", "triton", "copy/fill", "reduction", "other aten")
+                     if any(k in r.get("kernel_groups_ms", {}) for r in rows.values())]
+            if kinds:
+                lines += ["Device kernel ms per step by kind (one profiled step):", "",
+                          "| variant | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
+                for name, r in rows.items():
+                    g = r.get("kernel_groups_ms")
+                    if g:
+                        lines.append(f"| {name} | " + " | ".join(f"{g.get(k, 0):.1f}" for k in kinds) + " |")
+                lines.append("")
     return "\n".join(lines)
 
 
