@@ -152,12 +152,7 @@ def describe(snap: dict, when: str = "in the first step") -> list:
             line += "; run eagerly: " + "; ".join(f"{n} x {why}" for why, n in graphs["eager"].items())
         if graphs.get("measured"):
             line += ("; timed per batch shape, a layer's forward eager vs replayed, max(host, GPU) ms per call: "
-                     + "; ".join(f"{m['rows']} x {m['tokens']} tokens {m['eager_ms']:.2f} vs {m['graph_ms']:.2f}"
-                                 + (f" (host {m['eager_host_ms']:.2f} / {m['graph_host_ms']:.2f}, GPU "
-                                    f"{m['eager_gpu_ms']:.2f} / {m['graph_gpu_ms']:.2f})" if "eager_host_ms" in m else "")
-                                 + f" -> {'graphs' if m['graphs'] else 'eager'}"
-                                 + (f" (at {m['when']})" if m.get("when", "capture") != "capture" else "")
-                                 for m in graphs["measured"]))
+                     + "; ".join(_graph_timing(m) for m in graphs["measured"]))
         lines.append(line)
     sdpa = (snap.get("policy") or {}).get("sdpa")
     if sdpa and (sdpa["cudnn_calls"] or sdpa["torch_calls"]):
@@ -227,3 +222,16 @@ class RuntimeRecord(TrainerCallback):
         total = snapshot(self.trainer, self.attention_since)
         update_record(self.args, "runtime", {"first_step": self.first, "total": total,
                                              "optimizer_steps": state.global_step})
+
+
+def _graph_timing(m: dict) -> str:
+    """One graph_layers timing for the log: eager vs replayed ms per layer forward, or eager alone where the host
+    issued it in well under the GPU's time and nothing was captured."""
+    if m.get("graph_ms") is None:
+        return (f"{m['rows']} x {m['tokens']} tokens {m['eager_ms']:.2f} eager (host {m['eager_host_ms']:.2f}, GPU "
+                f"{m['eager_gpu_ms']:.2f}: GPU-bound, not captured) -> eager")
+    return (f"{m['rows']} x {m['tokens']} tokens {m['eager_ms']:.2f} vs {m['graph_ms']:.2f}"
+            + (f" (host {m['eager_host_ms']:.2f} / {m['graph_host_ms']:.2f}, GPU "
+               f"{m['eager_gpu_ms']:.2f} / {m['graph_gpu_ms']:.2f})" if "eager_host_ms" in m else "")
+            + f" -> {'graphs' if m['graphs'] else 'eager'}"
+            + (f" (at {m['when']})" if m.get("when", "capture") != "capture" else ""))

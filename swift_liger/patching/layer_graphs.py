@@ -18,8 +18,10 @@ that is None or a 4-D bool mask, weights that no hook gathers or moves per call 
 offload), and only small trainable parameters (adapters: the captured backward keeps their gradients in static
 buffers, copied out per call in one multi-tensor op).
 
-Chosen by measurement: at a new key the first layer's forward is timed eagerly and replayed (host and GPU time of
-MEASURE_CALLS calls, best of MEASURE_REPS interleaved rounds; a pass costs max(host, GPU) per call). A key kept for
+Chosen by measurement: at a new key the first layer's forward is timed eagerly; where the host issues it in under
+GPU_BOUND of its GPU time nothing is captured (a replay runs the same kernels). Otherwise it is captured and timed
+eagerly and replayed (host and GPU time of MEASURE_CALLS calls, best of MEASURE_REPS interleaved rounds; a pass costs
+max(host, GPU) per call). A key kept for
 graphs is timed once more at that layer's RECHECK_AT-th replayed first pass, away from the first step's other work
 (at 1.5B, 4 x 2k the first step timed 5.05 ms of host time per eager layer forward, more than the 0.259 s eager step
 allows: docs/benchmarks/train_graph_choice_h200.md). Where the replay is not MARGIN faster (GPU-bound layers:
@@ -57,6 +59,7 @@ MEASURE_REPS = 3        # a new key: its first layer timed eagerly and replayed 
 MEASURE_CALLS = 3       # of this many calls each
 SPIN_CYCLES = 50_000_000  # GPU clock cycles (~25 ms) the timed calls queue behind
 MARGIN = 0.05           # replays must be this much faster than eager calls to be kept (they cost memory)
+GPU_BOUND = 0.5         # a new key whose eager host time is below this share of its GPU time is not captured
 RECHECK_AT = 5          # a key kept for graphs is timed again at its timing layer's 5th replayed first pass
 SMALL_TRAINABLE = 0.25  # trainable parameters up to this share of the layer's elements (adapters) replay
 
@@ -298,6 +301,12 @@ class LayerGraphs:
             if why is not None:
                 self.entries[key] = why
                 return self._eager(why)
+            if self.backend is None:
+                self.backend = type(self).backend_for(dev)
+            if key not in self.shared.slots and self._gpu_bound(self.backend, layer, call, padded, hidden_states, cos,
+                                                                 sin, mask, position_ids, key):
+                self.entries[key] = self.shared.choice[key]
+                return self._eager(self.entries[key])
             try:
                 entry = self._capture(layer, call, key, padded, hidden_states, cos, sin, mask, position_ids, n)
             except Exception as exc:   # noqa: BLE001  e.g. a host sync inside the layer (MoE routing): eager
@@ -340,10 +349,7 @@ class LayerGraphs:
 
     def _capture(self, layer, call, key, padded, hidden_states, cos, sin, mask, pos, n) -> Optional[_Entry]:
         t0 = time.perf_counter()
-        dev = hidden_states.device
-        if self.backend is None:
-            self.backend = type(self).backend_for(dev)
-        be = self.backend
+        dev, be = hidden_states.device, self.backend
         while len(self.entries) >= MAX_KEYS:
             self.entries.popitem(last=False)
         slots = self.shared.slots
@@ -429,6 +435,37 @@ class LayerGraphs:
         self.entries[key] = e
         self.stats["capture_s"] += time.perf_counter() - t0
         return e
+
+    def _gpu_bound(self, be, layer, call, padded, hidden, cos, sin, mask, pos, key) -> bool:
+        """Before a new key's capture: the layer's forward eagerly, once untimed (compiles, lazy state), then one
+        timed round. Where the host issues it in under GPU_BOUND of the GPU's time to run it, a replay (the same
+        kernels plus the input copies) cannot come out MARGIN faster: the key runs eagerly in every layer and nothing
+        is captured (at Qwen2.5-7B, 8k tokens, host 2.2 vs GPU 7.4 ms per layer, the capture and its timing cost
+        1.1-1.8 s of the first step). Otherwise the capture and the interleaved timing decide, as before."""
+        if not self.shared.measure or be.timer is None:
+            return False
+        dev = hidden.device
+        rng = be.rng_state(dev)
+
+        def eager():
+            with torch.enable_grad():
+                for _ in range(MEASURE_CALLS):
+                    call(layer, hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+        try:
+            with torch.no_grad():
+                with torch.enable_grad():
+                    call(layer, hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+                host, gpu = (t / MEASURE_CALLS for t in be.timer(eager))
+        finally:
+            be.set_rng_state(rng, dev)
+        if not host < GPU_BOUND * gpu:
+            return False
+        self.stats["measured"].append({
+            "rows": hidden.shape[0], "tokens": padded, "eager_ms": round(1e3 * max(host, gpu), 3), "graph_ms": None,
+            "eager_host_ms": round(1e3 * host, 3), "eager_gpu_ms": round(1e3 * gpu, 3), "graph_host_ms": None,
+            "graph_gpu_ms": None, "graphs": False, "when": "before capture"})
+        self.shared.choice[key] = "measured faster eagerly at this batch shape"
+        return True
 
     def _graphs_faster(self, be, layer, call, e, slot, n, hidden, cos, sin, mask, pos, key, when) -> bool:
         """Time this layer's forward eagerly (the recompute's mode, autograd on) and replayed (with the input

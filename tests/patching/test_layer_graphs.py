@@ -212,6 +212,12 @@ def test_measured_choice_runs_slower_graphs_eagerly(backend, monkeypatch):
         calls["tokens"] = slot.inputs[0].shape[1]
         return real(self, be, layer, call, e, slot, n, *a, **k)
     monkeypatch.setattr(layer_graphs.LayerGraphs, "_graphs_faster", spy)
+    real_bound = layer_graphs.LayerGraphs._gpu_bound
+
+    def spy_bound(self, be, layer, call, padded, *a, **k):
+        calls["tokens"] = padded
+        return real_bound(self, be, layer, call, padded, *a, **k)
+    monkeypatch.setattr(layer_graphs.LayerGraphs, "_gpu_bound", spy_bound)
     if device.type == "cpu":
         monkeypatch.setattr(RerunBackend, "timer", staticmethod(timer), raising=False)
     else:
@@ -221,13 +227,47 @@ def test_measured_choice_runs_slower_graphs_eagerly(backend, monkeypatch):
         ids = torch.randint(2, 128, (2, n), generator=g).to(device)
         assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i))
     s = stats(graphed)
-    assert len(timings) == 2 * 2 * layer_graphs.MEASURE_REPS, timings   # one timing per key, first layer only
+    # per key, first layer only: one eager round before the capture, then the interleaved rounds
+    assert len(timings) == 2 * (1 + 2 * layer_graphs.MEASURE_REPS), timings
     assert [(m["tokens"], m["graphs"]) for m in s["measured"]] == [(32, False), (16, True)], s
     # the 32-token key: 3 layers' first passes in 2 steps (their recomputes follow the eager first pass, uncounted)
     assert s["eager"] == {"measured faster eagerly at this batch shape": 3 * 2}, s
     assert s["captures"] == 1 + 3 and s["replays"] == 2 * 3 * 2, s
     shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
     assert [k[0][1] for k in shared.slots] == [16], list(shared.slots)
+
+
+def test_gpu_bound_key_is_never_captured(backend, monkeypatch):
+    """A new key whose eager forward the host issues in under GPU_BOUND of its GPU time is not captured: one untimed
+    and one timed eager round in the first layer, then every layer runs it eagerly; the log says why."""
+    device = backend
+    eager, graphed = models(device)
+    timings = []
+
+    def timer(fn):   # (host, GPU) s of 3 calls: the host at 0.3x the GPU
+        timings.append(fn.__name__)
+        fn()
+        return (0.9e-3, 3e-3)
+    if device.type == "cpu":
+        monkeypatch.setattr(RerunBackend, "timer", staticmethod(timer), raising=False)
+    else:
+        monkeypatch.setattr(layer_graphs._Backend, "timer", staticmethod(timer))
+    g = torch.Generator().manual_seed(5)
+    for i in range(2):
+        ids = torch.randint(2, 128, (2, 14), generator=g).to(device)
+        assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i))
+    s = stats(graphed)
+    assert timings == ["eager"], timings
+    assert s["captures"] == 0 and s["replays"] == 0, s
+    assert s["eager"] == {"measured faster eagerly at this batch shape": 2 * 3}, s
+    assert s["measured"] == [{"rows": 2, "tokens": 16, "eager_ms": 1.0, "graph_ms": None, "eager_host_ms": 0.3,
+                              "eager_gpu_ms": 1.0, "graph_host_ms": None, "graph_gpu_ms": None, "graphs": False,
+                              "when": "before capture"}], s
+    shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
+    assert not shared.slots
+    from swift_liger.integration.runtime import describe   # lazy: the runtime's log lines, as in the test below
+    line = describe({"policy": {"graph_layers": s, "cross_entropy_mode": "off"}})[0]
+    assert "1.00 eager (host 0.30, GPU 1.00: GPU-bound, not captured) -> eager" in line, line
 
 
 def test_recheck_turns_a_key_eager_in_every_layer(backend, monkeypatch):
