@@ -2,7 +2,8 @@
 it under reentrant gradient checkpointing (ms-swift's default on one GPU). Everything else runs the layer as it is,
 counted by reason in call_counts()["graph_layers"]["eager"]. Captured at a layer's first call of each batch shape
 (lengths padded to 8 buckets per octave); a shape whose replay is not faster than the eager layer (timed in its
-first layer at the capture and again at its 5th replayed first pass: GPU-bound 7B-8B steps) runs eagerly."""
+first layer at the capture and again at its 5th replayed first pass: GPU-bound 7B-8B steps) runs eagerly, and one
+whose eager forward the host issues in under half its GPU time is not captured at all."""
 from __future__ import annotations
 
 from .base import Fusion
@@ -30,10 +31,12 @@ def _counters(shared, reset) -> dict:
         return {}
     stats = shared.stats
     out = {"graph_layers": {"captures": stats["captures"], "capture_s": round(stats["capture_s"], 3),
+                            "capture_parts_s": {k: round(v, 3) for k, v in stats["capture_parts_s"].items()},
                             "replays": stats["replays"], "eager": dict(stats["eager"]),
                             "measured": list(stats["measured"])}}
     if reset:
-        stats.update(captures=0, capture_s=0.0, replays=0, eager={}, measured=[])
+        from ..patching.layer_graphs import new_stats   # lazy: the spec loads without torch
+        stats.update(new_stats())
     return out
 
 

@@ -147,7 +147,9 @@ def describe(snap: dict, when: str = "in the first step") -> list:
     graphs = (snap.get("policy") or {}).get("graph_layers")
     if graphs and (graphs["captures"] or graphs["replays"] or graphs["eager"]):
         line = (f"graph_layers {when}: {graphs['replays']} decoder-layer passes replayed from CUDA graphs, "
-                f"{graphs['captures']} captured ({graphs['capture_s']:.1f} s: a layer's first call per batch shape)")
+                f"{graphs['captures']} captured ({graphs['capture_s']:.1f} s: a layer's first call per batch shape"
+                + "".join(f"; {k.replace('_', ' ')} {v:.2f}" for k, v in (graphs.get("capture_parts_s") or {}).items()
+                          if v >= 0.005) + ")")
         if graphs["eager"]:
             line += "; run eagerly: " + "; ".join(f"{n} x {why}" for why, n in graphs["eager"].items())
         if graphs.get("measured"):

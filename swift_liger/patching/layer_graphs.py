@@ -303,8 +303,11 @@ class LayerGraphs:
                 return self._eager(why)
             if self.backend is None:
                 self.backend = type(self).backend_for(dev)
-            if key not in self.shared.slots and self._gpu_bound(self.backend, layer, call, padded, hidden_states, cos,
-                                                                 sin, mask, position_ids, key):
+            t0 = time.perf_counter()
+            bound = key not in self.shared.slots and self._gpu_bound(self.backend, layer, call, padded, hidden_states,
+                                                                     cos, sin, mask, position_ids, key)
+            self._spent("eager_timing", t0)
+            if bound:
                 self.entries[key] = self.shared.choice[key]
                 return self._eager(self.entries[key])
             try:
@@ -327,6 +330,13 @@ class LayerGraphs:
         self.shared.slots.move_to_end(key)
         self.pending += -1 if torch.is_grad_enabled() else 1
         return _Replay.apply(self, entry.slot, entry, n, hidden_states, cos, sin, mask, position_ids, *entry.params)
+
+    def _spent(self, part: str, since: float) -> float:
+        """Adds the host seconds since `since` to the first-call cost (capture_s) and its part; returns now."""
+        now = time.perf_counter()
+        self.stats["capture_s"] += now - since
+        self.stats["capture_parts_s"][part] += now - since
+        return now
 
     @staticmethod
     def _unreplayable(layer) -> Optional[str]:
@@ -410,8 +420,11 @@ class LayerGraphs:
                     out = run()
                     torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)
                     del out
+                t0 = self._spent("warm_up", t0)
                 e.fwd = be.capture(fwd)
+                t0 = self._spent("capture_forward", t0)
                 e.bwd = be.capture(bwd)
+                t0 = self._spent("capture_backward", t0)
         finally:
             be.end()
             be.set_rng_state(rng, dev)
@@ -427,13 +440,15 @@ class LayerGraphs:
         e.keep = held
         self.stats["captures"] += 1
         if new_slot and self.shared.measure and be.timer is not None:
-            if not self._graphs_faster(be, layer, call, e, slot, n, hidden_states, cos, sin, mask, pos, key,
-                                       when="capture"):
-                self.stats["capture_s"] += time.perf_counter() - t0
+            faster = self._graphs_faster(be, layer, call, e, slot, n, hidden_states, cos, sin, mask, pos, key,
+                                         when="capture")
+            self._spent("release_and_timing", t0)
+            if not faster:
                 return None
             e.recheck = RECHECK_AT
+        else:
+            self._spent("release_and_timing", t0)
         self.entries[key] = e
-        self.stats["capture_s"] += time.perf_counter() - t0
         return e
 
     def _gpu_bound(self, be, layer, call, padded, hidden, cos, sin, mask, pos, key) -> bool:
@@ -517,8 +532,12 @@ class LayerGraphs:
         return faster
 
 
+PARTS = ("eager_timing", "warm_up", "capture_forward", "capture_backward", "release_and_timing")   # host s per part
+
+
 def new_stats() -> dict:
-    return {"captures": 0, "capture_s": 0.0, "replays": 0, "eager": {}, "measured": []}
+    return {"captures": 0, "capture_s": 0.0, "capture_parts_s": dict.fromkeys(PARTS, 0.0), "replays": 0, "eager": {},
+            "measured": []}
 
 
 class Shared:

@@ -233,6 +233,8 @@ def test_measured_choice_runs_slower_graphs_eagerly(backend, monkeypatch):
     # the 32-token key: 3 layers' first passes in 2 steps (their recomputes follow the eager first pass, uncounted)
     assert s["eager"] == {"measured faster eagerly at this batch shape": 3 * 2}, s
     assert s["captures"] == 1 + 3 and s["replays"] == 2 * 3 * 2, s
+    assert set(s["capture_parts_s"]) == set(layer_graphs.PARTS) and all(v > 0 for v in s["capture_parts_s"].values())
+    assert abs(sum(s["capture_parts_s"].values()) - s["capture_s"]) < 0.01, s   # the parts add up (rounded)
     shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
     assert [k[0][1] for k in shared.slots] == [16], list(shared.slots)
 
@@ -259,6 +261,8 @@ def test_gpu_bound_key_is_never_captured(backend, monkeypatch):
     s = stats(graphed)
     assert timings == ["eager"], timings
     assert s["captures"] == 0 and s["replays"] == 0, s
+    parts = s["capture_parts_s"]
+    assert parts["eager_timing"] > 0 and not any(v for k, v in parts.items() if k != "eager_timing"), parts
     assert s["eager"] == {"measured faster eagerly at this batch shape": 2 * 3}, s
     assert s["measured"] == [{"rows": 2, "tokens": 16, "eager_ms": 1.0, "graph_ms": None, "eager_host_ms": 0.3,
                               "eager_gpu_ms": 1.0, "graph_host_ms": None, "graph_gpu_ms": None, "graphs": False,
@@ -379,13 +383,16 @@ def test_deepcopy_and_revert(backend):
 def test_first_step_log_lines():
     from swift_liger.integration.runtime import describe   # imports no ms-swift module at import time
     graphs = {"captures": 24, "capture_s": 3.9, "replays": 48, "eager": {"a KV cache": 2},
+              "capture_parts_s": {"eager_timing": 0.1, "warm_up": 1.6, "capture_forward": 0.8,
+                                  "capture_backward": 1.4, "release_and_timing": 0.0},
               "measured": [{"rows": 8, "tokens": 448, "eager_ms": 1.904, "graph_ms": 0.213, "eager_host_ms": 1.904,
                             "eager_gpu_ms": 0.2, "graph_host_ms": 0.05, "graph_gpu_ms": 0.213, "graphs": True}]}
     lines = describe({"policy": {"graph_layers": graphs, "cross_entropy_mode": "off"},
                       "lora_fusion": {"ops.lora_linear": 175, "peft": 0}})
     assert lines == [
         "graph_layers in the first step: 48 decoder-layer passes replayed from CUDA graphs, 24 captured (3.9 s: a "
-        "layer's first call per batch shape); run eagerly: 2 x a KV cache; timed per batch shape, a layer's forward "
+        "layer's first call per batch shape; eager timing 0.10; warm up 1.60; capture forward 0.80; capture "
+        "backward 1.40); run eagerly: 2 x a KV cache; timed per batch shape, a layer's forward "
         "eager vs replayed, max(host, GPU) ms per call: 8 x 448 tokens 1.90 vs 0.21 (host 1.90 / 0.05, GPU 0.20 / "
         "0.21) -> graphs",
         "lora_fusion in the first step: 175 LoRA projection calls through ops.lora_linear, 0 through PEFT's forward "
