@@ -345,6 +345,11 @@ def _measure(runners, args, dev, rows, phase):
         r.step(0)
         sync(dev)
         first[v] = (time.perf_counter() - t0) * 1e3
+        gl = (swift_liger.call_counts(r.model) or {}).get("graph_layers")
+        if gl:   # the first step's graph_layers work: captures, their host seconds by part, the timings
+            rows.setdefault("_graph_layers_first_step", {})[v] = gl
+            print(f"{v}: first step {first[v]:.0f} ms; graph_layers {gl['captures']} captures {gl['capture_s']:.2f} s "
+                  f"{gl.get('capture_parts_s')} measured {gl['measured']}", flush=True)
         warm[v] = [r.step(i + 1)["wall_ms"] for i in range(args.warmup)]   # --vary: step 1 is the 2nd length's 1st
     per = {v: {"wall": [], "fwd_host": [], "bwd_host": [], "peak": []} for v in runners}
     for rnd in range(args.rounds):
@@ -402,6 +407,8 @@ def report(paths, title: str) -> str:
                       "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
             stock = rows.get("stock", {}).get("wall_ms")
             for name, r in rows.items():
+                if name.startswith("_"):   # not a variant: e.g. the first step's graph_layers counters
+                    continue
                 if "wall_ms" not in r:
                     lines.append(f"| {name} | {r.get('error', '')[:100]} | | | | | | | | |")
                     continue
@@ -420,7 +427,7 @@ def report(paths, title: str) -> str:
                 lines += ["Device kernel ms per step by kind (one profiled step):", "",
                           "| variant | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
                 for name, r in rows.items():
-                    g = r.get("kernel_groups_ms")
+                    g = None if name.startswith("_") else r.get("kernel_groups_ms")
                     if g:
                         lines.append(f"| {name} | " + " | ".join(f"{g.get(k, 0):.1f}" for k in kinds) + " |")
                 lines.append("")
