@@ -23,7 +23,7 @@ done
 if [ -n "${TEST_PATHS-x}" ] && [ "$(left)" -gt 60 ]; then
   echo "== GPU tests at ${SECONDS}s"
   SWIFT_LIGER_TEST_GPU=1 timeout $(( $(left) - 10 )) python3 -m pytest -q -n 8 -rf -p no:cacheprovider \
-    ${TEST_PATHS:-tests/ops/test_varlen_attention_kernel.py tests/ops/test_lora_linear_op.py tests/ops/test_rms_norm_kernel.py tests/ops/test_rope_kernel.py tests/ops/test_qk_norm_rope_kernel.py tests/fusions/test_cudnn_attention.py} \
+    ${TEST_PATHS:-tests/patching/test_layer_graphs.py tests/ops/test_varlen_attention_kernel.py tests/ops/test_lora_linear_op.py tests/ops/test_rms_norm_kernel.py tests/ops/test_rope_kernel.py tests/ops/test_qk_norm_rope_kernel.py tests/fusions/test_cudnn_attention.py} \
     >"$W/gpu_tests.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"
   pkill -f execnet 2>/dev/null; grep -E "^FAILED|^ERROR|passed|failed" "$W/gpu_tests.txt" | cut -c1-200 | tail -15
   pack
