@@ -60,7 +60,11 @@ class CompileWatch:
         with self.lock:
             self.started[id(kw.get("key"))] = time.perf_counter()
         prev = self.prev[0]
-        return prev(**kw) if prev is not None else False   # a true result makes Triton skip the compile
+        skip = prev(**kw) if prev is not None else False   # a true result makes Triton skip the compile
+        if skip:   # no post-compile hook follows: forget the start
+            with self.lock:
+                self.started.pop(id(kw.get("key")), None)
+        return skip
 
     def _after(self, **kw):
         t = time.perf_counter()

@@ -66,6 +66,7 @@ def test_a_skipping_hook_keeps_its_result_and_nothing_is_summarized_without_comp
         assert watch.summary() is None and compile_watch.describe(None) is None
         watch.start()
         assert runtime.jit_cache_hook(key=("k",), fn=_info("m", "k")) is True
+        assert not watch.started   # a skipped compile gets no post-compile call: its start is not kept
         watch.stop()
         assert runtime.jit_post_compile_hook is None
     finally:
