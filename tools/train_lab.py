@@ -50,6 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import swift_liger  # noqa: E402
 from swift_liger.bench.harness import GiB, command, environment, sync, write_json  # noqa: E402
 from swift_liger.bench.shapes import SHAPES, build_model, hf_config, train_ready  # noqa: E402
+from swift_liger.integration import compile_watch  # noqa: E402
+from swift_liger.integration.compile_watch import CompileWatch  # noqa: E402
 
 PHASE1 = ("stock", "ours", "ours_no_lora")
 
@@ -341,10 +343,19 @@ def parity(shape, tokens, args, dev):
 def _measure(runners, args, dev, rows, phase):
     first, warm = {}, {}
     for v, r in runners.items():     # first steps (compile, autotune, allocator growth), reported apart
+        watch = CompileWatch()
+        watch.start()
         t0 = time.perf_counter()
-        r.step(0)
-        sync(dev)
+        try:
+            r.step(0)
+            sync(dev)
+        finally:
+            watch.stop()
         first[v] = (time.perf_counter() - t0) * 1e3
+        compiles = watch.summary()
+        if compiles:   # Triton kernels built (cold cache) or loaded (warm) in the first step
+            rows.setdefault("_triton_first_step", {})[v] = compiles
+            print(f"{v}: {compile_watch.describe(compiles)}", flush=True)
         gl = (swift_liger.call_counts(r.model) or {}).get("graph_layers")
         if gl:   # the first step's graph_layers work: captures, their host seconds by part, the timings
             rows.setdefault("_graph_layers_first_step", {})[v] = gl
