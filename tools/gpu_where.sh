@@ -9,7 +9,15 @@ OUT=${OUT:-.out}; W=$OUT/where; mkdir -p "$W"
 source "$(dirname "$0")/device_env.sh"
 pack() { tar czf "$OUT/where.tgz" -C "$W" . 2>/dev/null; }
 left() { echo $(( ${CALL_S:-570} - SECONDS )); }
-for case in ${CASES:-qwen2.5-7b:1x8192:8 llama3-8b:1x8192:8 qwen2.5-1.5b:4x2048:0 qwen2.5-0.5b:8x512:0}; do
+if [ -n "${FIRST_TESTS-x}" ]; then   # the tests of what changed this session, before the profiles
+  echo "== first GPU tests at ${SECONDS}s"
+  SWIFT_LIGER_TEST_GPU=1 timeout "${FIRST_TIMEOUT:-90}" python3 -m pytest -q -n 8 -rf -p no:cacheprovider \
+    ${FIRST_TESTS:-tests/patching/test_layer_graphs.py tests/integration/test_compile_watch.py} \
+    >"$W/gpu_tests_first.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"
+  pkill -f execnet 2>/dev/null; grep -E "^FAILED|^ERROR|passed|failed" "$W/gpu_tests_first.txt" | cut -c1-200 | tail -8
+  pack
+fi
+for case in ${CASES:-qwen2.5-7b:1x8192:8 llama3-8b:1x8192:8 qwen2.5-0.5b:8x512:0 qwen2.5-1.5b:4x2048:0 qwen2.5-3b:4x2048:0}; do
   IFS=: read -r shape tok layers <<<"$case"   # layers 0: the shape's own
   [ "$(left)" -lt "${NEED_S:-110}" ] && { echo "== $case skipped: $(left) s left"; continue; }
   echo "== train_lab $shape $tok at ${SECONDS}s"
@@ -23,7 +31,7 @@ done
 if [ -n "${TEST_PATHS-x}" ] && [ "$(left)" -gt 60 ]; then
   echo "== GPU tests at ${SECONDS}s"
   SWIFT_LIGER_TEST_GPU=1 timeout $(( $(left) - 10 )) python3 -m pytest -q -n 8 -rf -p no:cacheprovider \
-    ${TEST_PATHS:-tests/patching/test_layer_graphs.py tests/ops/test_varlen_attention_kernel.py tests/ops/test_lora_linear_op.py tests/ops/test_rms_norm_kernel.py tests/ops/test_rope_kernel.py tests/ops/test_qk_norm_rope_kernel.py tests/fusions/test_cudnn_attention.py} \
+    ${TEST_PATHS:-tests/ops/test_varlen_attention_kernel.py tests/ops/test_lora_linear_op.py tests/ops/test_rms_norm_kernel.py tests/ops/test_rope_kernel.py tests/ops/test_qk_norm_rope_kernel.py tests/fusions/test_cudnn_attention.py} \
     >"$W/gpu_tests.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"
   pkill -f execnet 2>/dev/null; grep -E "^FAILED|^ERROR|passed|failed" "$W/gpu_tests.txt" | cut -c1-200 | tail -15
   pack
