@@ -15,9 +15,12 @@ What it saves, compared with PEFT's ``lora.Linear`` (fp32 adapters on a bf16 mod
 - Without autocast, fp32 adapters on a bf16 model (a plain PyTorch loop) compute the LoRA branch in fp32;
   ``LoRALinearUpcastFunction`` does that from fp32 row chunks it re-creates in the backward, instead of PEFT's
   fp32 copy of every input kept for the backward.
-- With LoRA dropout (ms-swift's default is 0.05) it draws the dropout itself and keeps the mask as bits
-  (ops/dropout_mask_kernel.py): autograd's dropout would keep a bool mask and the LoRA branch the dropped-out input,
-  3 bytes per bf16 element; here 1/8 byte, and the backward re-applies the mask to x.
+- With LoRA dropout (ms-swift's default is 0.05) it draws the dropout itself. On a 16-bit x (in % 8 == 0, r <= 64,
+  Triton) the keep decisions come from a seed inside the rank-r products (ops/lora_dropout_kernel.py): dropout(x)
+  is never written and nothing but the seed is kept; ~10 instead of ~29 bytes moved per element of x per step.
+  Elsewhere it keeps the mask as bits (ops/dropout_mask_kernel.py): autograd's dropout would keep a bool mask and
+  the LoRA branch the dropped-out input, 3 bytes per bf16 element; here 1/8 byte, and the backward re-applies the
+  mask to x.
 
 - Launches: the LoRA output joins the base output in the second GEMM's epilogue (``addmm_``), the backward scales
   the rank-r products rather than a [N, out] copy of the gradient, and the adapter casts the forward made are kept
@@ -42,6 +45,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import lora_dropout_kernel
 from .dropout_mask_kernel import masked_scale, pack_mask
 from .fp8_linear_op import Fp8Weight, fp8_input_grad, fp8_matmul
 
@@ -112,9 +116,14 @@ def _add_lora_out(y: torch.Tensor, a: torch.Tensor, lora_b: torch.Tensor, scalin
 
 def _forward_no_grad(x, x_lora, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float) -> torch.Tensor:
     """The forward with autograd off (a reentrant checkpoint's first pass, evaluation, generation): nothing is saved,
-    so no mask bits; the dropout draws what LoRALinearFunction draws (torch.native_dropout), so a recompute that
-    restores the RNG state reproduces it."""
+    so no mask bits; the dropout draws what LoRALinearFunction draws (a seed for lora_dropout_kernel, or
+    torch.native_dropout), so a recompute that restores the RNG state reproduces it."""
     y = _base_linear(x, weight, bias)
+    if dropout_p > 0 and lora_dropout_kernel.applies(x, lora_a):   # the draws the autograd path makes, from x
+        u = lora_dropout_kernel.lora_down(x.view(-1, x.shape[-1]), lora_a.to(x.dtype),
+                                          lora_dropout_kernel.dropout_seed(x.device), dropout_p)
+        _add_lora_out(y, u, lora_b, scaling)
+        return y
     if dropout_p > 0:
         x_lora = torch.native_dropout(x, dropout_p, True)[0]
     _add_lora_out(y, F.linear(x_lora, lora_a), lora_b, scaling)
@@ -122,29 +131,36 @@ def _forward_no_grad(x, x_lora, weight, bias, lora_a, lora_b, scaling: float, dr
 
 
 class LoRALinearFunction(torch.autograd.Function):
-    """x_lora given (dropout_p == 0): saved as it is. dropout_p > 0 (x_lora None): the dropout is drawn here with
-    ``torch.native_dropout`` (what ``nn.Dropout`` runs on CUDA; PEFT drops out an fp32 copy of x, which on CPU
-    gives the same draws, and on CUDA may not), only its mask is kept,
-    as bits, and the backward re-applies it to x: for dropout 0.05 on a bf16 input, 1/8 byte per element saved
-    instead of 3 (a bool mask and the dropped-out copy)."""
+    """x_lora given (dropout_p == 0): saved as it is. dropout_p > 0 (x_lora None): where lora_dropout_kernel applies
+    (16-bit x) a seed is drawn and kept, and every product with dropout(x) re-draws the decisions inside the kernel.
+    Otherwise the dropout is drawn with ``torch.native_dropout`` (what ``nn.Dropout`` runs on CUDA; PEFT drops out
+    an fp32 copy of x, which on CPU gives the same draws, and on CUDA may not), only its mask is kept, as bits, and
+    the backward re-applies it to x: for dropout 0.05 on a bf16 input, 1/8 byte per element saved instead of 3 (a
+    bool mask and the dropped-out copy)."""
 
     @staticmethod
     def forward(ctx, x, x_lora, weight, bias, lora_a, lora_b, scaling, dropout_p):
         y = _base_linear(x, weight, bias)
         ctx.base_dtype = y.dtype                      # the base matmul's compute dtype
-        bits = None
-        if dropout_p > 0:
-            x_lora, mask = torch.native_dropout(x, dropout_p, True)
-            bits = pack_mask(mask)
-            del mask
         cdt = x.dtype                                 # the LoRA branch's compute dtype (lora_linear_problem)
         a_c, b_c = lora_a.to(cdt), lora_b.to(cdt)     # the casts autocast would make, kept for the backward
-        a = F.linear(x_lora, a_c)                     # [..., r]
+        bits = None
+        ctx.seeded = dropout_p > 0 and lora_dropout_kernel.applies(x, lora_a)
+        if ctx.seeded:   # the dropout drawn inside the products, re-drawn in the backward from the seed: no mask
+            bits = lora_dropout_kernel.dropout_seed(x.device)
+            a = lora_dropout_kernel.lora_down(x.view(-1, x.shape[-1]), a_c, bits, dropout_p)
+        else:
+            if dropout_p > 0:
+                x_lora, mask = torch.native_dropout(x, dropout_p, True)
+                bits = pack_mask(mask)
+                del mask
+            a = F.linear(x_lora, a_c)                 # [..., r]
         _add_lora_out(y, a, b_c, scaling)
         ctx.save_for_backward(x if bits is not None else x_lora, bits, a, _save_weight(ctx, weight), a_c, b_c)
         ctx.adapter_dtypes = lora_a.dtype, lora_b.dtype
         ctx.scaling = scaling
         ctx.keep_scale = 1.0 / (1.0 - dropout_p)
+        ctx.dropout_p = dropout_p
         ctx.x_dtype = x.dtype
         return y
 
@@ -160,11 +176,17 @@ class LoRALinearFunction(torch.autograd.Function):
         dx = dx_lora = da_w = db_w = None             # rank-r products, not to a [N, out] copy of g
         da = torch.mm(g_c, b_c).mul_(s)               # [N, r]
         if ctx.needs_input_grad[4]:
-            x_lora = x_saved if bits is None else masked_scale(x_saved, bits, ctx.keep_scale)
-            da_w = (da.t() @ x_lora.reshape(-1, x_lora.shape[-1]).to(cdt)).to(a_dtype)
-            del x_lora
+            if ctx.seeded:                            # bits: the seed; dropout(x) re-drawn inside the product
+                da_w = lora_dropout_kernel.lora_down_weight_grad(x_saved.view(-1, x_saved.shape[-1]), da, bits,
+                                                                 ctx.dropout_p).to(a_dtype)
+            else:
+                x_lora = x_saved if bits is None else masked_scale(x_saved, bits, ctx.keep_scale)
+                da_w = (da.t() @ x_lora.reshape(-1, x_lora.shape[-1]).to(cdt)).to(a_dtype)
+                del x_lora
         lora_in_grad = ctx.needs_input_grad[1] or (bits is not None and ctx.needs_input_grad[0])
-        if lora_in_grad:
+        if lora_in_grad and ctx.seeded:
+            dx_lora = lora_dropout_kernel.lora_down_input_grad(da, a_c, bits, ctx.dropout_p, ctx.x_dtype)
+        elif lora_in_grad:
             dx_lora = (da @ a_c).to(ctx.x_dtype if bits is not None else x_saved.dtype)
             if bits is not None:                      # through the dropout: same mask, same scale
                 masked_scale(dx_lora, bits, ctx.keep_scale, out=dx_lora)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from helpers import assert_close, f64, inputs_unchanged
 from swift_liger.ops.lora_linear_op import lora_linear, lora_linear_reference
+from swift_liger.ops import lora_dropout_kernel
 
 
 def make(n=(3, 5), d_in=24, d_out=40, r=4, dtype=torch.float32, adapter_dtype=torch.float32, bias=True, seed=0):
@@ -94,10 +95,34 @@ def test_bad_inputs():
         lora_linear(x, None, w.bfloat16(), b, a.detach().bfloat16(), bb.detach().bfloat16(), 1.0)
 
 
+def drawn_mask(x, a, p, seed):
+    """The keep mask lora_linear draws for x after torch.manual_seed(seed), on the CPU."""
+    torch.manual_seed(seed)
+    if lora_dropout_kernel.applies(x, a):
+        s = lora_dropout_kernel.dropout_seed(x.device)
+        return lora_dropout_kernel.keep_mask(x.numel() // x.shape[-1], x.shape[-1], s, p, x.device).view(x.shape).cpu()
+    return torch.native_dropout(x, p, True)[1].cpu()
+
+
+def test_seeded_dropout_keeps_no_mask(device):
+    """16-bit x under autocast with fp32 adapters (ms-swift's set-up): the dropout is re-drawn from a seed in the
+    backward, so autograd keeps x, the seed and the rank-r activation, no mask bits and no dropped-out copy."""
+    x, w, b, a, bb = (None if t is None else t.detach().to(device).requires_grad_(t.requires_grad)
+                      for t in make(n=(6, 11), d_in=64, d_out=48, dtype=torch.bfloat16, bias=False))
+    assert lora_dropout_kernel.applies(x, a)
+    with torch.autocast(device.type if isinstance(device, torch.device) else device, dtype=torch.bfloat16):
+        y, saved = _saved_bytes(lambda: lora_linear(x, None, w, None, a, bb, 2.0, dropout_p=0.1))
+    y.float().sum().backward()
+    casts = (a.numel() + bb.numel()) * 2                                 # the adapters in bf16, kept for the backward
+    assert saved <= w.numel() * 2 + x.numel() * 2 + 8 + 66 * 4 * 2 + casts, saved   # w, x, seed, rank-r activation
+    assert x.grad is not None and a.grad is not None and torch.isfinite(a.grad).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dropout_inside_matches_reference_with_the_same_mask(device, dtype):
-    """dropout_p > 0: the mask is the one torch.native_dropout (nn.Dropout's CUDA path, and the same random
-    stream on CPU) draws after the same seed; values and every gradient match the float64 composition."""
+    """dropout_p > 0: the mask is the one lora_dropout_kernel draws from a seed taken from the generator (16-bit x,
+    in % 8 == 0), else the one torch.native_dropout (nn.Dropout's CUDA path, and the same random stream on CPU)
+    draws after the same seed; values and every gradient match the float64 composition."""
     x, w, b, a, bb = (t.detach().to(device).requires_grad_(t.requires_grad)
                       for t in make(n=(4, 7), d_in=40, dtype=dtype, adapter_dtype=dtype))
     p = 0.25
@@ -106,9 +131,7 @@ def test_dropout_inside_matches_reference_with_the_same_mask(device, dtype):
     with inputs_unchanged(x, w, a, bb):
         y = lora_linear(x, None, w, b, a, bb, 0.5, dropout_p=p)
     y.backward(dy)
-    torch.manual_seed(11)
-    _, mask = torch.native_dropout(x.detach(), p, True)
-    mask = mask.cpu()
+    mask = drawn_mask(x.detach(), a, p, seed=11)
     assert 0 < (~mask).sum() < mask.numel()
     xr, ar, br = f64(x), f64(a), f64(bb)
     yr = lora_linear_reference(xr, xr * mask / (1 - p), f64(w), f64(b), ar, br, 0.5)
@@ -262,8 +285,27 @@ def test_no_grad_forward_is_the_training_forward(device, dtype, p):
         y_eval = lora_linear(x, None, w, b, a, bb, 0.75, dropout_p=p)
     assert not y_eval.requires_grad
     assert torch.equal(y_eval, y_train.detach())
-    torch.manual_seed(5)
-    keep = torch.native_dropout(x, p, True)[1].cpu() if p else torch.ones(x.shape, dtype=torch.bool)
+    keep = drawn_mask(x, a, p, seed=5) if p else torch.ones(x.shape, dtype=torch.bool)
     xr = f64(x)
     yr = lora_linear_reference(xr, xr * keep / (1 - p), f64(w), f64(b), f64(a), f64(bb), 0.75)
     assert_close(y_eval, yr, dtype, name="y")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dropout_under_reentrant_checkpointing(device, dtype):
+    """ms-swift's set-up: the first pass runs with autograd off, the recompute re-draws the dropout after the
+    checkpoint restores the RNG state: the same values and gradients as one pass with autograd on."""
+    import torch.utils.checkpoint as cp
+    x, w, b, a, bb = (t.detach().to(device).requires_grad_(t.requires_grad)
+                      for t in make(n=(5, 9), d_in=48, dtype=dtype, adapter_dtype=dtype))
+    dy = torch.randn(5, 9, 40).to(device, dtype)
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(21)
+        f = lambda t: lora_linear(t, None, w, b, a, bb, 0.5, dropout_p=0.2)   # noqa: E731
+        y = cp.checkpoint(f, x, use_reentrant=True) if checkpointed else f(x)
+        y.backward(dy)
+        grads.append((y.detach().clone(), x.grad.clone(), a.grad.clone(), bb.grad.clone()))
+        x.grad = a.grad = bb.grad = None
+    for got, want in zip(grads[1], grads[0]):
+        assert torch.equal(got, want)
