@@ -12,7 +12,7 @@ left() { echo $(( ${CALL_S:-570} - SECONDS )); }
 if [ -n "${FIRST_TESTS-x}" ]; then   # the tests of what changed this session, before the profiles
   echo "== first GPU tests at ${SECONDS}s"
   SWIFT_LIGER_TEST_GPU=1 timeout "${FIRST_TIMEOUT:-90}" python3 -m pytest -q -n 8 -rf -p no:cacheprovider \
-    ${FIRST_TESTS:-tests/patching/test_layer_graphs.py tests/integration/test_compile_watch.py} \
+    ${FIRST_TESTS:-tests/ops/test_lora_dropout_kernel.py tests/ops/test_lora_linear_op.py tests/patching/test_layer_graphs.py tests/integration/test_compile_watch.py} \
     >"$W/gpu_tests_first.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"
   pkill -f execnet 2>/dev/null; grep -E "^FAILED|^ERROR|passed|failed" "$W/gpu_tests_first.txt" | cut -c1-200 | tail -8
   pack
@@ -23,11 +23,19 @@ for case in ${CASES:-qwen2.5-7b:1x8192:8 llama3-8b:1x8192:8 qwen2.5-0.5b:8x512:0
   echo "== train_lab $shape $tok at ${SECONDS}s"
   mkdir -p "$W/$shape-$tok"
   timeout $(( $(left) - 15 )) python3 tools/train_lab.py --shape "$shape" --tokens "$tok" --layers "${layers:-0}" \
-    --variants "${LAB_VARIANTS:-stock,ours,liger}" --rounds "${ROUNDS:-3}" --steps 2 --warmup 1 \
+    --variants "${LAB_VARIANTS:-stock,ours,ours_mask_bits,liger}" --rounds "${ROUNDS:-3}" --steps 2 --warmup 1 \
     --out "$W/$shape-$tok" 2>&1 | grep -vE "profiler_st|Warning|warn" | cut -c1-330
   python3 tools/train_lab.py report "$W/$shape-$tok/train_lab.json" > "$W/$shape-$tok/train_lab.md" 2>/dev/null
   pack
 done
+if [ -n "${CLI-}" ] && [ "$(left)" -gt 250 ]; then   # CLI="SHAPE:SEQ": `swift sft` LoRA, --use_liger vs Liger-Kernel
+  IFS=: read -r shape seq <<<"$CLI"
+  echo "== CLI $shape $seq at ${SECONDS}s"
+  OUT=$W/cli SHAPE=$shape SEQ=$seq VARIANTS="${CLI_VARIANTS:-swift_liger liger_kernel}" TEST_PATHS= \
+    DEADLINE=$(( $(left) - 10 )) STEPS=${STEPS:-10} WARMUP=3 NAME=swift_cli_${shape//[.-]/_}_where \
+    bash "$(dirname "$0")/gpu_swift_cli.sh" 2>&1 | grep -E "^\||done in|^== |rc |Triton built|graph_layers" | cut -c1-400
+  pack
+fi
 if [ -n "${TEST_PATHS-x}" ] && [ "$(left)" -gt 60 ]; then
   echo "== GPU tests at ${SECONDS}s"
   SWIFT_LIGER_TEST_GPU=1 timeout $(( $(left) - 10 )) python3 -m pytest -q -n 8 -rf -p no:cacheprovider \

@@ -12,6 +12,8 @@ shortens the stack (per-layer numbers do not change; the head stays). Variants, 
 - stock: transformers + PEFT as they are;
 - ours: ``swift_liger.apply`` (every default fusion: graph_layers replays the decoder layers as CUDA graphs), then PEFT;
 - ours_eager: the same with graph_layers off;
+- ours_mask_bits: the same with LoRA dropout drawn by torch.native_dropout and kept as bits (the path before
+  ops/lora_dropout_kernel.py's seeded products);
 - ours_no_lora: the same with lora_fusion off;
 - ours_compiled: compile_layers on (first step reported apart);
 - ours_compiled_aot, ours_compiled_dynamo: compile_layers through torch.compile's "aot_eager" backend (dynamo and
@@ -51,6 +53,7 @@ import swift_liger  # noqa: E402
 from swift_liger.bench.harness import GiB, command, environment, sync, write_json  # noqa: E402
 from swift_liger.bench.shapes import SHAPES, build_model, hf_config, train_ready  # noqa: E402
 from swift_liger.integration import compile_watch  # noqa: E402
+from swift_liger.ops import lora_dropout_kernel  # noqa: E402
 from swift_liger.integration.compile_watch import CompileWatch  # noqa: E402
 
 PHASE1 = ("stock", "ours", "ours_no_lora")
@@ -98,11 +101,19 @@ def make_variant(base, name: str):
 
 
 class Runner:
-    def __init__(self, model, opt, batches, dev):
+    def __init__(self, model, opt, batches, dev, seeded_dropout=True):
         self.model, self.opt, self.batches, self.dev = model, opt, batches, dev
         self.losses = []
+        self.seeded_dropout = seeded_dropout   # False: LoRA dropout masks kept as bits (ours_mask_bits)
 
     def step(self, i: int):
+        lora_dropout_kernel.ENABLED = self.seeded_dropout
+        try:
+            return self._step(i)
+        finally:
+            lora_dropout_kernel.ENABLED = True
+
+    def _step(self, i: int):
         ids = self.batches[i % len(self.batches)]
         sync(self.dev)
         t0 = time.perf_counter()
@@ -270,7 +281,7 @@ def run_shape(shape, tokens, args, dev):
     phase1 = [v for v in variants if v != "liger"]
     runners = {}
     for v in phase1:
-        runners[v] = Runner(*make_variant(base, v), batches, dev)
+        runners[v] = Runner(*make_variant(base, v), batches, dev, seeded_dropout=v != "ours_mask_bits")
     res = _measure(runners, args, dev, rows, "phase1")
     if "liger" in variants:
         for v in list(runners):

@@ -34,6 +34,7 @@ import triton.language as tl
 from . import _common, _launch
 
 MAX_RANK = 64
+ENABLED = True   # False: lora_linear keeps dropout masks as bits instead (A/B benchmarks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +174,7 @@ _KEEP = _launch.FastLaunch(_keep_kernel)
 
 def applies(x: torch.Tensor, lora_a: torch.Tensor) -> bool:
     """Whether these kernels take this projection's dropout (see the module docstring's limits)."""
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous() and x.shape[-1] % 8 == 0
+    return (ENABLED and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous() and x.shape[-1] % 8 == 0
             and 1 <= lora_a.shape[0] <= MAX_RANK and _common.use_triton(x))
 
 
