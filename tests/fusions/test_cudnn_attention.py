@@ -243,8 +243,10 @@ def test_gpu_real_timer_and_a_bf16_step_matches_torch_order(monkeypatch):
         loss = m(ids, labels=ids, use_cache=False).loss
         loss.backward()
         runs.append((loss.float().item(), [p.grad.float() for p in m.parameters() if p.grad is not None]))
-        if on:
-            assert choice.stats["measured"] and choice.stats["cudnn_calls"] + choice.stats["torch_calls"] == 2 * LAYERS
+        if on:   # timed only where torch's own order does not start with cuDNN (torch 2.11 on Hopper does)
+            torch_first = torch._C._get_sdp_priority_order()[0] == int(sdpa_choice._CUDNN)
+            assert bool(choice.stats["measured"]) != torch_first, choice.stats
+            assert choice.stats["cudnn_calls"] + choice.stats["torch_calls"] == 2 * LAYERS
     (l0, g0), (l1, g1) = runs
     assert abs(l0 - l1) <= 1e-2 * abs(l0)
     for a, b in zip(g0, g1):
