@@ -157,7 +157,8 @@ def profile_step(runner: Runner, i: int) -> dict:
     events = prof.events()
     launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                 "cuLaunchKernelEx", "cudaGraphLaunch")]
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith("lab::")]   # our record_function ranges get a GPU-side row too
     layer_ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("lab::layer0")]
     in_layer = sum(1 for e in launches if any(a <= e.time_range.start <= b for a, b in layer_ranges))
     by_name = {}
@@ -180,10 +181,10 @@ def kernel_group(name: str) -> str:
     our Triton kernels (names start with one of our kernel functions' prefixes), other Triton kernels, copies and
     casts, reductions, other elementwise aten kernels."""
     n = name.lower()
+    if any(k in n for k in ("fmha", "flash", "cudnn", "attention", "attn", "sdpa")):   # before gemm: cuDNN's names
+        return "attention"                                                            # carry sm90 too
     if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "splitk")):
         return "gemm"
-    if any(k in n for k in ("fmha", "flash", "cudnn", "attention", "attn", "sdpa")):
-        return "attention"
     if n.startswith("_") or n.startswith("triton"):
         return "triton"
     if any(k in n for k in ("copy", "cast", "cat", "fill")):
