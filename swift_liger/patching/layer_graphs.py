@@ -220,6 +220,16 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _eager_calls(layer, call, hidden, cos, sin, mask, pos, calls: int = MEASURE_CALLS) -> Callable:
+    """A function running the layer's forward `calls` times eagerly with autograd on (the recompute's mode), named
+    "eager" for the timings' records."""
+    def eager():
+        with torch.enable_grad():
+            for _ in range(calls):
+                call(layer, hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+    return eager
+
+
 def _pad_mask(mask: torch.Tensor, n: int, padded: int) -> torch.Tensor:
     """[B, 1, n, n] bool -> [B, 1, padded, padded]: real rows see no padded key; padded rows are causal (never empty)."""
     out = torch.ones(padded, padded, dtype=torch.bool, device=mask.device).tril_()
@@ -461,15 +471,10 @@ class LayerGraphs:
             return False
         dev = hidden.device
         rng = be.rng_state(dev)
-
-        def eager():
-            with torch.enable_grad():
-                for _ in range(MEASURE_CALLS):
-                    call(layer, hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+        eager = _eager_calls(layer, call, hidden, cos, sin, mask, pos)
         try:
             with torch.no_grad():
-                with torch.enable_grad():
-                    call(layer, hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+                _eager_calls(layer, call, hidden, cos, sin, mask, pos, 1)()
                 host, gpu = (t / MEASURE_CALLS for t in be.timer(eager))
         finally:
             be.set_rng_state(rng, dev)
@@ -490,11 +495,7 @@ class LayerGraphs:
         layer."""
         dev = hidden.device
         rng = be.rng_state(dev)
-
-        def eager():
-            with torch.enable_grad():
-                for _ in range(MEASURE_CALLS):
-                    call(layer, hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+        eager = _eager_calls(layer, call, hidden, cos, sin, mask, pos)
 
         def replay():
             for _ in range(MEASURE_CALLS):
