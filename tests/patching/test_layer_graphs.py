@@ -69,11 +69,11 @@ def backend(monkeypatch, device):
     return device
 
 
-def models(device, dropout=0.0, family="qwen2", layers=3, **lora):
+def models(device, dropout=0.0, family="qwen2", layers=3, dtype=torch.float32, **lora):
     """The same tiny model eager and under graph_layers, LoRA r4 on every linear (or as `lora` says)."""
     from peft import LoraConfig, get_peft_model
     lora = {"target_modules": "all-linear", **lora}
-    base = tiny_causal_lm(family, layers=layers, attn="sdpa").to(device)
+    base = tiny_causal_lm(family, layers=layers, attn="sdpa").to(device, dtype)
     out = []
     for graphs in (False, True):
         m = copy.deepcopy(base)
@@ -191,6 +191,28 @@ def test_masks_change_between_steps_and_gradients_accumulate(backend):
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=2e-5, rtol=1e-4, msg=k)
     s = stats(graphed)
     assert s["captures"] == 3 * 3 and not s["eager"], s   # keys: [3, 16] with a mask, [3, 16] without, [2, 16]
+
+
+def test_seeded_lora_dropout_replays_like_eager(backend, monkeypatch):
+    """A bf16 model with LoRA dropout: the dropout is drawn inside the rank-r products from a seed the captured
+    graph draws from torch's generator (ops/lora_dropout_kernel.py), so replays (first pass and recompute) draw
+    what the eager layers draw after the same seed, step after step."""
+    from swift_liger.ops import lora_dropout_kernel
+    device = backend
+    if device.type == "cpu":   # the Triton kernels in the interpreter: the seeded path needs them
+        monkeypatch.setenv("SWIFT_LIGER_BACKEND", "triton")
+    eager, graphed = models(device, 0.1, layers=2, dtype=torch.bfloat16)
+    calls = []
+    real = lora_dropout_kernel.lora_down
+    monkeypatch.setattr(lora_dropout_kernel, "lora_down", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    for i in range(3):   # under bf16 autocast, as ms-swift trains (fp32 adapters, bf16 products)
+        ids = torch.randint(2, 128, (2, 16), generator=g).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i), atol=2e-2, rtol=2e-2)
+    assert calls   # the seeded path ran (eagerly, and in the captures)
+    s = stats(graphed)
+    assert s["captures"] == 2 and s["replays"] == 3 * 2 * 2 and not s["eager"], s
 
 
 def test_measured_choice_runs_slower_graphs_eagerly(backend, monkeypatch):
