@@ -160,7 +160,7 @@ def describe(snap: dict, when: str = "in the first step") -> list:
     if sdpa and (sdpa["cudnn_calls"] or sdpa["torch_calls"]):
         line = (f"cudnn_attention {when}: {sdpa['cudnn_calls']} decoder-layer calls ran SDPA cuDNN-first, "
                 f"{sdpa['torch_calls']} in torch's own order"
-                + ("" if sdpa.get("measured") else " (torch's order starts with cuDNN here: nothing timed)"))
+                + (" (torch's order starts with cuDNN here: nothing timed)" if sdpa.get("cudnn_already") else ""))
         if sdpa.get("measured"):
             line += ("; timed per batch shape, attention ms FlashAttention-2 vs cuDNN: "
                      + "; ".join(f"{m['rows']} x {m['tokens']} tokens "

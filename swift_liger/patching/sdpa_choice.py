@@ -69,7 +69,7 @@ class SdpaChoice:
         self.config = config     # the attention modules' config: its _attn_implementation is read per call
         self.heads, self.kv_heads, self.head_dim, self.min_tokens = heads, kv_heads, head_dim, min_tokens
         self.keys: Dict[Tuple, Optional[List[int]]] = {}
-        self.stats = {"cudnn_calls": 0, "torch_calls": 0, "measured": []}
+        self.stats = {"cudnn_calls": 0, "torch_calls": 0, "cudnn_already": 0, "measured": []}
         self.timer = time_backend
 
     def order_for(self, hidden_states: torch.Tensor, kwargs: dict, training: bool) -> Optional[List[int]]:
@@ -85,6 +85,7 @@ class SdpaChoice:
             # torch already tries cuDNN first (torch 2.11 on the H200 does: its default SDPA ran cuDNN's kernels at
             # every training shape of tools/sdpa_probe.py): nothing to change, nothing to time
             self.stats["torch_calls"] += 1
+            self.stats["cudnn_already"] += 1
             return None
         grad = training or torch.is_grad_enabled()   # a training layer's first pass (autograd off) and recompute agree
         key = (hidden_states.shape[0], _bucket(hidden_states.shape[1]), dtype, grad, dev)

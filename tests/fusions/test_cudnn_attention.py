@@ -167,7 +167,7 @@ def test_calls_that_keep_torch_order_are_not_timed():
     model.config._attn_implementation = "eager"       # not SDPA
     step(model)
     assert calls == [] and all(order == before for _, order in seen) and seen
-    assert choice.stats == {"cudnn_calls": 0, "torch_calls": 0, "measured": []}
+    assert choice.stats == {"cudnn_calls": 0, "torch_calls": 0, "cudnn_already": 0, "measured": []}
 
 
 def test_order_restored_when_the_layer_raises():
@@ -274,7 +274,7 @@ def test_first_step_log_line():
         "cudnn_attention in the first step: 56 decoder-layer calls ran SDPA cuDNN-first, 0 in torch's own order; "
         "timed per batch shape, attention ms FlashAttention-2 vs cuDNN: 1 x 8128 tokens "
         "5.90 vs 3.40 (cuDNN's first call 61.00) -> cudnn; 1 x 700 tokens 0.20 vs refused -> torch"]
-    already = {"cudnn_calls": 0, "torch_calls": 56, "measured": []}
+    already = {"cudnn_calls": 0, "torch_calls": 56, "cudnn_already": 56, "measured": []}
     assert describe({"policy": {"sdpa": already, "cross_entropy_mode": "off"}}) == [
         "cudnn_attention in the first step: 0 decoder-layer calls ran SDPA cuDNN-first, 56 in torch's own order "
         "(torch's order starts with cuDNN here: nothing timed)"]
@@ -317,5 +317,6 @@ def test_torch_order_already_cudnn_first_times_nothing():
     torch._C._set_sdp_priority_order(mine)
     seen = orders_seen(model)
     assert torch.equal(step(model), step(ref))
-    assert not calls and choice.stats == {"cudnn_calls": 0, "torch_calls": 2 * LAYERS, "measured": []}
+    assert not calls and choice.stats == {"cudnn_calls": 0, "torch_calls": 2 * LAYERS,
+                                             "cudnn_already": 2 * LAYERS, "measured": []}
     assert all(order == mine for _, order in seen) and list(torch._C._get_sdp_priority_order()) == mine
