@@ -27,7 +27,6 @@ Limits (``applies``): x 16-bit and contiguous, in % 8 == 0, 1 <= r <= 64, Triton
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -52,11 +51,6 @@ class LoraDropoutConfig:
 LAUNCH_CONFIGS = {"down": LoraDropoutConfig, "wgrad": LoraDropoutConfig, "igrad": LoraDropoutConfig}
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def launch_config(kind: str, n: int, n_in: int, device) -> LoraDropoutConfig:
     """"down" (u = x_lora a^T: a program per 64 rows, over all of in), "igrad" (64 x 64 tiles of dx) or "wgrad"
     (128 input features per program, the rows split so that ~4 programs per SM run; at most one split per 64 rows)."""
@@ -65,8 +59,7 @@ def launch_config(kind: str, n: int, n_in: int, device) -> LoraDropoutConfig:
     elif kind == "igrad":
         cfg = LoraDropoutConfig(64, 64, 4)
     elif kind == "wgrad":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else 4
+        sms = _common.target(device).sm_count
         cols = triton.cdiv(n_in, 128)
         cfg = LoraDropoutConfig(64, 128, 4, max(1, min(triton.cdiv(4 * sms, cols), triton.cdiv(n, 64))))
     else:
