@@ -177,9 +177,9 @@ def profile_step(runner: Runner, i: int) -> dict:
 
 
 def kernel_group(name: str) -> str:
-    """A device kernel's kind, from its name: GEMMs (cuBLAS / CUTLASS / nvjet), attention (cuDNN, flash, efficient),
-    our Triton kernels (names start with one of our kernel functions' prefixes), other Triton kernels, copies and
-    casts, reductions, other elementwise aten kernels."""
+    """A device kernel's kind, from its name: attention (cuDNN, flash, efficient), GEMMs (cuBLAS / CUTLASS / nvjet),
+    Triton kernels (ours and Liger-Kernel's: names starting with "_" or "triton"), copies and casts, reductions,
+    other aten kernels."""
     n = name.lower()
     if any(k in n for k in ("fmha", "flash", "cudnn", "attention", "attn", "sdpa")):   # before gemm: cuDNN's names
         return "attention"                                                            # carry sm90 too
@@ -355,6 +355,7 @@ def parity(shape, tokens, args, dev):
 def _measure(runners, args, dev, rows, phase):
     first, warm = {}, {}
     for v, r in runners.items():     # first steps (compile, autotune, allocator growth), reported apart
+        swift_liger.call_counts(r.model, reset=True)   # phase 2 steps a runner of phase 1 again: count this step
         watch = CompileWatch()
         watch.start()
         t0 = time.perf_counter()
