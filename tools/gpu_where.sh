@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One device call: issue 27's "where the time goes" at the big shapes
-# (tools/train_lab.py: stock, ours, Liger-Kernel in one process; host vs device time, launches, device kernel time
-# by kind and the top kernels of one profiled step), then the GPU tests of code no GPU has run yet in the time
-# left. Everything lands in $OUT/where.tgz after each section.
-#   CALL_S=570 bash tools/gpu_where.sh
+# One device call: the GPU tests of what changed (FIRST_TESTS, one process), issue 27's "where the time goes"
+# (tools/train_lab.py per CASES entry SHAPE:BxS:LAYERS: stock, ours, ours_mask_bits, Liger-Kernel in one process;
+# host vs device time, launches, device kernel time by kind and the top kernels of one profiled step), optionally the
+# `swift sft` CLI at CLI=SHAPE:SEQ (--use_liger vs Liger-Kernel), then older unverified GPU tests (TEST_PATHS) in
+# the time left. Everything lands in $OUT/where.tgz after each section.
+#   CALL_S=560 CASES="qwen2.5-7b:1x8192:8" CLI="qwen2.5-7b:8192" bash tools/gpu_where.sh
 set -uo pipefail
 OUT=${OUT:-.out}; W=$OUT/where; mkdir -p "$W"
 source "$(dirname "$0")/device_env.sh"
@@ -40,7 +41,7 @@ fi
 if [ -n "${TEST_PATHS-x}" ] && [ "$(left)" -gt 60 ]; then
   echo "== GPU tests at ${SECONDS}s"
   SWIFT_LIGER_TEST_GPU=1 timeout $(( $(left) - 10 )) python3 -m pytest -q -n 8 -rf -p no:cacheprovider \
-    ${TEST_PATHS:-tests/ops/test_varlen_attention_kernel.py tests/ops/test_lora_linear_op.py tests/ops/test_rms_norm_kernel.py tests/ops/test_rope_kernel.py tests/ops/test_qk_norm_rope_kernel.py tests/fusions/test_cudnn_attention.py} \
+    ${TEST_PATHS:-tests/ops/test_varlen_attention_kernel.py tests/ops/test_rms_norm_kernel.py tests/ops/test_rope_kernel.py tests/ops/test_qk_norm_rope_kernel.py tests/fusions/test_cudnn_attention.py} \
     >"$W/gpu_tests.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"
   pkill -f execnet 2>/dev/null; grep -E "^FAILED|^ERROR|passed|failed" "$W/gpu_tests.txt" | cut -c1-200 | tail -15
   pack
