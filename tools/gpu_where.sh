@@ -3,7 +3,8 @@
 # (tools/train_lab.py per CASES entry SHAPE:BxS:LAYERS: stock, ours, ours_mask_bits, Liger-Kernel in one process;
 # host vs device time, launches, device kernel time by kind and the top kernels of one profiled step), optionally the
 # `swift sft` CLI at CLI=SHAPE:SEQ (--use_liger vs Liger-Kernel), then older unverified GPU tests (TEST_PATHS) in
-# the time left. Everything lands in $OUT/where.tgz after each section.
+# the time left. DROPOUT_LAB=S: after the tests, tools/lora_dropout_lab.py's sweep (S seconds at most).
+# Everything lands in $OUT/where.tgz after each section.
 #   CALL_S=560 CASES="qwen2.5-7b:1x8192:8" CLI="qwen2.5-7b:8192" bash tools/gpu_where.sh
 set -uo pipefail
 OUT=${OUT:-.out}; W=$OUT/where; mkdir -p "$W"
@@ -17,6 +18,12 @@ if [ -n "${FIRST_TESTS-x}" ]; then   # the tests of what changed this session, b
     ${FIRST_TESTS:-tests/ops/test_lora_dropout_kernel.py tests/ops/test_lora_linear_op.py tests/patching/test_layer_graphs.py} \
     >"$W/gpu_tests_first.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"
   pkill -f execnet 2>/dev/null; grep -E "^FAILED|^ERROR|passed|failed" "$W/gpu_tests_first.txt" | cut -c1-200 | tail -8
+  pack
+fi
+if [ -n "${DROPOUT_LAB-}" ]; then   # DROPOUT_LAB=S: tools/lora_dropout_lab.py's sweep, S seconds at most
+  echo "== lora_dropout_lab at ${SECONDS}s"
+  timeout $(( DROPOUT_LAB + 60 )) python3 tools/lora_dropout_lab.py --out "$W" --deadline "$DROPOUT_LAB" \
+    2>&1 | grep -E '"best"|cublas|"copy"|device|skipped|Error' | cut -c1-300
   pack
 fi
 for case in ${CASES:-qwen2.5-7b:1x8192:8 llama3-8b:1x8192:8 qwen2.5-0.5b:8x512:0 qwen2.5-1.5b:4x2048:0 qwen2.5-3b:4x2048:0}; do

@@ -40,12 +40,14 @@ ENABLED = True   # False: lora_linear keeps dropout masks as bits instead (A/B b
 
 @dataclasses.dataclass(frozen=True)
 class LoraDropoutConfig:
-    """Tile of a launch: block_n rows x block_k input features (block_k a multiple of 8); num_warps. The weight
-    gradient splits the rows over `splits` programs per column block (fp32 partial sums added after)."""
+    """Tile of a launch: block_n rows x block_k input features (block_k a multiple of 8); num_warps, num_stages.
+    `splits`: lora_down splits the input features, the weight gradient the rows, over that many programs per block
+    (fp32 partial sums added after)."""
     block_n: int
     block_k: int
     num_warps: int
     splits: int = 1
+    num_stages: int = 3
 
 
 LAUNCH_CONFIGS = {"down": LoraDropoutConfig, "wgrad": LoraDropoutConfig, "igrad": LoraDropoutConfig}
@@ -98,19 +100,23 @@ def _dropped(x_ptr, seed, rows, k0, n, n_in, thresh, scale, BN: tl.constexpr, BK
 
 
 @triton.jit(do_not_specialize=["n"])   # any row count: one compiled kernel
-def _down_kernel(x_ptr, a_ptr, u_ptr, seed_ptr, n, n_in, r, thresh, scale,
+def _down_kernel(x_ptr, a_ptr, u_ptr, seed_ptr, n, n_in, r, thresh, scale, k_per_split,
                  BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, UPCAST: tl.constexpr):
+    """Program (i, s): rows i * BN .. over input features s * k_per_split ..; u_ptr is [splits, n, r] (fp32 partial
+    sums) when the features are split, else [n, r] in x's dtype."""
     rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)                   # int64: n * n_in may pass 2^31
+    split = tl.program_id(1)
     rr = tl.arange(0, BR)
     seed = tl.load(seed_ptr)
     acc = tl.zeros((BN, BR), tl.float32)
-    for k0 in range(0, n_in, BK):
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, n_in), BK):
         xd = _dropped(x_ptr, seed, rows, k0, n, n_in, thresh, scale, BN, BK)       # [BN, BK]
         ks = k0 + tl.arange(0, BK)
         a = tl.load(a_ptr + rr[None, :] * n_in + ks[:, None], mask=(rr[None, :] < r) & (ks[:, None] < n_in),
                     other=0.0)                                                      # [BK, BR] = a^T tile
         acc = _mm(xd, a, acc, UPCAST)
-    tl.store(u_ptr + rows[:, None] * r + rr[None, :], acc.to(u_ptr.dtype.element_ty),
+    tl.store(u_ptr + split.to(tl.int64) * n * r + rows[:, None] * r + rr[None, :], acc.to(u_ptr.dtype.element_ty),
              mask=(rows[:, None] < n) & (rr[None, :] < r))
 
 
@@ -192,13 +198,16 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, p: float) ->
     """dropout(x) a^T for x [N, in] (contiguous, 16-bit) and a [r, in] in x's dtype -> [N, r] in x's dtype."""
     n, n_in = x.shape
     r = a.shape[0]
-    u = torch.empty(n, r, dtype=x.dtype, device=x.device)
-    if n:
-        cfg = launch_config("down", n, n_in, x.device)
-        _DOWN.launch((triton.cdiv(n, cfg.block_n),), x, a.contiguous(), u, seed, n, n_in, r, _threshold(p),
-                     1.0 / (1.0 - p), BN=cfg.block_n, BK=cfg.block_k, BR=_rank_block(r), UPCAST=_common.INTERPRET,
-                     num_warps=cfg.num_warps)
-    return u
+    if not n:
+        return torch.empty(0, r, dtype=x.dtype, device=x.device)
+    cfg = launch_config("down", n, n_in, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(n_in, cfg.splits), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(n_in, k_per_split)
+    u = torch.empty(splits, n, r, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    _DOWN.launch((triton.cdiv(n, cfg.block_n), splits), x, a.contiguous(), u, seed, n, n_in, r, _threshold(p),
+                 1.0 / (1.0 - p), k_per_split, BN=cfg.block_n, BK=cfg.block_k, BR=_rank_block(r),
+                 UPCAST=_common.INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return u[0] if splits == 1 else u.sum(0).to(x.dtype)
 
 
 def lora_down_weight_grad(x: torch.Tensor, du: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
@@ -208,11 +217,12 @@ def lora_down_weight_grad(x: torch.Tensor, du: torch.Tensor, seed: torch.Tensor,
     cfg = launch_config("wgrad", n, n_in, x.device)
     rows_per_split = triton.cdiv(triton.cdiv(max(n, 1), cfg.splits), cfg.block_n) * cfg.block_n
     splits = triton.cdiv(max(n, 1), rows_per_split)
-    part = torch.zeros(splits, r, n_in, dtype=torch.float32, device=x.device)
+    part = (torch.empty if n else torch.zeros)(splits, r, n_in, dtype=torch.float32, device=x.device)   # all written
     if n:
         _WGRAD.launch((triton.cdiv(n_in, cfg.block_k), splits), x, du.contiguous(), part, seed, n, n_in, r,
                       _threshold(p), 1.0 / (1.0 - p), rows_per_split, BN=cfg.block_n, BK=cfg.block_k,
-                      BR=_rank_block(r), UPCAST=_common.INTERPRET, num_warps=cfg.num_warps)
+                      BR=_rank_block(r), UPCAST=_common.INTERPRET, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages)
     return (part[0] if splits == 1 else part.sum(0)).to(du.dtype)
 
 
@@ -226,7 +236,8 @@ def lora_down_input_grad(du: torch.Tensor, a: torch.Tensor, seed: torch.Tensor, 
         cfg = launch_config("igrad", n, n_in, du.device)
         _IGRAD.launch((triton.cdiv(n, cfg.block_n), triton.cdiv(n_in, cfg.block_k)), du.contiguous(), a.contiguous(),
                       out, seed, n, n_in, r, _threshold(p), 1.0 / (1.0 - p), BN=cfg.block_n, BK=cfg.block_k,
-                      BR=_rank_block(r), UPCAST=_common.INTERPRET, num_warps=cfg.num_warps)
+                      BR=_rank_block(r), UPCAST=_common.INTERPRET, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages)
     return out
 
 

@@ -4,6 +4,7 @@ every output element written (outputs start poisoned), inputs untouched."""
 import pytest
 import torch
 
+from swift_liger.ops import _common
 from swift_liger.ops import lora_dropout_kernel as K
 from helpers import inputs_unchanged
 
@@ -51,10 +52,25 @@ def test_seed_comes_from_the_generator(device):
     assert not torch.equal(a, K.dropout_seed(torch.device(device)))
 
 
+SPLIT = {"down": {"block_n": 16, "block_k": 32, "splits": 3}, "wgrad": {"block_n": 32, "block_k": 64, "splits": 3},
+         "igrad": {"block_n": 32, "block_k": 32}}   # features split 3 ways (fp32 partials), rows split, small tiles
+
+
+@pytest.fixture(params=["default", "split"])
+def launch(request):
+    """The launch configurations launch_config picks, or forced ones that take the split paths."""
+    forced = SPLIT if request.param == "split" else {}
+    for kind, fields in forced.items():
+        _common.set_launch_override(K, kind, **fields)
+    yield request.param
+    for kind in forced:
+        _common.set_launch_override(K, kind)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,n_in,r", SHAPES)
 @pytest.mark.parametrize("p", [0.05, 0.5])
-def test_products_match_float64(device, n, n_in, r, p, dtype, poisoned_empty):
+def test_products_match_float64(device, n, n_in, r, p, dtype, poisoned_empty, launch):
     g = torch.Generator().manual_seed(n * 1000 + n_in + r)
     x = torch.randn(n, n_in, generator=g).to(device, dtype)
     a = (torch.randn(r, n_in, generator=g) / n_in ** 0.5).to(device, dtype)
