@@ -22,7 +22,7 @@ if [ -n "${FIRST_TESTS-x}" ]; then   # the tests of what changed this session, b
 fi
 if [ -n "${DROPOUT_LAB-}" ]; then   # DROPOUT_LAB=S: tools/lora_dropout_lab.py's sweep, S seconds at most
   echo "== lora_dropout_lab at ${SECONDS}s"
-  timeout $(( DROPOUT_LAB + 60 )) python3 tools/lora_dropout_lab.py --out "$W" --deadline "$DROPOUT_LAB" \
+  timeout $(( DROPOUT_LAB + 60 )) python3 tools/lora_dropout_lab.py --out "$W" --deadline "$DROPOUT_LAB" ${DROPOUT_LAB_ARGS:-} \
     2>&1 | grep -E '"best"|cublas|"copy"|device|skipped|Error' | cut -c1-300
   pack
 fi

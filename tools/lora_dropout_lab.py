@@ -43,6 +43,7 @@ p.add_argument("--out", default=os.environ.get("OUT", "."))
 p.add_argument("--deadline", type=float, default=400.0, help="seconds; remaining shapes are skipped after it")
 p.add_argument("--kinds", default="down,igrad,wgrad")
 p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first N shapes only")
+p.add_argument("--defaults", action="store_true", help="time launch_config's choice only (no sweep)")
 p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, two tiny shapes, one field value")
 args = p.parse_args()
 DEV = "cpu" if args.smoke else "cuda"
@@ -122,7 +123,7 @@ def tune(kind, shape, t):
     best, best_ms = {}, point(kind, shape, t, {}, ref)
     default_ms = best_ms
     seen = {(): best_ms}
-    for _ in range(2):
+    for _ in range(0 if args.defaults else 2):
         for field, values in AXES[kind].items():
             for v in values:
                 trial = {**best, field: v}

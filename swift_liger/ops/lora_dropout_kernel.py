@@ -6,8 +6,8 @@ and re-created from bits (ops/lora_linear_op.py without this kernel) that moves 
 training step (forward, reentrant recompute, backward); here ~10: each pass reads x once and re-draws the keep
 decisions from (seed, element index) with a counter-based generator (Philox 4x32, 10 rounds, via tl.randint4x).
 At Qwen2.5-7B, 8k tokens, LoRA on every linear, that is ~6 GB less traffic per layer and step. Measured there on an
-H100: 1.039x per step against the bits path (docs/benchmarks/train_lab_7b_h100.md); the three kernels stream x at
-~1.0-1.1 TB/s (one 64-row program per SM in lora_down), so their launch configurations are the next thing to tune.
+H100: 1.039x per step against the bits path (docs/benchmarks/train_lab_7b_h100.md), with the launch configurations
+before launch_config's measured rules (docs/benchmarks/lora_dropout_lab_h100.md).
 
     seed = dropout_seed(x.device)                       int64 [1], drawn from torch's generator for the device
     u    = lora_down(x, a, seed, p)                     x [N, in], a [r, in] -> [N, r]   (x's dtype)
@@ -54,16 +54,22 @@ LAUNCH_CONFIGS = {"down": LoraDropoutConfig, "wgrad": LoraDropoutConfig, "igrad"
 
 
 def launch_config(kind: str, n: int, n_in: int, device) -> LoraDropoutConfig:
-    """"down" (u = x_lora a^T: a program per 64 rows, over all of in), "igrad" (64 x 64 tiles of dx) or "wgrad"
-    (128 input features per program, the rows split so that ~4 programs per SM run; at most one split per 64 rows)."""
+    """Measured on an H100 (tools/lora_dropout_lab.py, docs/benchmarks/lora_dropout_lab_h100.md): the Philox draws
+    make these kernels latency-bound at one 4-warp program per SM, so the rules below buy parallelism.
+    "down": 32-row programs (16 where too few rows fill 1.5 programs per SM), the input features split in pieces of
+    >= 2048 until ~8 programs per SM run (4864-18944 features: 1.5-4.9x over one 64-row program per SM).
+    "wgrad": 64 x 64 tiles of dA, the rows split for ~8 programs per SM and at most 1024 rows per split
+    (1.1-1.3x over 128-feature tiles at ~4 programs per SM). "igrad": 64 x 64 tiles of dx (no setting of the sweep
+    was 3% faster)."""
+    sms = _common.target(device).sm_count
     if kind == "down":
-        cfg = LoraDropoutConfig(64, 64, 4)
+        splits = max(1, min(n_in // 2048, triton.cdiv(8 * sms, triton.cdiv(n, 32))))
+        cfg = LoraDropoutConfig(32 if triton.cdiv(n, 32) * splits * 2 >= 3 * sms else 16, 128, 4, splits)
     elif kind == "igrad":
         cfg = LoraDropoutConfig(64, 64, 4)
     elif kind == "wgrad":
-        sms = _common.target(device).sm_count
-        cols = triton.cdiv(n_in, 128)
-        cfg = LoraDropoutConfig(64, 128, 4, max(1, min(triton.cdiv(4 * sms, cols), triton.cdiv(n, 64))))
+        splits = max(triton.cdiv(8 * sms, triton.cdiv(n_in, 64)), triton.cdiv(n, 1024))
+        cfg = LoraDropoutConfig(64, 64, 4, max(1, min(splits, triton.cdiv(n, 64))), num_stages=2)
     else:
         raise ValueError(f"kind must be 'down', 'wgrad' or 'igrad', got {kind!r}")
     return _common.apply_override(__name__, kind, cfg)
