@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
@@ -231,6 +232,24 @@ def apply_override(module_name: str, kind: Optional[str], cfg):
     """``cfg`` with the forced fields of (module, kind) replaced; called at the end of every launch_config."""
     fields = _OVERRIDES.get((module_name, kind))
     return dataclasses.replace(cfg, **fields) if fields else cfg
+
+
+_CONTEXT_THREADS: set = set()
+
+
+def bind_cuda_context(t: torch.Tensor) -> None:
+    """Make the primary CUDA context current in this thread, once per thread, before a backward's first cuBLAS call.
+
+    Autograd runs CUDA backwards in its own thread, which torch starts without a current context; a torch kernel
+    launch or a Triton launch binds one, a cuBLAS call warns first ("Attempting to run cuBLAS, but there was no
+    current CUDA context!", once per process, in every `swift sft --use_liger` log) and then binds it. The LoRA
+    backward's first op is a cuBLAS product, and under graph_layers it is the first node the thread runs. One
+    1-element fill launched here binds the context quietly (under graph capture it is one more node of one graph)."""
+    if t.is_cuda:
+        tid = threading.get_ident()
+        if tid not in _CONTEXT_THREADS:
+            torch.empty(1, device=t.device).zero_()
+            _CONTEXT_THREADS.add(tid)
 
 
 def records_grad(*tensors) -> bool:

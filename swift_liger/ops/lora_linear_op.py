@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import lora_dropout_kernel
+from . import _common, lora_dropout_kernel
 from .dropout_mask_kernel import masked_scale, pack_mask
 from .fp8_linear_op import Fp8Weight, fp8_input_grad, fp8_matmul
 
@@ -166,6 +166,7 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        _common.bind_cuda_context(dy)
         x_saved, bits, a, weight, a_c, b_c = ctx.saved_tensors   # a_c, b_c: the adapters in the compute dtype
         s = ctx.scaling
         a_dtype, b_dtype = ctx.adapter_dtypes
@@ -251,6 +252,7 @@ class LoRALinearUpcastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        _common.bind_cuda_context(dy)
         x, bits, a, weight, lora_a, lora_b = ctx.saved_tensors
         s, ldt, rows = ctx.scaling, lora_a.dtype, ctx.rows
         n_in = x.shape[-1]

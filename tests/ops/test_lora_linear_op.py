@@ -1,12 +1,15 @@
 """lora_linear: same values and gradients as the autograd composition (PEFT's maths), fewer saved bytes than
 PEFT's fp32-adapter path under autocast."""
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from helpers import assert_close, f64, inputs_unchanged
 from swift_liger.ops.lora_linear_op import lora_linear, lora_linear_reference
-from swift_liger.ops import lora_dropout_kernel
+from swift_liger.ops import _common, lora_dropout_kernel
 
 
 def make(n=(3, 5), d_in=24, d_out=40, r=4, dtype=torch.float32, adapter_dtype=torch.float32, bias=True, seed=0):
@@ -309,3 +312,37 @@ def test_dropout_under_reentrant_checkpointing(device, dtype):
         x.grad = a.grad = bb.grad = None
     for got, want in zip(grads[1], grads[0]):
         assert torch.equal(got, want)
+
+
+_FIRST_BACKWARD_NODE = """
+import warnings, torch
+from swift_liger.ops.lora_linear_op import lora_linear
+x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+a = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+b = torch.randn(128, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+y = lora_linear(x, None, w, None, a, b, 2.0, {p})
+with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    y.backward(torch.ones_like(y))   # the LoRA node is the first the autograd thread runs: its first op is cuBLAS
+    torch.cuda.synchronize()
+print("WARNINGS", [str(r.message)[:80] for r in rec])
+"""
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_backward_binds_the_cuda_context_quietly(device, p):
+    """Autograd's CUDA thread starts without a current context; the LoRA backward (first op: a cuBLAS product) binds
+    it before cuBLAS would warn about it. A fresh process each time: torch warns once per process."""
+    if device.type != "cuda":
+        pytest.skip("a CUDA backward thread (CPU: bind_cuda_context does nothing, checked below)")
+    out = subprocess.run([sys.executable, "-c", _FIRST_BACKWARD_NODE.replace("{p}", str(p))], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "WARNINGS []" in out.stdout, out.stdout[-1000:]
+
+
+def test_bind_cuda_context_ignores_cpu_tensors():
+    before = set(_common._CONTEXT_THREADS)
+    _common.bind_cuda_context(torch.ones(1))
+    assert _common._CONTEXT_THREADS == before
