@@ -69,7 +69,9 @@ def main():
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(list(x), [b[0] for b in bars], fontsize=8, rotation=35, ha="right")
     ax.set_ylabel("tokens/s ratio (same call)")
-    ax.set_title("swift sft on the H200 (LoRA r16 unless 'full'; (n) = call): --use_liger speed-up", fontsize=10)
+    gpus = sorted({p["environment"].get("gpu", "?") for c in calls for p in c["points"].values()})
+    ax.set_title(f"swift sft on {', '.join(gpus)} (LoRA r16 unless 'full'; (n) = call): --use_liger speed-up",
+                 fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out + ".png", dpi=120)

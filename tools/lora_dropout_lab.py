@@ -1,6 +1,8 @@
 """Launch configurations of the LoRA-dropout kernels (ops/lora_dropout_kernel.py), measured per shape on one GPU.
 
-    python3 tools/lora_dropout_lab.py [--out DIR] [--deadline S] [--kinds down,igrad,wgrad]
+    python3 tools/lora_dropout_lab.py [--out DIR] [--deadline S] [--kinds down,igrad,wgrad] [--defaults]
+    python3 tools/lora_dropout_lab.py report SWEEP.json DEFAULTS.json > NAME.md   (the tables of a sweep and a later
+    --defaults run: the old default, launch_config's new choice, the best point found, cuBLAS without dropout)
 
 For each (rows N, input features, rank r) of the projections Qwen2.5 0.5B-7B and Llama-3-8B train, and each of the
 three kernels: the default configuration, then a coordinate descent over the config's fields (two passes: each field
@@ -12,6 +14,7 @@ costs without the draws. Every row is printed as it is measured and lora_dropout
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -37,6 +40,30 @@ AXES = {
     "wgrad": {"block_n": [32, 64, 128], "block_k": [64, 128, 256], "num_warps": [2, 4, 8],
               "splits": [4, 8, 16, 32, 64, 128], "num_stages": [2, 3, 4]},
 }
+
+def report(sweep_path, defaults_path):
+    sweep, new = json.load(open(sweep_path)), json.load(open(defaults_path))
+    key = lambda r: (r["kind"], r["n"], r["in"], r["r"])   # noqa: E731
+    best = {key(r): r for r in sweep["rows"] if "best" in r}
+    now = {key(r): r["default_ms"] for r in new["rows"] if "best" in r}
+    cub = {key(r): r["ms"] for r in new["rows"] if r.get("impl") == "cublas_no_dropout"}
+    gb = {key(r): r["gbps"] for r in new["rows"] if "config" in r and not r["forced"]}
+    cfg = {key(r): r["config"] for r in new["rows"] if "config" in r and not r["forced"]}
+    print("| kernel | rows | in | r | before (us) | now (us) | now vs before | best of sweep (us) | cuBLAS, no dropout"
+          " (us) | now / cuBLAS | now GB/s | now: block_n x block_k, splits |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for k, b in best.items():
+        if k not in now:
+            continue
+        c = cfg[k]
+        print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {b['default_ms'] * 1e3:.1f} | {now[k] * 1e3:.1f} | "
+              f"{b['default_ms'] / now[k]:.2f}x | {b['best_ms'] * 1e3:.1f} | {cub[k] * 1e3:.1f} | "
+              f"{now[k] / cub[k]:.2f} | {gb[k]:.0f} | {c['block_n']} x {c['block_k']}, {c['splits']} |")
+
+
+if len(sys.argv) > 1 and sys.argv[1] == "report":
+    report(*sys.argv[2:4])
+    sys.exit(0)
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -5,9 +5,10 @@ backward needs the same x_lora for dA = du^T x_lora and the same mask for dx += 
 and re-created from bits (ops/lora_linear_op.py without this kernel) that moves ~29 bytes per bf16 element of x per
 training step (forward, reentrant recompute, backward); here ~10: each pass reads x once and re-draws the keep
 decisions from (seed, element index) with a counter-based generator (Philox 4x32, 10 rounds, via tl.randint4x).
-At Qwen2.5-7B, 8k tokens, LoRA on every linear, that is ~6 GB less traffic per layer and step. Measured there on an
-H100: 1.039x per step against the bits path (docs/benchmarks/train_lab_7b_h100.md), with the launch configurations
-before launch_config's measured rules (docs/benchmarks/lora_dropout_lab_h100.md).
+At Qwen2.5-7B, 8k tokens, LoRA on every linear, that is ~6 GB less traffic per layer and step. Measured on an
+H100 against the bits path in the same process (docs/benchmarks/train_lab_lora_dropout_h100.md): 1.047x per step at
+7B 8k, 1.094x at 0.5B 8 x 512. The draws (~100 integer instructions per Philox call of 8 elements, plus unpacking)
+keep the kernels at 1.2-2.8x cuBLAS's time for the same product without dropout (lora_dropout_lab_h100.md).
 
     seed = dropout_seed(x.device)                       int64 [1], drawn from torch's generator for the device
     u    = lora_down(x, a, seed, p)                     x [N, in], a [r, in] -> [N, r]   (x's dtype)
@@ -57,10 +58,10 @@ def launch_config(kind: str, n: int, n_in: int, device) -> LoraDropoutConfig:
     """Measured on an H100 (tools/lora_dropout_lab.py, docs/benchmarks/lora_dropout_lab_h100.md): the Philox draws
     make these kernels latency-bound at one 4-warp program per SM, so the rules below buy parallelism.
     "down": 32-row programs (16 where too few rows fill 1.5 programs per SM), the input features split in pieces of
-    >= 2048 until ~8 programs per SM run (4864-18944 features: 1.5-4.9x over one 64-row program per SM).
-    "wgrad": 64 x 64 tiles of dA, the rows split for ~8 programs per SM and at most 1024 rows per split
-    (1.1-1.3x over 128-feature tiles at ~4 programs per SM). "igrad": 64 x 64 tiles of dx (no setting of the sweep
-    was 3% faster)."""
+    >= 2048 until ~8 programs per SM run (1.03-4.65x over one 64-row program per SM; most where rows are few and
+    features many). "wgrad": 64 x 64 tiles of dA, the rows split for ~8 programs per SM and at most 1024 rows per
+    split (1.05-1.30x over 128-feature tiles at ~4 programs per SM). "igrad": 64 x 64 tiles of dx (no setting of the
+    sweep was 3% faster). Each rule lands within 13% of the best point the sweep found, most within 6%."""
     sms = _common.target(device).sm_count
     if kind == "down":
         splits = max(1, min(n_in // 2048, triton.cdiv(8 * sms, triton.cdiv(n, 32))))
