@@ -95,6 +95,7 @@ GRPO_PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_plu
 CPU_FLAGS = ["--torch_dtype", "float32", "--bf16", "false", "--fp16", "false"]
 # Room left under --seq for the chat template's tokens and BPE boundary effects; rows stay under max_length.
 SEQ_MARGIN = 64
+MODEL_MAX_LENGTH = 32768   # max positions and tokenizer length of every build up to this --seq (one model per shape)
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 VERSIONS = ("torch", "triton", "transformers", "ms-swift", "peft", "liger-kernel", "swift-liger")
@@ -149,6 +150,18 @@ def build(args) -> dict:
             setattr(args, key, getattr(dims, key))
     dims = dataclasses.replace(dims, head_dim=None, **{k: getattr(args, k) for k in flags})   # hidden / heads
 
+    model_keys = ("shape", "layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "seed", "tok_vocab")
+    reuse = None
+    if args.model_from:   # another build's weights and tokenizer: they depend on the model keys only, not on --seq
+        with open(os.path.join(args.model_from, "build.json")) as f:
+            other = json.load(f)
+        theirs = {k: other["config"].get(k) for k in model_keys}
+        ours = {k: getattr(args, k) for k in model_keys}
+        if theirs != ours or args.seq > MODEL_MAX_LENGTH:
+            raise SystemExit(f"--model-from {args.model_from}: its model was built with {theirs}, this build asks "
+                             f"for {ours} (and --seq <= {MODEL_MAX_LENGTH})")
+        reuse = os.path.realpath(other["model"])
+
     t0 = time.time()
     os.makedirs(args.outdir, exist_ok=True)
     model_dir = os.path.join(args.outdir, "model")
@@ -156,7 +169,7 @@ def build(args) -> dict:
     tokenizer = tiny.build_tokenizer(tiny.TinySpec(arch="llama", vocab_size=tok_vocab, seed=args.seed))
     if len(tokenizer) > args.vocab:
         raise SystemExit(f"tokenizer has {len(tokenizer)} ids, more than --vocab {args.vocab}")
-    tokenizer.model_max_length = max(args.seq, 8192)
+    tokenizer.model_max_length = max(args.seq, MODEL_MAX_LENGTH)   # one value for every --seq: the model is reusable
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.pad_token_id
     t_tok = time.time() - t0
@@ -200,26 +213,33 @@ def build(args) -> dict:
         tokenizer, [{"messages": tiny._chat(r["messages"][0]["content"], r["rejected_response"])} for r in pairs])
     t_data = time.time() - t0 - t_tok
 
-    cfg = shapes.hf_config(dims, max_positions=max(args.seq, 32768), hidden_act="silu", bos_token_id=None,
-                           eos_token_id=eos, pad_token_id=pad)
-    # every parameter born on the device in bf16: init is a few kernels each
-    model = shapes.build_model(cfg, device=args.device, dtype=torch.bfloat16, attn=None, seed=args.seed)
-    model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=None,
-                                               do_sample=False)
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    params = sum(p.numel() for p in model.parameters())
-    t_init = time.time() - t0 - t_tok - t_data
-    model.save_pretrained(model_dir, safe_serialization=True, max_shard_size="5GB")
-    tokenizer.save_pretrained(model_dir)
-    del model
-    t_save = time.time() - t0 - t_tok - t_data - t_init
-    info = {"model": model_dir, "sft": sft, "pref": pref, "grpo": grpo,
+    if reuse:
+        if os.path.lexists(model_dir):
+            raise SystemExit(f"{model_dir} exists: --model-from links it to {reuse}")
+        os.symlink(reuse, model_dir)
+        params, t_init, t_save = other["params"], 0.0, 0.0
+    else:
+        cfg = shapes.hf_config(dims, max_positions=max(args.seq, MODEL_MAX_LENGTH), hidden_act="silu",
+                               bos_token_id=None, eos_token_id=eos, pad_token_id=pad)
+        # every parameter born on the device in bf16: init is a few kernels each
+        model = shapes.build_model(cfg, device=args.device, dtype=torch.bfloat16, attn=None, seed=args.seed)
+        model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=None,
+                                                   do_sample=False)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        params = sum(p.numel() for p in model.parameters())
+        t_init = time.time() - t0 - t_tok - t_data
+        model.save_pretrained(model_dir, safe_serialization=True, max_shard_size="5GB")
+        tokenizer.save_pretrained(model_dir)
+        del model
+        t_save = time.time() - t0 - t_tok - t_data - t_init
+    info = {"model": model_dir, "model_from": reuse, "sft": sft, "pref": pref, "grpo": grpo,
             "swift_flags": ["--model", model_dir, *SWIFT_MODEL_FLAGS[arch], "--dataset", sft],
             "params": params, "config": {"shape": args.shape, "model_type": arch, "tied": tied,
                                          **{k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads",
                                                                           "kv_heads", "vocab", "seq", "rows",
-                                                                          "pref_rows", "prompt_frac", "seed")}},
+                                                                          "pref_rows", "prompt_frac", "seed",
+                                                                          "tok_vocab")}},
             "tokenizer_vocab": len(tokenizer), "eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None,
             "row_tokens": {"min": min(lengths), "max": max(lengths), "mean": round(sum(lengths) / len(lengths), 1)},
             "pref_sequence_tokens": {"min": min(pref_lengths), "max": max(pref_lengths),
@@ -508,6 +528,9 @@ def main(argv=None):
                    help="full: every sft row just under --seq tokens; longtail: log-uniform 64..--seq (packing)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default="cuda")
+    b.add_argument("--model-from", default=None, metavar="BUILD",
+                   help="link BUILD/model (an earlier build of the same shape and seed, any --seq) instead of "
+                        "building and saving the weights again; the datasets are still written for this --seq")
     r = sub.add_parser("run", help="one `swift sft` run; writes OUT/<variant>.json")
     r.add_argument("model")
     r.add_argument("dataset")

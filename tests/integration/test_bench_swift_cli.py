@@ -115,3 +115,20 @@ def test_the_plugin_returns_max_tokens_ordinary_tokens_per_request(runs):
     assert len({tuple(o.response.choices[0].token_ids) for o in outs}) == 3   # each request its own draw
     rewards = plugin.BenchReward()(["a", "b", "a"])
     assert rewards[0] == rewards[2] != rewards[1] and all(0 <= r < 1 for r in rewards)
+
+
+def test_build_reuses_another_builds_model(tmp_path):
+    """--model-from links an earlier build's weights (same shape and seed, another --seq) and writes only the datasets
+    of this --seq; a build of another shape is refused, naming both."""
+    first, second, other = str(tmp_path / "s256"), str(tmp_path / "s512"), str(tmp_path / "wider")
+    small = ["--shape", "qwen2.5-1.5b", "--hidden", "64", "--vocab", "2304", *TINY]
+    assert swift_cli.main(["build", first, *small]) == 0
+    seq512 = [a if a != "256" else "512" for a in small]
+    assert swift_cli.main(["build", second, *seq512, "--model-from", first]) == 0
+    info = json.load(open(os.path.join(second, "build.json")))
+    assert os.path.islink(os.path.join(second, "model")) and info["model_from"] == os.path.realpath(f"{first}/model")
+    assert info["config"]["seq"] == 512 and info["row_tokens"]["max"] > 256 and info["seconds"]["init"] == 0
+    assert info["params"] == json.load(open(os.path.join(first, "build.json")))["params"]
+    wider = [a if a != "64" else "96" for a in seq512]
+    with pytest.raises(SystemExit, match="its model was built with"):
+        swift_cli.main(["build", other, *wider, "--model-from", first])
