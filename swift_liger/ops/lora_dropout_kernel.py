@@ -4,11 +4,12 @@ With LoRA dropout p (ms-swift's default 0.05) each projection needs x_lora = dro
 backward needs the same x_lora for dA = du^T x_lora and the same mask for dx += mask * (du A) / (1 - p). Written out
 and re-created from bits (ops/lora_linear_op.py without this kernel) that moves ~29 bytes per bf16 element of x per
 training step (forward, reentrant recompute, backward); here ~10: each pass reads x once and re-draws the keep
-decisions from (seed, element index) with a counter-based generator (Philox 4x32, 10 rounds, via tl.randint4x).
+decisions from (seed, element index) with a counter-based generator (Philox 4x32, 7 rounds, via tl.randint4x).
 At Qwen2.5-7B, 8k tokens, LoRA on every linear, that is ~6 GB less traffic per layer and step. Measured on an
 H100 against the bits path in the same process (docs/benchmarks/train_lab_lora_dropout_h100.md): 1.047x per step at
-7B 8k, 1.094x at 0.5B 8 x 512. The draws (~100 integer instructions per Philox call of 8 elements, plus unpacking)
-keep the kernels at 1.2-2.8x cuBLAS's time for the same product without dropout (lora_dropout_lab_h100.md).
+7B 8k, 1.094x at 0.5B 8 x 512, with 10 Philox rounds. The draws (~100 integer instructions per 10-round call of 8
+elements, plus unpacking) kept the kernels at 1.2-2.8x cuBLAS's time for the same product without dropout
+(lora_dropout_lab_h100.md); 7 rounds (PHILOX_ROUNDS) are not measured yet.
 
     seed = dropout_seed(x.device)                       int64 [1], drawn from torch's generator for the device
     u    = lora_down(x, a, seed, p)                     x [N, in], a [r, in] -> [N, r]   (x's dtype)
@@ -36,6 +37,10 @@ import triton.language as tl
 from . import _common, _launch
 
 MAX_RANK = 64
+# Philox rounds per draw: 7, as the dropout of FlashAttention-2 (torch's bundled copy included) draws; Philox4x32-7
+# passes TestU01's BigCrush (Salmon et al., SC 2011), 10 is the generator's default with a safety margin. The draws are
+# what bounds these kernels (lora_dropout_lab_h100.md); 7 rounds are 30% fewer of their instructions.
+PHILOX_ROUNDS = tl.constexpr(7)
 ENABLED = True   # False: lora_linear keeps dropout masks as bits instead (A/B benchmarks)
 
 
@@ -81,7 +86,7 @@ def _keep(seed, rows, k0, n_in, thresh, BN: tl.constexpr, BK: tl.constexpr):
     """[BN, BK] keep decisions of columns k0 .. k0 + BK of `rows` (int64 [BN]). The 8 elements of flat group
     (row * n_in + k) // 8 share one Philox call: its four 32-bit words give eight 16-bit draws."""
     g = (rows[:, None] * n_in + k0) // 8 + tl.arange(0, BK // 8)[None, :]          # [BN, BK // 8] int64
-    r0, r1, r2, r3 = tl.randint4x(seed, g)
+    r0, r1, r2, r3 = tl.randint4x(seed, g, PHILOX_ROUNDS)
     h = tl.join(tl.join(tl.join(r0 & 65535, r0 >> 16), tl.join(r1 & 65535, r1 >> 16)),
                 tl.join(tl.join(r2 & 65535, r2 >> 16), tl.join(r3 & 65535, r3 >> 16)))   # [BN, BK // 8, 2, 2, 2]
     return tl.reshape(h, (BN, BK)).to(tl.int32) >= thresh
