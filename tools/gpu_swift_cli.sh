@@ -24,14 +24,16 @@ gpu_tests
 if [ -f "$M/build.json" ]; then
   echo "== reusing $M"
 else
+  build() { timeout 240 python3 -m swift_liger.bench.swift_cli build "$M" --shape "$SHAPE" --seq "$SEQ" --device cuda \
+    "$@" >"$OUT/swift_cli/build.log" 2>&1; }
   FROM=()   # an earlier build of this shape on this machine (another --seq): link its weights, write only datasets
-  for d in /tmp/model_${SHAPE}_*; do [ -f "$d/build.json" ] && [ "$SEQ" -le 32768 ] && { FROM=(--model-from "$d"); break; }; done
+  for d in /tmp/model_${SHAPE}_*; do
+    [ -f "$d/build.json" ] && [ "$SEQ" -le 32768 ] && { FROM=(--model-from "$d"); break; }
+  done
   echo "== build $M ($SHAPE, rows of ~$((SEQ - 64)) tokens)${FROM:+, weights from ${FROM[1]}}"
-  timeout 240 python3 -m swift_liger.bench.swift_cli build "$M" --shape "$SHAPE" --seq "$SEQ" --device cuda \
-    "${FROM[@]}" >"$OUT/swift_cli/build.log" 2>&1; rc=$?
+  build "${FROM[@]}"; rc=$?
   if [ $rc -ne 0 ] && [ ${#FROM[@]} -gt 0 ]; then   # refused (another model config, an older build): build it all
-    rm -rf "$M"; timeout 240 python3 -m swift_liger.bench.swift_cli build "$M" --shape "$SHAPE" --seq "$SEQ" \
-      --device cuda >"$OUT/swift_cli/build.log" 2>&1; rc=$?
+    rm -rf "$M"; build; rc=$?
   fi
   grep -v "Writing model shards" "$OUT/swift_cli/build.log" | tail -3
   if [ $rc -ne 0 ]; then echo "build failed rc $rc"; tail -30 "$OUT/swift_cli/build.log"; exit 1; fi

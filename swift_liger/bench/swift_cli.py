@@ -161,6 +161,8 @@ def build(args) -> dict:
             raise SystemExit(f"--model-from {args.model_from}: its model was built with {theirs}, this build asks "
                              f"for {ours} (and --seq <= {MODEL_MAX_LENGTH})")
         reuse = os.path.realpath(other["model"])
+        if os.path.lexists(os.path.join(args.outdir, "model")):
+            raise SystemExit(f"{args.outdir}/model exists: --model-from would link it to {reuse}")
 
     t0 = time.time()
     os.makedirs(args.outdir, exist_ok=True)
@@ -214,8 +216,6 @@ def build(args) -> dict:
     t_data = time.time() - t0 - t_tok
 
     if reuse:
-        if os.path.lexists(model_dir):
-            raise SystemExit(f"{model_dir} exists: --model-from links it to {reuse}")
         os.symlink(reuse, model_dir)
         params, t_init, t_save = other["params"], 0.0, 0.0
     else:

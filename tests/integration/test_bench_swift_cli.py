@@ -129,6 +129,8 @@ def test_build_reuses_another_builds_model(tmp_path):
     assert os.path.islink(os.path.join(second, "model")) and info["model_from"] == os.path.realpath(f"{first}/model")
     assert info["config"]["seq"] == 512 and info["row_tokens"]["max"] > 256 and info["seconds"]["init"] == 0
     assert info["params"] == json.load(open(os.path.join(first, "build.json")))["params"]
+    with pytest.raises(SystemExit, match="model exists"):   # refused before anything is written
+        swift_cli.main(["build", second, *seq512, "--model-from", first])
     wider = [a if a != "64" else "96" for a in seq512]
     with pytest.raises(SystemExit, match="its model was built with"):
         swift_cli.main(["build", other, *wider, "--model-from", first])
