@@ -14,6 +14,8 @@ shortens the stack (per-layer numbers do not change; the head stays). Variants, 
 - ours_eager: the same with graph_layers off;
 - ours_mask_bits: the same with LoRA dropout drawn by torch.native_dropout and kept as bits (the path before
   ops/lora_dropout_kernel.py's seeded products);
+- ours_base_epilogue: the same with ops.lora_linear_op.BASE_EPILOGUE on (the LoRA output first, the base GEMM
+  adding into it in its epilogue);
 - ours_no_lora: the same with lora_fusion off;
 - ours_compiled: compile_layers on (first step reported apart);
 - ours_compiled_aot, ours_compiled_dynamo: compile_layers through torch.compile's "aot_eager" backend (dynamo and
@@ -53,7 +55,7 @@ import swift_liger  # noqa: E402
 from swift_liger.bench.harness import GiB, command, environment, sync, write_json  # noqa: E402
 from swift_liger.bench.shapes import SHAPES, build_model, hf_config, train_ready  # noqa: E402
 from swift_liger.integration import compile_watch  # noqa: E402
-from swift_liger.ops import lora_dropout_kernel  # noqa: E402
+from swift_liger.ops import lora_dropout_kernel, lora_linear_op  # noqa: E402
 from swift_liger.integration.compile_watch import CompileWatch  # noqa: E402
 
 PHASE1 = ("stock", "ours", "ours_no_lora")
@@ -101,17 +103,20 @@ def make_variant(base, name: str):
 
 
 class Runner:
-    def __init__(self, model, opt, batches, dev, seeded_dropout=True):
+    def __init__(self, model, opt, batches, dev, seeded_dropout=True, base_epilogue=False):
         self.model, self.opt, self.batches, self.dev = model, opt, batches, dev
         self.losses = []
         self.seeded_dropout = seeded_dropout   # False: LoRA dropout masks kept as bits (ours_mask_bits)
+        self.base_epilogue = base_epilogue     # True: lora_linear_op.BASE_EPILOGUE (ours_base_epilogue)
 
     def step(self, i: int):
         lora_dropout_kernel.ENABLED = self.seeded_dropout
+        lora_linear_op.BASE_EPILOGUE = self.base_epilogue
         try:
             return self._step(i)
         finally:
             lora_dropout_kernel.ENABLED = True
+            lora_linear_op.BASE_EPILOGUE = False
 
     def _step(self, i: int):
         ids = self.batches[i % len(self.batches)]
@@ -282,7 +287,8 @@ def run_shape(shape, tokens, args, dev):
     phase1 = [v for v in variants if v != "liger"]
     runners = {}
     for v in phase1:
-        runners[v] = Runner(*make_variant(base, v), batches, dev, seeded_dropout=v != "ours_mask_bits")
+        runners[v] = Runner(*make_variant(base, v), batches, dev, seeded_dropout=v != "ours_mask_bits",
+                            base_epilogue=v == "ours_base_epilogue")
     res = _measure(runners, args, dev, rows, "phase1")
     if "liger" in variants:
         for v in list(runners):

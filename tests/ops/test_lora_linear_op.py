@@ -346,3 +346,60 @@ def test_bind_cuda_context_ignores_cpu_tensors():
     before = set(_common._CONTEXT_THREADS)
     _common.bind_cuda_context(torch.ones(1))
     assert _common._CONTEXT_THREADS == before
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_base_epilogue_switch_matches_reference(device, monkeypatch, bias, dtype, p, quantized):
+    """BASE_EPILOGUE (the LoRA output first, the base GEMM adding into it): float64 values and gradients with and
+    without autograd, the same dropout draws as the default order, a DequantizedWeight made once per matmul."""
+    from swift_liger.ops import lora_linear_op
+    x, w, b, a, bb = (None if t is None else t.detach().to(device)
+                      for t in make(n=(2, 7), d_in=40, d_out=24, dtype=dtype, adapter_dtype=dtype, bias=bias, seed=6))
+    made = []
+    base = lora_linear_op.DequantizedWeight(lambda: made.append(1) or w, w.shape, w.dtype, w.device) \
+        if quantized else w
+    dy = torch.randn(2, 7, 24, device=device).to(dtype)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(lora_linear_op, "BASE_EPILOGUE", on)
+        xs, as_, bs = (t.clone().requires_grad_() for t in (x, a, bb))
+        torch.manual_seed(3)
+        with torch.no_grad():
+            y0 = lora_linear(xs, None, base, b, as_, bs, 1.5, dropout_p=p)
+        torch.manual_seed(3)
+        with inputs_unchanged(w, a, bb):
+            y = lora_linear(xs, None, base, b, as_, bs, 1.5, dropout_p=p)
+        y.backward(dy)
+        assert y.shape == (2, 7, 24) and y.dtype == dtype and y0.dtype == dtype
+        runs[on] = (y0, y, xs.grad, as_.grad, bs.grad)
+    if quantized:
+        assert len(made) == 6   # per order: the no-grad forward, the forward and the input gradient
+    keep = drawn_mask(x, a, p, seed=3) if p else torch.ones(x.shape, dtype=torch.bool, device=device)
+    xr, ar, br = (f64(t).requires_grad_() for t in (x, a, bb))
+    yr = lora_linear_reference(xr, xr * keep / (1 - p), f64(w), None if b is None else f64(b), ar, br, 1.5)
+    yr.backward(f64(dy))
+    y0, y, dx, da, db = runs[True]
+    assert_close(y0, yr, dtype, name="y, autograd off")
+    assert_close(y, yr, dtype, name="y")
+    for name, got, want in (("dx", dx, xr.grad), ("dA", da, ar.grad), ("dB", db, br.grad)):
+        assert_close(got, want, dtype, slack=4, name=name)
+    for got, want in zip(runs[True][2:], runs[False][2:]):   # the backward is the same code: same dropout draws
+        assert_close(got, want, dtype, slack=4)
+
+
+def test_base_epilogue_under_autocast_with_an_fp32_base(monkeypatch):
+    """Under bf16 autocast an fp32 base weight and bias are cast for the base product as F.linear's autocast
+    would: the same output as the default order."""
+    from swift_liger.ops import lora_linear_op
+    x, w, b, a, bb = make(n=(3, 4), d_in=32, d_out=16, dtype=torch.float32, adapter_dtype=torch.float32, seed=8)
+    xb = x.detach().to(torch.bfloat16)
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(lora_linear_op, "BASE_EPILOGUE", on)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            out[on] = lora_linear(xb, None, w, b, a.detach().bfloat16(), bb.detach().bfloat16(), 2.0)
+    assert out[True].dtype == torch.bfloat16
+    assert_close(out[True], out[False], torch.bfloat16, slack=2)
