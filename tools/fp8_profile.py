@@ -42,10 +42,12 @@ for n, k, o in shapes:
     x2 = x.detach()
     ms = tt.do_bench(lambda: quantize_rows(x2), rep=100)
     print(f"quantize_rows [{n},{k}]: {ms * 1e3:.1f} us, {(n * k * 3 + n * 4) / ms / 1e6:.0f} GB/s (read bf16, write e4m3)")
-    for rows, warps in ((1, 4), (2, 4), (2, 8), (4, 8), (8, 8)):
-        with launch_override(fq, None, rows=rows, num_warps=warps):
-            ms = tt.do_bench(lambda: quantize_rows(x2), rep=100)
-        print(f"quantize_rows rows {rows} warps {warps}: {ms * 1e3:.1f} us, {(n * k * 3 + n * 4) / ms / 1e6:.0f} GB/s")
+    for hw in (False, True) if fq.hw_cvt_supported(x2.device) else (False,):
+        for rows, warps in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (8, 8)):
+            with launch_override(fq, None, rows=rows, num_warps=warps, hw_cvt=hw):
+                ms = tt.do_bench(lambda: quantize_rows(x2), rep=100)
+            print(f"quantize_rows hw_cvt {hw} rows {rows} warps {warps}: {ms * 1e3:.1f} us, "
+                  f"{(n * k * 3 + n * 4) / ms / 1e6:.0f} GB/s")
     xq, sx = quantize_rows(x2)
     ms = tt.do_bench(lambda: _scaled_mm(xq, fw.q.t(), sx, fw.scale.view(1, -1), torch.bfloat16), rep=100)
     print(f"_scaled_mm [{n},{k}]x[{k},{o}]: {ms * 1e3:.1f} us, {2 * n * k * o / ms / 1e9:.0f} TFLOP/s")

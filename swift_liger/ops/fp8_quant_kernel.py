@@ -10,7 +10,12 @@ the quantization; the second pass mostly from L2). 1 byte written per element: ~
 against ~13 for the torch ops (an fp32 copy written and read twice), in one launch instead of six.
 
 The rounding to e4m3 is integer arithmetic on the fp32 bits, not a conversion instruction: Triton's interpreter
-rounds float8 stores wrongly (it is what the CPU tests run), and the same code then runs on every GPU.
+rounds float8 stores wrongly (it is what the CPU tests run), and the same code then runs on every GPU. Counted for
+a bf16 element: ~40 integer and float instructions (the IEEE division, the rounding), which at 29M elements
+(8192 x 3584) is ~50 us of an H200's issue rate: the 68 us measured is instruction-bound more than memory-bound.
+``hw_cvt`` (off until measured on a GPU; CUDA sm_89+ only) multiplies by one IEEE reciprocal per row and converts with
+the hardware's round-to-nearest-even conversion (~8 instructions): codes equal to ``quantize_rows_fast_torch``'s,
+which may differ from the division's by one code where v / scale and v * (1 / scale) round apart.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ class Fp8QuantConfig:
     block: int
     num_warps: int
     rows: int = 1
+    hw_cvt: bool = False
 
 
 LAUNCH_CONFIGS = {None: Fp8QuantConfig}
@@ -38,7 +44,8 @@ LAUNCH_CONFIGS = {None: Fp8QuantConfig}
 def launch_config(k: int, device) -> Fp8QuantConfig:
     """BLOCK = next power of two of K up to 4096 (Qwen2.5-7B rows of 3584 take one step, 18944 five a pass);
     4 warps up to 2048 elements, 8 above; one row per program. Every device. H200: 68 us for 8192 x 3584 bf16
-    (1.3 TB/s of its minimum bytes, a third of the copy speed; `rows` > 1 is the lever to measure next)."""
+    (1.3 TB/s of its minimum bytes, a third of the copy speed; `hw_cvt` and `rows` > 1 are the levers to measure:
+    tools/fp8_profile.py times both)."""
     block = min(4096, max(16, triton.next_power_of_2(max(1, k))))
     return _common.apply_override(__name__, None, Fp8QuantConfig(block, 4 if block <= 2048 else 8))
 
@@ -69,9 +76,22 @@ def _load_block(x_row, fold_ptr, offs, inb, HAS_FOLD: tl.constexpr):
     return v
 
 
+@triton.jit
+def _codes(v, scale, inv, HW_CVT: tl.constexpr):
+    """e4m3fn codes (uint8) of fp32 v / scale, clamped to +-448 (scale and inv = 1 / scale broadcast against v).
+    HW_CVT: v * inv and the hardware's round-to-nearest-even conversion (sm_89+); else an IEEE division and
+    _e4m3_bits."""
+    if HW_CVT:
+        y = tl.minimum(tl.maximum(v * inv, -448.0), 448.0)
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    y = tl.minimum(tl.maximum(tl.div_rn(v, scale), -448.0), 448.0)
+    return _e4m3_bits(y).to(tl.uint8)
+
+
 @triton.jit(do_not_specialize=["N"])
 def _fp8_quant_rows_kernel(x_ptr, fold_ptr, q_ptr, scale_ptr, N, K, stride_x, HAS_FOLD: tl.constexpr,
-                           BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ROWS: tl.constexpr):
+                           BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ROWS: tl.constexpr,
+                           HW_CVT: tl.constexpr):
     if ONE_PASS:                                      # K <= BLOCK: ROWS rows stay in registers between the two steps
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         offs = tl.arange(0, BLOCK)
@@ -81,8 +101,12 @@ def _fp8_quant_rows_kernel(x_ptr, fold_ptr, q_ptr, scale_ptr, N, K, stride_x, HA
             v = v * tl.load(fold_ptr + offs, mask=offs < K, other=0.0)[None, :]
         scale = tl.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12), 448.0)
         tl.store(scale_ptr + rows, scale, mask=rows < N)
-        y = tl.minimum(tl.maximum(tl.div_rn(v, scale[:, None]), -448.0), 448.0)
-        tl.store(q_ptr + rows[:, None] * K + offs[None, :], _e4m3_bits(y).to(tl.uint8), mask=inb)
+        if HW_CVT:   # one IEEE reciprocal per row
+            inv = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), scale)
+        else:
+            inv = scale
+        tl.store(q_ptr + rows[:, None] * K + offs[None, :], _codes(v, scale[:, None], inv[:, None], HW_CVT),
+                 mask=inb)
     else:
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
@@ -93,12 +117,15 @@ def _fp8_quant_rows_kernel(x_ptr, fold_ptr, q_ptr, scale_ptr, N, K, stride_x, HA
             amax = tl.maximum(amax, tl.abs(_load_block(x_row, fold_ptr, offs, offs < K, HAS_FOLD)))
         scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
         tl.store(scale_ptr + row, scale)
+        if HW_CVT:   # the row's IEEE reciprocal, once (as a block: BLOCK divisions per row, not K)
+            inv = tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), tl.full([BLOCK], 0.0, tl.float32) + scale)
+        else:
+            inv = scale
         for k0 in range(0, K, BLOCK):                 # the row again: the quantization
             offs = k0 + tl.arange(0, BLOCK)
             inb = offs < K
             v = _load_block(x_row, fold_ptr, offs, inb, HAS_FOLD)
-            y = tl.minimum(tl.maximum(tl.div_rn(v, scale), -448.0), 448.0)
-            tl.store(q_row + offs, _e4m3_bits(y).to(tl.uint8), mask=inb)
+            tl.store(q_row + offs, _codes(v, scale, inv, HW_CVT), mask=inb)
 
 
 _QUANT = _launch.FastLaunch(_fp8_quant_rows_kernel)
@@ -115,7 +142,26 @@ def quantize_rows_kernel(x2: torch.Tensor, fold=None):
         cfg = launch_config(k, x2.device)
         one_pass = k <= cfg.block
         rows = cfg.rows if one_pass else 1
+        if cfg.hw_cvt and not hw_cvt_supported(x2.device):
+            raise ValueError(f"Fp8QuantConfig.hw_cvt needs a CUDA GPU of compute capability 8.9 or newer and no "
+                             f"Triton interpreter, got {x2.device}")
         _QUANT.launch((triton.cdiv(n, rows),), x2, fold if fold is not None else scale, q, scale, n, k, x2.stride(0),
                       HAS_FOLD=fold is not None, BLOCK=cfg.block, ONE_PASS=one_pass, ROWS=rows,
-                      num_warps=cfg.num_warps)
+                      HW_CVT=cfg.hw_cvt, num_warps=cfg.num_warps)
     return q.view(torch.float8_e4m3fn), scale
+
+
+def hw_cvt_supported(device: torch.device) -> bool:
+    """Whether Fp8QuantConfig.hw_cvt can run here: compiled (not interpreted) for a CUDA GPU of sm_89 or newer."""
+    return (device.type == "cuda" and not _common.INTERPRET
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def quantize_rows_fast_torch(x2: torch.Tensor, fold=None):
+    """What the kernel computes with ``hw_cvt`` in torch ops (its tests' reference): the scale as the kernel's
+    default path has it, x * fold times the row's IEEE reciprocal of the scale, clamped, torch's round-to-nearest-even
+    conversion. x2 [N, K] -> (q [N, K] float8_e4m3fn, scale [N, 1] fp32)."""
+    v = x2.float() * fold if fold is not None else x2.float()
+    scale = torch.clamp_min(v.abs().amax(dim=1, keepdim=True), 1e-12) / torch.tensor(448.0, device=v.device)
+    q = (v * torch.reciprocal(scale)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q, scale

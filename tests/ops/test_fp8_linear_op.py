@@ -268,3 +268,70 @@ def test_without_a_rowwise_fp8_gemm_the_product_comes_from_bf16(monkeypatch):
     assert_close(y, y_fp8.double(), torch.bfloat16, name="y")
     assert_close(x.grad, dx_fp8.double(), torch.bfloat16, name="dx")
     assert_close(y, fp8_linear_reference(x, fw2), torch.bfloat16, name="y vs float64")
+
+
+def _hw_cvt_or_skip():
+    from swift_liger.ops import fp8_quant_kernel
+    if not fp8_quant_kernel.hw_cvt_supported(torch.device(DEVICE)):
+        pytest.skip("Fp8QuantConfig.hw_cvt runs compiled on an sm_89+ GPU only")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k,rows", [(5, 48, 1), (3, 4100, 1), (7, 33, 4), (9, 3584, 2)])
+def test_quant_kernel_hw_cvt_equals_its_torch_reference(dtype, n, k, rows):
+    """hw_cvt (GPU only): the same scales as the default path, and codes equal to quantize_rows_fast_torch's
+    (reciprocal multiply, round-to-nearest-even conversion), strided rows and several rows per program included."""
+    _hw_cvt_or_skip()
+    from swift_liger.ops import fp8_quant_kernel
+    from swift_liger.ops._common import launch_override
+    from swift_liger.ops.fp8_linear_op import quantize_rows_torch
+    g = torch.Generator().manual_seed(n * k + 1)
+    x = (torch.randn(n, k + 3, generator=g) * torch.logspace(-4, 4, n)[:, None]).to(dtype)[:, :k].to(DEVICE)
+    x[0, :4] = torch.tensor([0.0, -0.0, 1e-30, 3.0])
+    f = (torch.rand(k, generator=g) + 0.5).to(DEVICE)
+    for fold in (None, f):
+        with inputs_unchanged(x), launch_override(fp8_quant_kernel, None, rows=rows, hw_cvt=True):
+            q, s = fp8_quant_kernel.quantize_rows_kernel(x, fold)
+        q_ref, s_ref = fp8_quant_kernel.quantize_rows_fast_torch(x, fold)
+        assert torch.equal(s, s_ref) and torch.equal(s, quantize_rows_torch(x, fold)[1])
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_quant_kernel_hw_cvt_rounds_every_e4m3_boundary_like_torch():
+    """hw_cvt (GPU only) at scale 1: every finite e4m3 value, midpoint and its neighbours converts as torch's."""
+    _hw_cvt_or_skip()
+    from swift_liger.ops import fp8_quant_kernel
+    from swift_liger.ops._common import launch_override
+    vals = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    vals = vals[torch.isfinite(vals)].sort().values
+    mids = (vals[1:] + vals[:-1]) / 2
+    y = torch.cat([vals, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9))])
+    y = torch.cat([y[y.abs() <= FP8_MAX], torch.tensor([FP8_MAX])]).to(DEVICE)
+    with launch_override(fp8_quant_kernel, None, hw_cvt=True):
+        q, s = fp8_quant_kernel.quantize_rows_kernel(y[None, :])
+    assert s.item() == 1.0
+    assert torch.equal(q.view(torch.uint8)[0], y.to(FP8).view(torch.uint8))
+
+
+def test_quant_hw_cvt_refused_where_it_cannot_run():
+    """On CPU (the interpreter rounds float8 stores wrongly) a forced hw_cvt is refused by name, before any work."""
+    from swift_liger.ops import fp8_quant_kernel
+    from swift_liger.ops._common import launch_override
+    if fp8_quant_kernel.hw_cvt_supported(torch.device(DEVICE)):
+        pytest.skip("hw_cvt runs on this device")
+    with launch_override(fp8_quant_kernel, None, hw_cvt=True), pytest.raises(ValueError, match="hw_cvt needs"):
+        fp8_quant_kernel.quantize_rows_kernel(torch.randn(3, 40, dtype=torch.bfloat16, device=DEVICE))
+
+
+def test_quant_fast_reference_is_within_one_code_of_the_division():
+    """quantize_rows_fast_torch (hw_cvt's reference) against the default rounding of v / scale: the same scales,
+    and codes that differ by at most one step, rarely (only where v / scale and v * (1 / scale) round apart)."""
+    from swift_liger.ops.fp8_linear_op import quantize_rows_torch
+    from swift_liger.ops.fp8_quant_kernel import quantize_rows_fast_torch
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(64, 512, generator=g) * torch.logspace(-3, 3, 64)[:, None]).to(torch.bfloat16)
+    q, s = quantize_rows_torch(x)
+    q2, s2 = quantize_rows_fast_torch(x)
+    assert torch.equal(s, s2)
+    a, b = q.view(torch.uint8).int(), q2.view(torch.uint8).int()
+    assert (a - b).abs().max() <= 1 and (a != b).float().mean() < 1e-3
