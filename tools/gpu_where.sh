@@ -3,7 +3,8 @@
 # (tools/train_lab.py per CASES entry SHAPE:BxS:LAYERS: stock, ours, ours_mask_bits, Liger-Kernel in one process;
 # host vs device time, launches, device kernel time by kind and the top kernels of one profiled step), optionally the
 # `swift sft` CLI at CLI=SHAPE:SEQ (--use_liger vs Liger-Kernel), then older unverified GPU tests (TEST_PATHS) in
-# the time left. DROPOUT_LAB=S: after the tests, tools/lora_dropout_lab.py's sweep (S seconds at most).
+# the time left. DROPOUT_LAB=S: after the tests, tools/lora_dropout_lab.py's sweep (S seconds at most); FP8_PROFILE=S:
+# tools/fp8_profile.py (S seconds at most).
 # Everything lands in $OUT/where.tgz after each section.
 #   CALL_S=560 CASES="qwen2.5-7b:1x8192:8" CLI="qwen2.5-7b:8192" bash tools/gpu_where.sh
 set -uo pipefail
@@ -24,6 +25,12 @@ if [ -n "${DROPOUT_LAB-}" ]; then   # DROPOUT_LAB=S: tools/lora_dropout_lab.py's
   echo "== lora_dropout_lab at ${SECONDS}s"
   timeout $(( DROPOUT_LAB + 60 )) python3 tools/lora_dropout_lab.py --out "$W" --deadline "$DROPOUT_LAB" ${DROPOUT_LAB_ARGS:-} \
     2>&1 | grep -E '"best"|cublas|"copy"|device|skipped|Error' | cut -c1-300
+  pack
+fi
+if [ -n "${FP8_PROFILE-}" ]; then   # FP8_PROFILE=S: tools/fp8_profile.py (op times, quantization configs), S s at most
+  echo "== fp8_profile at ${SECONDS}s"
+  timeout "$FP8_PROFILE" python3 tools/fp8_profile.py ${FP8_PROFILE_ARGS:-} >"$W/fp8_profile.txt" 2>&1
+  echo "-- fp8_profile rc $? at ${SECONDS}s"; grep -E "^quantize_rows|^fp8:|^bf16:|mismatch" "$W/fp8_profile.txt" | head -40
   pack
 fi
 for case in ${CASES:-qwen2.5-7b:1x8192:8 llama3-8b:1x8192:8 qwen2.5-0.5b:8x512:0 qwen2.5-1.5b:4x2048:0 qwen2.5-3b:4x2048:0}; do
