@@ -248,3 +248,21 @@ def test_gloo_group_is_destroyed_at_exit_after_training(monkeypatch):
     assert not teardown_abort_only(abort + end)
     assert not teardown_abort_only("Traceback (most recent call last):\n" + end + abort)
     assert not teardown_abort_only("steps\n" + end)
+
+
+def test_pth_is_quiet_where_the_package_is_gone(tmp_path):
+    """An environment whose swift_liger was removed but whose .pth stayed (an editable install's source moved, a
+    --target directory deleted): interpreter start-up prints nothing and installs nothing. With the package present
+    the same line installs the finder (test_pth_installs_one_inert_finder_without_heavy_imports)."""
+    from pathlib import Path
+    pth = Path(hook.__file__).resolve().parents[2] / "swift_liger_hook.pth"
+    (tmp_path / "swift_liger_hook.pth").write_text(pth.read_text())
+    code = f"""
+        import json, site, sys
+        site.addpackage({str(tmp_path)!r}, "swift_liger_hook.pth", set())
+        print(json.dumps({{"n": {COUNT_FINDERS}, "imported": "swift_liger" in sys.modules}}))
+    """
+    proc = subprocess.run([sys.executable, "-S", "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == {"n": 0, "imported": False}
