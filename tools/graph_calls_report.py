@@ -1,6 +1,7 @@
 """Merge the CLI results of `tools/gpu_call_graphs.sh` calls (each call's calls.tgz unpacked into a directory) into
 one JSON, and plot --use_liger's speed-up over plain and over --use_liger_kernel per point (rows measured in the same
-call only).   python3 tools/graph_calls_report.py --call DIR COMMIT "COMMAND" [--call ...] --out docs/benchmarks/NAME"""
+call only); --tables prints the report's markdown tables.
+    python3 tools/graph_calls_report.py --call DIR COMMIT "COMMAND" [--call ...] --out docs/benchmarks/NAME [--tables]"""
 import argparse
 import glob
 import json
@@ -36,14 +37,55 @@ def load(call_dir: str) -> dict:
     return points
 
 
+def _label(point: str) -> str:
+    """qwen2.5-0.5b_512_8[_full] -> "Qwen2.5-0.5B, 8 x 512[ (full)]" (rows x row length)."""
+    m = re.match(r"(.+?)_(\d+)_(\d+)(_full)?$", point)
+    if not m:
+        return point
+    name = {"llama3-8b": "Llama-3-8B"}.get(m.group(1), m.group(1).replace("qwen", "Qwen").replace("b", "B"))
+    return f"{name}, {m.group(3)} x {m.group(2)}{' (full)' if m.group(4) else ''}"
+
+
+def tables(calls) -> str:
+    """Markdown tables of every point of every call: tok/s and ratios, memory, first step (runs of one call)."""
+    def f(x, fmt="{:.0f}"):
+        return "" if x is None else fmt.format(x)
+    speed = ["| point | call | plain | `--use_liger` | vs plain | `--use_liger_kernel` | vs Liger | others |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    mem = ["| point | call | plain | `--use_liger` | `--use_liger_kernel` |", "|---|---:|---|---|---|"]
+    first = ["| point | call | plain | `--use_liger` | `--use_liger_kernel` |", "|---|---:|---:|---:|---:|"]
+    for c in calls:
+        for point, p in c["points"].items():
+            runs = p["runs"]
+            get = lambda v, k: runs.get(v, {}).get(k)   # noqa: E731
+            ours, plain, liger = (get(v, "tokens_per_s") for v in ("swift_liger", "plain", "liger_kernel"))
+            others = ", ".join(f"{v} {r['tokens_per_s']:.0f}" for v, r in runs.items()
+                               if v not in ("swift_liger", "plain", "liger_kernel") and r.get("tokens_per_s"))
+            speed.append(f"| {_label(point)} | {c['call']} | {f(plain)} | {f(ours)} | "
+                         f"{f(ours / plain if ours and plain else None, '{:.2f}x')} | {f(liger)} | "
+                         f"{f(ours / liger if ours and liger else None, '{:.2f}x')} | {others} |")
+            gib = lambda v: (f"{get(v, 'peak_allocated_gib'):.2f} / {get(v, 'peak_reserved_gib'):.2f}"   # noqa: E731
+                             if get(v, "peak_allocated_gib") is not None else "")
+            mem.append(f"| {_label(point)} | {c['call']} | {gib('plain')} | {gib('swift_liger')} | "
+                       f"{gib('liger_kernel')} |")
+            first.append(f"| {_label(point)} | {c['call']} | " + " | ".join(
+                f(get(v, "first_step_s"), "{:.2f}") for v in ("plain", "swift_liger", "liger_kernel")) + " |")
+    return "\n".join(["Tokens/s (median of the measured steps):", "", *speed, "",
+                      "Peak allocated / reserved GiB:", "", *mem, "", "First step, s:", "", *first, ""])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--call", nargs=3, action="append", metavar=("DIR", "COMMIT", "COMMAND"), required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--tables", action="store_true", help="also print the markdown tables (speed, memory, first "
+                    "step) of every point, for the report's .md")
     args = ap.parse_args()
     calls = [{"call": i + 1, "commit": c, "command": cmd, "points": load(d)} for i, (d, c, cmd) in enumerate(args.call)]
     with open(args.out + ".json", "w") as f:
         json.dump({"calls": calls}, f, indent=1)
+    if args.tables:
+        print(tables(calls))
     bars = []   # (label, vs plain, vs liger)
     for c in calls:
         for point, p in c["points"].items():
