@@ -1,7 +1,7 @@
 """Merge the CLI results of `tools/gpu_call_graphs.sh` calls (each call's calls.tgz unpacked into a directory) into
 one JSON, and plot --use_liger's speed-up over plain and over --use_liger_kernel per point (rows measured in the same
 call only); --tables prints the report's markdown tables.
-    python3 tools/graph_calls_report.py --call DIR COMMIT "COMMAND" [--call ...] --out docs/benchmarks/NAME [--tables]"""
+    python3 tools/graph_calls_report.py --call DIR COMMIT "CMD" [--call ...] --out docs/benchmarks/NAME [--tables]"""
 import argparse
 import glob
 import json
