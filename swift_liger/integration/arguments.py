@@ -53,6 +53,8 @@ ENV_VARS = {   # every environment variable swift_liger reads, checked in valida
                                "replay their compiled launcher, ~7 us less host time per launch)",
     "SWIFT_LIGER_GRAPH_LAYERS": "measure (default: graph_layers times each batch shape eager vs replayed and keeps the "
                                 "faster) or always (replay every replayable shape untimed, for benchmarks)",
+    "SWIFT_LIGER_COMPILE_AHEAD": "1 compiles a new batch shape's decoder-layer kernels on a thread pool before its "
+                                 "first call (graph_layers; off by default until measured on a GPU)",
     "SWIFT_LIGER_ALLOW_UNTESTED_VERSIONS": "1 warns instead of refusing torch, triton, transformers or ms-swift "
                                            "versions outside the tested ranges (swift_liger/versions.py)",
     "SWIFT_LIGER_FP8_EMULATE": "1 lets liger_fp8_base run without an FP8 GPU, on CPU through torch's reference FP8 "
@@ -304,6 +306,9 @@ def check_environment() -> None:
     emulate = os.environ.get("SWIFT_LIGER_FP8_EMULATE")
     if emulate is not None and emulate.strip() not in ("0", "1", ""):
         raise ValueError(f"SWIFT_LIGER_FP8_EMULATE must be 0 or 1, got {emulate!r}")
+    ahead = os.environ.get("SWIFT_LIGER_COMPILE_AHEAD")
+    if ahead is not None and ahead.strip() not in ("0", "1", ""):
+        raise ValueError(f"SWIFT_LIGER_COMPILE_AHEAD must be 0 or 1, got {ahead!r}")
     graphs = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS")
     if graphs is not None and graphs.strip() not in ("measure", "always"):
         raise ValueError(f"SWIFT_LIGER_GRAPH_LAYERS must be measure or always, got {graphs!r}")

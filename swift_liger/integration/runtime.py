@@ -150,6 +150,12 @@ def describe(snap: dict, when: str = "in the first step") -> list:
                 f"{graphs['captures']} captured ({graphs['capture_s']:.1f} s: a layer's first call per batch shape"
                 + "".join(f"; {k.replace('_', ' ')} {v:.2f}" for k, v in (graphs.get("capture_parts_s") or {}).items()
                           if v >= 0.005) + ")")
+        if graphs.get("compiled_ahead") is not None:
+            line += (f"; {graphs['compiled_ahead']} kernels compiled ahead on a thread pool"
+                     + (f" ({graphs['compile_ahead_failed']} failed there)" if graphs.get("compile_ahead_failed")
+                        else ""))
+        if graphs.get("compile_ahead_error"):
+            line += f"; the compile-ahead pass stopped ({graphs['compile_ahead_error']})"
         if graphs["eager"]:
             line += "; run eagerly: " + "; ".join(f"{n} x {why}" for why, n in graphs["eager"].items())
         if graphs.get("measured"):

@@ -54,6 +54,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..ops import _launch
+
 MAX_KEYS = 8            # keys kept per model (static buffers) and per layer (graphs), least recently used dropped
 MEASURE_REPS = 3        # a new key: its first layer timed eagerly and replayed in this many interleaved rounds
 MEASURE_CALLS = 3       # of this many calls each
@@ -314,6 +316,10 @@ class LayerGraphs:
             if self.backend is None:
                 self.backend = type(self).backend_for(dev)
             t0 = time.perf_counter()
+            if self.shared.compile_ahead and key not in self.shared.ahead_keys:
+                self.shared.ahead_keys.add(key)
+                self._compile_ahead(layer, call, hidden_states, cos, sin, mask, position_ids)
+                t0 = self._spent("compile_ahead", t0)
             bound = key not in self.shared.slots and self._gpu_bound(self.backend, layer, call, padded, hidden_states,
                                                                      cos, sin, mask, position_ids, key)
             self._spent("eager_timing", t0)
@@ -345,8 +351,38 @@ class LayerGraphs:
         """Adds the host seconds since `since` to the first-call cost (capture_s) and its part; returns now."""
         now = time.perf_counter()
         self.stats["capture_s"] += now - since
-        self.stats["capture_parts_s"][part] += now - since
+        parts = self.stats["capture_parts_s"]
+        parts[part] = parts.get(part, 0.0) + now - since   # "compile_ahead" only where it ran
         return now
+
+    def _compile_ahead(self, layer, call, hidden, cos, sin, mask, pos) -> None:
+        """SWIFT_LIGER_COMPILE_AHEAD=1 (off until measured on a GPU), before a new key's first eager call: the
+        layer's forward with autograd off (a reentrant checkpoint's first pass) and on, and its backward, inside
+        ops._launch.compile_ahead, so every kernel of ours those passes launch compiles on a thread pool, side by
+        side, instead of one after another at its first launch (13 kernels took 3.3-4.1 s of a cold first step at
+        Qwen2.5-7B 8k: swift_cli_large_lora_h100.md). Our kernels do not run there; torch's ops run on their
+        unwritten outputs, which nothing reads on the host. The RNG state and the parameters' gradients stay as
+        they were; an error leaves the compiles to the real calls."""
+        be, dev = self.backend, hidden.device
+        rng = be.rng_state(dev)
+        params = tuple(p for p in layer.parameters() if p.requires_grad)
+        try:
+            with _launch.compile_ahead() as ahead:
+                with torch.no_grad():
+                    call(layer, hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+                with torch.enable_grad():
+                    h = hidden.detach().requires_grad_()
+                    out = call(layer, h, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
+                    out = out[0] if isinstance(out, tuple) else out
+                    torch.autograd.grad(out, (h,) + params, torch.zeros_like(out), allow_unused=True)
+                    del out, h
+            if ahead is not None:
+                self.stats["compiled_ahead"] = (self.stats["compiled_ahead"] or 0) + len(ahead.futures)
+                self.stats["compile_ahead_failed"] += ahead.failed
+        except Exception as exc:   # noqa: BLE001 - the real calls compile (and raise) what this pass missed
+            self.stats["compile_ahead_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        finally:
+            be.set_rng_state(rng, dev)
 
     @staticmethod
     def _unreplayable(layer) -> Optional[str]:
@@ -538,7 +574,7 @@ PARTS = ("eager_timing", "warm_up", "capture_forward", "capture_backward", "rele
 
 def new_stats() -> dict:
     return {"captures": 0, "capture_s": 0.0, "capture_parts_s": dict.fromkeys(PARTS, 0.0), "replays": 0, "eager": {},
-            "measured": []}
+            "measured": [], "compiled_ahead": None, "compile_ahead_failed": 0, "compile_ahead_error": None}
 
 
 class Shared:
@@ -551,6 +587,9 @@ class Shared:
         self.members: list = []  # the LayerGraphs of the model's layers
         # SWIFT_LIGER_GRAPH_LAYERS=always replays every replayable key without timing it (benchmarks)
         self.measure = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS", "measure").strip() != "always"
+        # SWIFT_LIGER_COMPILE_AHEAD=1: a new key's kernels compile side by side first (LayerGraphs._compile_ahead)
+        self.compile_ahead = os.environ.get("SWIFT_LIGER_COMPILE_AHEAD", "0").strip() == "1"
+        self.ahead_keys: set = set()
 
     def __deepcopy__(self, memo):   # a copied model starts empty
         return type(self)()

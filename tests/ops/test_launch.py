@@ -326,3 +326,61 @@ def test_row_count_changes_compile_nothing_new():
     for rows in (63, 48, 2049):
         step(rows)
     assert compiled() == before
+
+
+class _Warmups:
+    """A kernel that records warm-ups (on which thread) and refuses to launch."""
+    pre_run_hooks = []
+
+    def __init__(self, fail_on=None):
+        import threading
+        self.lock, self.calls, self.fail_on = threading.Lock(), [], fail_on
+
+    def warmup(self, *args, grid, **meta):
+        import threading
+        import time
+        time.sleep(0.02)   # the block's exit must wait for it
+        if self.fail_on is not None and args[1] == self.fail_on:
+            raise RuntimeError("compile error")
+        with self.lock:
+            self.calls.append((args[1], grid, meta, threading.get_ident()))
+
+    def __getitem__(self, grid):
+        raise AssertionError("a launch inside compile_ahead")
+
+
+def test_compile_ahead_compiles_once_per_signature_on_the_pool_and_launches_nothing(monkeypatch):
+    """Inside compile_ahead: no launch from any thread (autograd's backward runs in its own), one warm-up per call
+    site and signature on the pool's threads, all finished when the block ends, a failing compile counted and left
+    to the real launch; outside, launches go through as before; nested blocks share the outer one."""
+    import threading
+    monkeypatch.setattr(_launch._common, "INTERPRET", False)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    kernel = _Warmups(fail_on=33)
+    fl = _launch.FastLaunch(kernel)
+    t = torch.zeros(64)
+    with _launch.compile_ahead(workers=3) as ahead:
+        fl.launch((4,), t, 16, BLOCK=32)
+        fl.launch((8,), t, 32, BLOCK=32)          # the same signature (16 and 32: multiples of 16): not again
+        fl.launch((4,), t, 17, BLOCK=32)          # another one
+        fl.launch((4,), t, 16, BLOCK=64)          # another constexpr
+        fl.launch((4,), t, 33, BLOCK=256)         # fails to compile: counted, not raised
+        other = threading.Thread(target=fl.launch, args=((4,), t, 18), kwargs={"BLOCK": 128})
+        other.start()
+        other.join()
+        with _launch.compile_ahead() as inner:
+            assert inner is ahead
+    assert _launch._AHEAD is None
+    assert sorted((c[0], c[2]["BLOCK"]) for c in kernel.calls) == [(16, 32), (16, 64), (17, 32), (18, 128)]
+    assert len(ahead.futures) == 5 and ahead.failed == 1
+    assert all(c[3] != threading.get_ident() for c in kernel.calls)
+    with pytest.raises(AssertionError, match="a launch inside"):   # outside the block: a real launch again
+        fl.launch((4,), t, 16, BLOCK=32)
+
+
+def test_compile_ahead_is_a_no_op_under_the_interpreter():
+    """Nothing compiles under TRITON_INTERPRET=1: the block yields None and launches run as they would."""
+    if not _launch._common.INTERPRET:
+        pytest.skip("the interpreter is off")
+    with _launch.compile_ahead() as ahead:
+        assert ahead is None and _launch._AHEAD is None

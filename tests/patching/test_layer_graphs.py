@@ -135,6 +135,34 @@ def test_replayed_layers_match_eager_over_lengths(backend, dropout):
     assert not s["eager"], s
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_compile_ahead_pass_changes_nothing(backend, monkeypatch, dropout):
+    """SWIFT_LIGER_COMPILE_AHEAD=1: before each new key's first call, one pass of the layer (autograd off, then on,
+    and its backward) inside ops._launch.compile_ahead; losses, every adapter gradient and the dropout draws stay
+    the eager run's (the RNG state is restored, no gradient lands on a parameter). On the GPU our kernels only
+    compile there; on CPU the pass runs the reference ops."""
+    monkeypatch.setenv("SWIFT_LIGER_COMPILE_AHEAD", "1")
+    entered = []
+    real = layer_graphs._launch.compile_ahead
+
+    @contextlib.contextmanager
+    def spy(*args, **kwargs):
+        with real(*args, **kwargs) as ahead:
+            entered.append(ahead)
+            yield ahead
+    monkeypatch.setattr(layer_graphs._launch, "compile_ahead", spy)
+    eager, graphed = models(backend, dropout)
+    g = torch.Generator().manual_seed(0)
+    for i, n in enumerate([16, 16, 32, 16]):
+        ids = torch.randint(2, 128, (2, n), generator=g).to(backend)
+        assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i))
+    s = stats(graphed)
+    assert len(entered) == 2 and s["capture_parts_s"]["compile_ahead"] > 0, s   # once per key: 16 and 32 tokens
+    assert s["compile_ahead_error"] is None and s["compile_ahead_failed"] == 0, s
+    if GPU:
+        assert all(a is not None for a in entered)
+
+
 def test_padding_mask_rows_match_eager(backend):
     device = backend
     eager, graphed = models(device)
