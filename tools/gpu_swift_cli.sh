@@ -8,6 +8,7 @@
 #   SHAPE=qwen2.5-7b SEQ=4096 TASKS="dpo orpo" GA=4         preference pairs of 2 x ~4k tokens
 #   BATCH=8 SEQ=512                                          8 rows of ~448 tokens per step (default batch 1)
 #   EXTRA="--label_smoothing_factor 0.1" NAME=...              more swift flags for every run (name the report apart)
+#   COLD_TRITON=1                                                every run with an empty Triton cache of its own (cold first steps)
 #   TUNER=full  VARIANTS="swift_liger plain"  VARIANTS_orpo="plain"  STEPS=8 WARMUP=3  DEADLINE=530 (whole call, s)
 #   TEST_PATHS="tests/ops/test_logprobs_op.py ..."              run these tests on the GPU first (SWIFT_LIGER_TEST_GPU=1)
 #   TASKS=grpo SEQ=2048                                      8 completions of 2048 tokens per prompt (instant rollout)
@@ -68,7 +69,7 @@ for task in "${TASK_LIST[@]}"; do
     echo "== $task $TUNER $v (timeout ${t}s, at ${SECONDS}s)"
     timeout $((t + 20)) python3 -m swift_liger.bench.swift_cli run "$M/model" "$data" --task "$task" --tuner "$TUNER" \
       --grad-accum "$GA" "${TEACHER[@]}" --variant "$v" --out "$R" --steps "$STEPS" --warmup "$WARMUP" --seq "$SEQ" --timeout "$t" \
-      ${BATCH:+--extra=--per_device_train_batch_size=$BATCH} ${EXTRA:+--extra="$EXTRA"} \
+      ${BATCH:+--extra=--per_device_train_batch_size=$BATCH} ${EXTRA:+--extra="$EXTRA"} ${COLD_TRITON:+--cold-triton} \
       2>&1 | grep -v "^\[$v\] -m swift" | cut -c1-300
     rc=${PIPESTATUS[0]}
     cp "$R/$stem.json" "$R/$stem.log" "$R/$stem.logging.jsonl" "$R/$stem.liger_patch.json" "$OUT/swift_cli/" 2>/dev/null

@@ -38,6 +38,7 @@ import shlex
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -52,7 +53,7 @@ VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_graphs_alw
             "swift_liger_ce_off", "swift_liger_ce_fused",
             "swift_liger_compiled", "swift_liger_long_context",
             "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel",
-            "swift_liger_rollout_eager", "swift_liger_fp8", "swift_liger_cudnn")
+            "swift_liger_rollout_eager", "swift_liger_fp8", "swift_liger_cudnn", "swift_liger_compile_ahead")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
                  "swift_liger_graphs_always": ["--use_liger"],
@@ -67,7 +68,8 @@ VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "liger_kernel": ["--use_liger_kernel", "true"],
                  "swift_liger_rollout_eager": ["--use_liger", "--liger_rolling_cache", "none"],
                  "swift_liger_fp8": ["--use_liger", "--liger_fp8_base", "true"],
-                 "swift_liger_cudnn": ["--use_liger", "--liger_cudnn_attention", "true"]}
+                 "swift_liger_cudnn": ["--use_liger", "--liger_cudnn_attention", "true"],
+                 "swift_liger_compile_ahead": ["--use_liger"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
                   "swift_liger_eager": "`--use_liger --liger_graph_layers false`",
                   "swift_liger_graphs_always": "`--use_liger`, graphs at every shape (SWIFT_LIGER_GRAPH_LAYERS=always)",
@@ -84,8 +86,10 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                                                "cache)",
                   "swift_liger_fp8": "`--use_liger --liger_fp8_base true` (FP8 frozen LoRA bases)",
                   "swift_liger_cudnn": "`--use_liger --liger_cudnn_attention true` (SDPA cuDNN-first where it times "
-                                       "faster)"}
-VARIANT_ENV = {"swift_liger_graphs_always": {"SWIFT_LIGER_GRAPH_LAYERS": "always"}}
+                                       "faster)",
+                  "swift_liger_compile_ahead": "`--use_liger`, SWIFT_LIGER_COMPILE_AHEAD=1"}
+VARIANT_ENV = {"swift_liger_graphs_always": {"SWIFT_LIGER_GRAPH_LAYERS": "always"},
+               "swift_liger_compile_ahead": {"SWIFT_LIGER_COMPILE_AHEAD": "1"}}
 SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
                      "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
 SHAPES = {name: dims for name, dims in shapes.SHAPES.items() if dims.family in SWIFT_MODEL_FLAGS and name != "tiny"}
@@ -346,8 +350,15 @@ def run(args) -> dict:
     env = dict(os.environ, **OFFLINE_ENV, **VARIANT_ENV.get(args.variant, {}))
     env["SWIFT_LIGER_BENCH_ROLLOUT"] = args.rollout   # read by grpo_plugin.py
     env.pop("SWIFT_LIGER_DISABLE_HOOK", None)
+    cold = None
+    if args.cold_triton:   # a first step as on a fresh machine: nothing of Triton's on-disk cache to load
+        cold = env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"triton_cache_{name}_", dir=args.out)
     print(f"[{args.variant}] {shlex.join(cmd[1:])}", flush=True)
-    child = run_child(cmd, timeout=args.timeout, env=env, log_path=log_path, grace=15)
+    try:
+        child = run_child(cmd, timeout=args.timeout, env=env, log_path=log_path, grace=15)
+    finally:
+        if cold:
+            shutil.rmtree(cold, ignore_errors=True)
     rc, timed_out, wall = child.returncode, child.timed_out, child.seconds
     with open(log_path, errors="replace") as log:
         log_text = log.read()
@@ -548,6 +559,8 @@ def main(argv=None):
     r.add_argument("--seq", type=int, default=8192, help="--max_length")
     r.add_argument("--timeout", type=float, default=None, help="kill the run after this many seconds")
     r.add_argument("--cpu", action="store_true", help="add " + " ".join(CPU_FLAGS))
+    r.add_argument("--cold-triton", action="store_true", help="run with an empty TRITON_CACHE_DIR of its own (a "
+                   "fresh machine's first step: every kernel compiles)")
     r.add_argument("--extra", action="append", help="more swift flags, one shell-quoted string (repeatable)")
     p = sub.add_parser("report", help="merge DIR/<variant>.json into OUT/<name>.json and .md")
     p.add_argument("dir")

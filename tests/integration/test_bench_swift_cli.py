@@ -34,7 +34,7 @@ def runs(tmp_path_factory, monkeypatch_module):
     rc_grpo = swift_cli.main(["run", f"{student}/model", f"{student}/grpo.jsonl", "--task", "grpo", "--seq",
                               str(COMPLETION), "--generations", str(GENERATIONS), *common])
     rc_gkd = swift_cli.main(["run", f"{student}/model", f"{student}/sft.jsonl", "--task", "gkd", "--teacher",
-                             f"{teacher}/model", "--seq", "256", *common])
+                             f"{teacher}/model", "--seq", "256", "--cold-triton", *common])
     load = lambda name: json.load(open(os.path.join(out, f"{name}.json")))   # noqa: E731
     return {"root": root, "out": out, "student": student, "rc": (rc_grpo, rc_gkd),
             "grpo": load("grpo_lora_swift_liger"), "gkd": load("gkd_lora_swift_liger")}
@@ -81,6 +81,13 @@ def test_reports_describe_the_rlhf_tasks(runs, tmp_path):
     assert grpo == gkd == 0
     assert f"{GENERATIONS} completions of exactly {COMPLETION} tokens" in (tmp_path / "g.md").read_text()
     assert "a random-init teacher (qwen2.5-7b-shaped" in (tmp_path / "k.md").read_text()
+
+
+def test_cold_triton_cache_is_the_runs_own_and_removed(runs):
+    """--cold-triton (the gkd run): the child got an empty TRITON_CACHE_DIR under --out, gone after the run."""
+    log = open(os.path.join(runs["out"], "gkd_lora_swift_liger.log")).read()
+    assert runs["rc"][1] == 0 and log
+    assert not [d for d in os.listdir(runs["out"]) if d.startswith("triton_cache_")]
 
 
 def test_gkd_without_a_teacher_is_refused():
