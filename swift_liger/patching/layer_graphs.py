@@ -62,6 +62,7 @@ MEASURE_CALLS = 3       # of this many calls each
 SPIN_CYCLES = 50_000_000  # GPU clock cycles (~25 ms) the timed calls queue behind
 MARGIN = 0.05           # replays must be this much faster than eager calls to be kept (they cost memory)
 GPU_BOUND = 0.5         # a new key whose eager host time is below this share of its GPU time is not captured
+RETIME_BELOW = 0.8      # a host time between GPU_BOUND and this share of the GPU time is timed once more
 RECHECK_AT = 5          # a key kept for graphs is timed again at its timing layer's 5th replayed first pass
 SMALL_TRAINABLE = 0.25  # trainable parameters up to this share of the layer's elements (adapters) replay
 
@@ -502,7 +503,9 @@ class LayerGraphs:
         timed round. Where the host issues it in under GPU_BOUND of the GPU's time to run it, a replay (the same
         kernels plus the input copies) cannot come out MARGIN faster: the key runs eagerly in every layer and nothing
         is captured (at Qwen2.5-7B, 8k tokens, host 2.2 vs GPU 7.4 ms per layer, the capture and its timing cost
-        1.1-1.8 s of the first step). Otherwise the capture and the interleaved timing decide, as before."""
+        1.1-1.8 s of the first step). Otherwise the capture and the interleaved timing decide, as before. A host time
+        between GPU_BOUND and RETIME_BELOW of the GPU's is timed once more and the lower one counts: the first step's
+        host times run high (7B 8k on an H100: 3.11 ms host against 7.18 GPU at the later timing, yet captured)."""
         if not self.shared.measure or be.timer is None:
             return False
         dev = hidden.device
@@ -512,6 +515,8 @@ class LayerGraphs:
             with torch.no_grad():
                 _eager_calls(layer, call, hidden, cos, sin, mask, pos, 1)()
                 host, gpu = (t / MEASURE_CALLS for t in be.timer(eager))
+                if GPU_BOUND * gpu <= host < RETIME_BELOW * gpu:   # near the line: once more, the lower host time
+                    host = min(host, be.timer(eager)[0] / MEASURE_CALLS)
         finally:
             be.set_rng_state(rng, dev)
         if not host < GPU_BOUND * gpu:
