@@ -132,8 +132,9 @@ def compile_ahead(workers: int = 8) -> Iterator[_Ahead]:
     specialization, so the later launch finds it built), several at once, and leaving the block waits for all of them.
     Triton's compiles spend much of their time outside the GIL (LLVM, ptxas): ~1.45x on 2 CPU cores here, measured
     with 4 RMSNorm variants. The skipped launches leave their outputs unwritten: only code whose host side never reads
-    them (no .item(), no data-dependent shapes) may run inside. A compile that fails is counted and left to the real
-    launch, which raises it. Not under the Triton interpreter (nothing compiles there): the block runs launches."""
+    them (no .item(), no data-dependent shapes) may run inside, and no other thread may be launching our kernels
+    meanwhile (theirs would be skipped too). A compile that fails is counted and left to the real launch, which raises
+    it. Not under the Triton interpreter (nothing compiles there): the block runs launches."""
     global _AHEAD
     if _AHEAD is not None or _common.INTERPRET:
         yield _AHEAD
