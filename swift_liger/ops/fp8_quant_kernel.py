@@ -45,9 +45,12 @@ def launch_config(k: int, device) -> Fp8QuantConfig:
     """BLOCK = next power of two of K up to 4096 (Qwen2.5-7B rows of 3584 take one step, 18944 five a pass);
     4 warps up to 2048 elements, 8 above; one row per program. Every device. H200: 68 us for 8192 x 3584 bf16
     (1.3 TB/s of its minimum bytes, a third of the copy speed; `hw_cvt` and `rows` > 1 are the levers to measure:
-    tools/fp8_profile.py times both)."""
+    tools/fp8_profile.py times both). Under the interpreter (CPU) 32 rows per program: the interpreter's cost is per
+    program (128 x 64 bf16: 560 ms with one row per program, 18 ms with 32), and the CPU end-to-end FP8 tests
+    quantize hundreds of times."""
     block = min(4096, max(16, triton.next_power_of_2(max(1, k))))
-    return _common.apply_override(__name__, None, Fp8QuantConfig(block, 4 if block <= 2048 else 8))
+    rows = 1 if _common.target(device).type == "cuda" else 32
+    return _common.apply_override(__name__, None, Fp8QuantConfig(block, 4 if block <= 2048 else 8, rows))
 
 
 @triton.jit
