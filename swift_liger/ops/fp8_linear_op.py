@@ -44,12 +44,20 @@ aten = torch.ops.aten
 CHUNK_BYTES = 256 << 20
 
 
-def _quantize(x2: torch.Tensor, fold: Optional[torch.Tensor]):
+def _quantize(x2: torch.Tensor, fold: Optional[torch.Tensor], reciprocal: bool = False):
     xf = x2.float() if fold is None else x2.float().mul_(fold)
     amax = torch.linalg.vector_norm(xf, float("inf"), dim=1, keepdim=True)
     # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, 1 ulp off IEEE's quotient
     scale = amax.clamp_(min=_TINY).div_(torch.full_like(amax, FP8_MAX))
-    return xf.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+    xf = xf.mul_(torch.reciprocal(scale)) if reciprocal else xf.div_(scale)
+    return xf.clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_rows_fast_torch(x2: torch.Tensor, fold: Optional[torch.Tensor] = None):
+    """What fp8_quant_kernel computes with ``Fp8QuantConfig.hw_cvt``, in torch ops (its tests' reference): the same
+    scales as quantize_rows, x * fold times each row's IEEE reciprocal of its scale instead of a division, torch's
+    round-to-nearest-even conversion. x2 [N, K] -> (q [N, K] e4m3, scale [N, 1] fp32)."""
+    return _quantize(x2, fold, reciprocal=True)
 
 
 def quantize_rows(x2: torch.Tensor, fold: Optional[torch.Tensor] = None):

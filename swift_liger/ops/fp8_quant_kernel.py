@@ -14,8 +14,9 @@ rounds float8 stores wrongly (it is what the CPU tests run), and the same code t
 a bf16 element: ~40 integer and float instructions (the IEEE division, the rounding), which at 29M elements
 (8192 x 3584) is ~50 us of an H200's issue rate: the 68 us measured is instruction-bound more than memory-bound.
 ``hw_cvt`` (off until measured on a GPU; CUDA sm_89+ only) multiplies by one IEEE reciprocal per row and converts with
-the hardware's round-to-nearest-even conversion (~8 instructions): codes equal to ``quantize_rows_fast_torch``'s,
-which may differ from the division's by one code where v / scale and v * (1 / scale) round apart.
+the hardware's round-to-nearest-even conversion (~8 instructions): codes equal to
+``fp8_linear_op.quantize_rows_fast_torch``'s, which may differ from the division's by one code where v / scale and
+v * (1 / scale) round apart.
 """
 from __future__ import annotations
 
@@ -159,12 +160,3 @@ def hw_cvt_supported(device: torch.device) -> bool:
     return (device.type == "cuda" and not _common.INTERPRET
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
-
-def quantize_rows_fast_torch(x2: torch.Tensor, fold=None):
-    """What the kernel computes with ``hw_cvt`` in torch ops (its tests' reference): the scale as the kernel's
-    default path has it, x * fold times the row's IEEE reciprocal of the scale, clamped, torch's round-to-nearest-even
-    conversion. x2 [N, K] -> (q [N, K] float8_e4m3fn, scale [N, 1] fp32)."""
-    v = x2.float() * fold if fold is not None else x2.float()
-    scale = torch.clamp_min(v.abs().amax(dim=1, keepdim=True), 1e-12) / torch.tensor(448.0, device=v.device)
-    q = (v * torch.reciprocal(scale)).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return q, scale

@@ -284,7 +284,7 @@ def test_quant_kernel_hw_cvt_equals_its_torch_reference(dtype, n, k, rows):
     _hw_cvt_or_skip()
     from swift_liger.ops import fp8_quant_kernel
     from swift_liger.ops._common import launch_override
-    from swift_liger.ops.fp8_linear_op import quantize_rows_torch
+    from swift_liger.ops.fp8_linear_op import quantize_rows_fast_torch, quantize_rows_torch
     g = torch.Generator().manual_seed(n * k + 1)
     x = (torch.randn(n, k + 3, generator=g) * torch.logspace(-4, 4, n)[:, None]).to(dtype)[:, :k].to(DEVICE)
     x[0, :4] = torch.tensor([0.0, -0.0, 1e-30, 3.0])
@@ -292,7 +292,7 @@ def test_quant_kernel_hw_cvt_equals_its_torch_reference(dtype, n, k, rows):
     for fold in (None, f):
         with inputs_unchanged(x), launch_override(fp8_quant_kernel, None, rows=rows, hw_cvt=True):
             q, s = fp8_quant_kernel.quantize_rows_kernel(x, fold)
-        q_ref, s_ref = fp8_quant_kernel.quantize_rows_fast_torch(x, fold)
+        q_ref, s_ref = quantize_rows_fast_torch(x, fold)
         assert torch.equal(s, s_ref) and torch.equal(s, quantize_rows_torch(x, fold)[1])
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
@@ -327,7 +327,7 @@ def test_quant_fast_reference_is_within_one_code_of_the_division():
     """quantize_rows_fast_torch (hw_cvt's reference) against the default rounding of v / scale: the same scales,
     and codes that differ by at most one step, rarely (only where v / scale and v * (1 / scale) round apart)."""
     from swift_liger.ops.fp8_linear_op import quantize_rows_torch
-    from swift_liger.ops.fp8_quant_kernel import quantize_rows_fast_torch
+    from swift_liger.ops.fp8_linear_op import quantize_rows_fast_torch
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(64, 512, generator=g) * torch.logspace(-3, 3, 64)[:, None]).to(torch.bfloat16)
     q, s = quantize_rows_torch(x)
