@@ -378,7 +378,7 @@ class LayerGraphs:
                     torch.autograd.grad(out, (h,) + params, torch.zeros_like(out), allow_unused=True)
                     del out, h
             if ahead is not None:
-                self.stats["compiled_ahead"] = (self.stats["compiled_ahead"] or 0) + len(ahead.futures)
+                self.stats["compiled_ahead"] = (self.stats["compiled_ahead"] or 0) + len(ahead.futures) - ahead.failed
                 self.stats["compile_ahead_failed"] += ahead.failed
         except Exception as exc:   # noqa: BLE001 - the real calls compile (and raise) what this pass missed
             self.stats["compile_ahead_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
