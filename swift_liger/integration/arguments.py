@@ -596,8 +596,10 @@ def finalize(args) -> None:
             state["notes"].append("cross_entropy=fused_linear: per-token losses for " + ", ".join(weighted)
                                   + " come from hidden states (the fused linear head), not [tokens, vocab] logits")
         elif rlhf_type == "gkd":
+            teacher = ("the top-k log-probs its teacher server returns" if getattr(args, "teacher_model_server", None)
+                       else "the teacher's hidden states")
             state["notes"].append("cross_entropy=fused_linear: the gkd trainer computes its divergence from the "
-                                  "student's and the teacher's hidden states (ops.fused_linear_jsd)")
+                                  f"student's hidden states and {teacher} (ops.fused_linear_jsd)")
         elif rlhf_type in PREFERENCE_RLHF:
             state["notes"].append(f"cross_entropy=fused_linear: the {rlhf_type} trainer takes its log-probs from "
                                   "hidden states (ops.fused_linear_logprobs), for the policy and the reference pass")

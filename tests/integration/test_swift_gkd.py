@@ -8,13 +8,20 @@ Cases: LoRA JSD (beta 0.5, temperature 0.9) through the real Triton kernels in t
 with forward KL (beta 0) plus the student's own loss (sft_alpha 0.5); reverse KL (beta 1) on the student's own
 generations (lmbda 1: ms-swift's pt engine generates on CPU, logits there are the decoder's) on the CPU reference
 backend (SWIFT_LIGER_BACKEND=torch); top-k distillation (--gkd_logits_topk 8: the divergence over the teacher's 8
-largest logits per token) on the reference backend.
+largest logits per token) on the reference backend; a teacher served by API (--teacher_model_server: the same
+tiny teacher behind teacher_server.py's HTTP routes, the top-k log-probs of every position arriving with the batch)
+through the real kernels.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 
-from swift_runner import CPU_FLAGS, compare_metrics, model_vocab, paired_specs, run_probed
+from swift_runner import CPU_FLAGS, compare_metrics, model_vocab, paired_specs, run_probed, swift_env
 
 pytestmark = pytest.mark.slow
 
@@ -28,18 +35,51 @@ CASES = {
     "rkl_on_policy": (["--tuner_type", "lora", "--beta", "1", "--lmbda", "1", "--max_completion_length", "8"],
                       "torch"),
     "topk_lora": (["--tuner_type", "lora", "--beta", "0.5", "--gkd_logits_topk", "8", "--lmbda", "0"], "torch"),
+    "api_topk_lora": (["--tuner_type", "lora", "--beta", "0.5", "--gkd_logits_topk", "8", "--lmbda", "0"], "triton"),
 }
+# ms-swift's teacher client refuses to post without vllm installed (it only needs HTTP): the API case lifts that check
+CLIENT_PLUGIN = """import swift.rlhf_trainers.vllm_client as client
+client.is_vllm_available = lambda: True
+"""
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_qwen3, tiny_llama, tmp_path_factory):
+def teacher_server(tiny_llama, tmp_path_factory):
+    """The tiny teacher behind teacher_server.py on a free port, encoding with the student's template (as a served
+    teacher of the student's family would): (url, plugin path, count file)."""
+    root = tmp_path_factory.mktemp("teacher_server")
+    port_file = str(root / "port")
+    env = swift_env()
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "teacher_server.py"),
+                             tiny_llama["model"], "llama", "qwen3", port_file], env=env,
+                            stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            if os.path.exists(port_file) or proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert os.path.exists(port_file), (root / "server.log").read_text()[-2000:]
+        (root / "plugin.py").write_text(CLIENT_PLUGIN)
+        with open(port_file) as f:
+            yield f"http://127.0.0.1:{f.read()}", str(root / "plugin.py"), port_file + ".count"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen3, tiny_llama, teacher_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("gkd_runs")
     base = [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *CPU_FLAGS, "--rlhf_type", "gkd",
-            "--teacher_model", tiny_llama["model"], "--teacher_model_type", "llama",
             "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2", "--max_length", "64",
             "--max_steps", str(STEPS), "--report_to", "none", "--learning_rate", "1e-4", "--save_strategy", "no",
             "--use_vllm", "false"]
-    cases = {name: (base + flags, backend) for name, (flags, backend) in CASES.items()}
+    url, plugin, _ = teacher_server
+    teacher = {"local": ["--teacher_model", tiny_llama["model"], "--teacher_model_type", "llama"],
+               "api": ["--teacher_model_server", url, "--external_plugins", plugin]}
+    cases = {name: (base + teacher["api" if name.startswith("api") else "local"] + flags, backend)
+             for name, (flags, backend) in CASES.items()}
     return run_probed("rlhf", paired_specs(cases, root, model_vocab(tiny_qwen3["model"])), root)
 
 
@@ -63,6 +103,17 @@ def test_divergence_from_hidden_states_and_the_record_says_so(runs, case):
     assert "in the first step GKDTrainer computed 2 distillation losses (generalized JSD) from hidden states (the " \
            "student's; the teacher's, or its top-k log-probs when served by API; no [tokens, vocab] logits) and 0 " \
            "from materialised logits" in liger.log
-    assert "teacher model: cross_entropy=fused_linear for GKD's divergence from its hidden states" in liger.log
+    if case.startswith("api"):   # no teacher model in the process: its top-k log-probs came over HTTP
+        assert "the top-k log-probs its teacher server returns" in liger.log
+        assert "teacher model:" not in liger.log
+    else:
+        assert "teacher model: cross_entropy=fused_linear for GKD's divergence from its hidden states" in liger.log
     if "on_policy" not in case:   # generation decodes through logits; the training passes do not
         assert base.probe["lm_head_logits"] > 0 and liger.probe["lm_head_logits"] == 0, (base.probe, liger.probe)
+
+
+def test_the_api_teacher_scored_every_micro_batch(runs, teacher_server):
+    """Both API runs posted each micro-batch's rows to the server (3 steps x 2 micro-batches x 1 row each)."""
+    runs["api_topk_lora_base"].check(), runs["api_topk_lora_liger"].check()
+    with open(teacher_server[2]) as f:
+        assert sum(int(n) for n in f.read().split()) == 2 * STEPS * 2
