@@ -121,8 +121,8 @@ def _fp8_quant_rows_kernel(x_ptr, fold_ptr, q_ptr, scale_ptr, N, K, stride_x, HA
             amax = tl.maximum(amax, tl.abs(_load_block(x_row, fold_ptr, offs, offs < K, HAS_FOLD)))
         scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
         tl.store(scale_ptr + row, scale)
-        if HW_CVT:   # the row's IEEE reciprocal, once (as a block: BLOCK divisions per row, not K)
-            inv = tl.div_rn(tl.full([BLOCK], 1.0, tl.float32), tl.full([BLOCK], 0.0, tl.float32) + scale)
+        if HW_CVT:   # the row's IEEE reciprocal, once
+            inv = tl.div_rn(tl.full([], 1.0, tl.float32), scale)
         else:
             inv = scale
         for k0 in range(0, K, BLOCK):                 # the row again: the quantization
