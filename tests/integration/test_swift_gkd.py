@@ -14,14 +14,9 @@ through the real kernels.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-
 import pytest
 
-from swift_runner import CPU_FLAGS, compare_metrics, model_vocab, paired_specs, run_probed, swift_env
+from swift_runner import CPU_FLAGS, compare_metrics, model_vocab, paired_specs, run_probed
 
 pytestmark = pytest.mark.slow
 
@@ -37,37 +32,6 @@ CASES = {
     "topk_lora": (["--tuner_type", "lora", "--beta", "0.5", "--gkd_logits_topk", "8", "--lmbda", "0"], "torch"),
     "api_topk_lora": (["--tuner_type", "lora", "--beta", "0.5", "--gkd_logits_topk", "8", "--lmbda", "0"], "triton"),
 }
-# ms-swift's teacher client refuses to post without vllm installed (it only needs HTTP): the API case lifts that check
-CLIENT_PLUGIN = """import swift.rlhf_trainers.vllm_client as client
-client.is_vllm_available = lambda: True
-"""
-
-
-@pytest.fixture(scope="module")
-def teacher_server(tiny_llama, tmp_path_factory):
-    """The tiny teacher behind teacher_server.py on a free port, encoding with the student's template (as a served
-    teacher of the student's family would): (url, plugin path, count file)."""
-    root = tmp_path_factory.mktemp("teacher_server")
-    port_file = str(root / "port")
-    env = swift_env()
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "teacher_server.py"),
-                             tiny_llama["model"], "llama", "qwen3", port_file], env=env,
-                            stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT)
-    try:
-        for _ in range(600):
-            if os.path.exists(port_file) or proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        assert os.path.exists(port_file), (root / "server.log").read_text()[-2000:]
-        (root / "plugin.py").write_text(CLIENT_PLUGIN)
-        with open(port_file) as f:
-            yield f"http://127.0.0.1:{f.read()}", str(root / "plugin.py"), port_file + ".count"
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_qwen3, tiny_llama, teacher_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("gkd_runs")

@@ -132,16 +132,21 @@ LOSS_TYPES = {"bnpo": [], "dapo": ["--beta", "0"], "cispo": [], "sapo": []}
 
 
 @pytest.fixture(scope="module")
-def loss_runs(tiny_qwen3, tiny_llama, tmp_path_factory):
+def loss_runs(tiny_qwen3, tiny_llama, teacher_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_loss_runs")
     argv = grpo_argv(tiny_qwen3, root)
     cases = {loss_type: ["--loss_type", loss_type, *extra] for loss_type, extra in LOSS_TYPES.items()}
     # OPD-RL: a teacher model's per-token log-probs of the sampled tokens join the advantage
     cases["teacher"] = ["--teacher_model", tiny_llama["model"], "--teacher_model_type", "llama"]
+    cases["teacher_api"] = ["--teacher_model_server", teacher_server[0]]   # the same teacher, served by HTTP
     specs = {}
     for name, extra in cases.items():
-        specs[f"{name}_base"] = (argv + extra, swift_env())
-        specs[f"{name}_liger"] = (argv + extra + ["--use_liger"], liger_env())
+        run_argv = list(argv)
+        if name == "teacher_api":   # the client plugin beside the reward plugin
+            at = run_argv.index("--external_plugins") + 2
+            run_argv[at:at] = [teacher_server[1]]
+        specs[f"{name}_base"] = (run_argv + extra, swift_env())
+        specs[f"{name}_liger"] = (run_argv + extra + ["--use_liger"], liger_env())
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
         return {n: f.result() for n, f in futures.items()}
@@ -167,6 +172,20 @@ def test_teacher_log_probs_from_hidden_states(loss_runs):
     passes = runtime["trainer"]["log_prob_passes"]
     assert passes["fused_linear_logprobs_no_grad"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
     assert "teacher model: cross_entropy=fused_linear for GRPO's teacher log-probs (OPD-RL)" in liger.log
+
+
+def test_teacher_served_by_api(loss_runs, teacher_server):
+    """OPD-RL with --teacher_model_server: the sampled tokens' teacher log-probs arrive over HTTP, the policy's come
+    from hidden states; every metric, teacher_kl included, equals the unpatched run's, and both runs asked the
+    server."""
+    base, liger = loss_runs["teacher_api_base"].check(), loss_runs["teacher_api_liger"].check()
+    compared = compare_metrics(base.steps(), liger.steps(), NOT_COMPARED)
+    assert {"loss", "grad_norm", "reward", "teacher_kl"} <= compared, compared
+    passes = liger.patch_record()["runtime"]["total"]["trainer"]["log_prob_passes"]
+    assert passes["fused_linear_logprobs"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
+    assert "teacher model:" not in liger.log
+    with open(teacher_server[2]) as f:
+        assert len(f.read().split()) >= 2 * 2   # each run posts at least once per step
 
 
 def test_grpo_logs_tokens_and_completion_tokens_per_second(runs):
