@@ -32,6 +32,8 @@ def swift_env(**extra) -> dict:
         env.pop(key, None)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
+    for key in ("NO_PROXY", "no_proxy"):   # the API-teacher tests talk to a server on 127.0.0.1: never via a proxy
+        env[key] = ",".join(p for p in (env.get(key), "127.0.0.1", "localhost") if p)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
