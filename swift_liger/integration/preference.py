@@ -326,9 +326,10 @@ class GKDSeam(_Seam):
             return self._liger_gkd_on_logits(model, inputs, return_outputs, num_items_in_batch)
         if teacher is None:   # served by API: the teacher's top-k log-probs per position of its labels
             batch = inputs["gkd_batch"]
+            teacher_labels = torch.roll(teacher_inputs["labels"], shifts=-1, dims=1)
+            self._liger_count_scored(teacher_labels, batch.teacher_topk_logprobs)
             loss = student.jsd_topk(hidden, torch.roll(labels, shifts=-1, dims=1), batch.teacher_topk_logprobs,
-                                    batch.teacher_topk_indices,
-                                    teacher_labels=torch.roll(teacher_inputs["labels"], shifts=-1, dims=1),
+                                    batch.teacher_topk_indices, teacher_labels=teacher_labels,
                                     beta=float(self.beta), temperature=float(self.temperature), reduction="mean")
             return self._liger_gkd_finish(loss, inputs, out_student, sft_alpha, return_outputs)
         with self._liger_teacher_context(model, teacher_model), teacher.emitting_hidden():
@@ -342,6 +343,17 @@ class GKDSeam(_Seam):
                            beta=float(self.beta), temperature=float(self.temperature), reduction="mean",
                            topk=getattr(self, "gkd_logits_topk", None))
         return self._liger_gkd_finish(loss, inputs, out_student, sft_alpha, return_outputs)
+
+    def _liger_count_scored(self, teacher_labels, topk_logprobs) -> None:
+        """Adds [positions the teacher server scored, positions trained] of this batch to a device counter (no host
+        sync; runtime.py reads it with the record). A server whose chat template or tokenizer differs from the
+        student's scores another token sequence: ms-swift aligns by position and leaves unscored ones out, so
+        most or all trained positions can go unscored without an error (a loss of 0)."""
+        trained = teacher_labels[..., :topk_logprobs.shape[1]] != IGNORE
+        scored = trained & torch.isfinite(topk_logprobs).any(-1)[:, :trained.shape[1]]
+        counts = torch.stack([scored.sum(), trained.sum()])
+        st = self._liger_state()
+        st["api_scored"] = counts if st.get("api_scored") is None else st["api_scored"] + counts
 
     def _liger_gkd_finish(self, loss, inputs, out_student, sft_alpha, return_outputs):
         self._liger_count("fused_linear_jsd")
@@ -535,3 +547,13 @@ def fallback_reasons(trainer) -> Dict[str, int]:
     """Why passes took the trainer's own path on real logits: reason -> number of passes."""
     st = trainer.__dict__.get("_liger")
     return dict(st["reasons"]) if st else {}
+
+
+def teacher_api_scored(trainer) -> Optional[Dict[str, int]]:
+    """GKD with a teacher served by API: {"scored", "trained"} label positions so far (None without one)."""
+    st = trainer.__dict__.get("_liger")
+    counts = st.get("api_scored") if st else None
+    if counts is None:
+        return None
+    scored, trained = (int(x) for x in counts.tolist())
+    return {"scored": scored, "trained": trained}

@@ -20,7 +20,7 @@ from ..fusions import varlen_attention
 from ..patcher import call_counts
 from .compile_watch import CompileWatch
 from .compile_watch import describe as describe_compiles
-from .preference import fallback_reasons
+from .preference import fallback_reasons, teacher_api_scored
 from .record import update_record
 
 
@@ -52,6 +52,9 @@ def snapshot(trainer, attention_since: dict | None = None) -> dict:
     if calls is not None:
         out["trainer"] = {"class": type(trainer).__name__, "log_prob_passes": dict(calls),
                           "logits_fallback_reasons": fallback_reasons(trainer)}
+        scored = teacher_api_scored(trainer)
+        if scored is not None:
+            out["trainer"]["teacher_api_positions"] = scored
     policy = out.get("policy")
     if policy and (policy["lora_fused"] or policy["lora_peft"]):   # the reference pass of LoRA runs on the policy
         out["lora_fusion"] = {"ops.lora_linear": policy["lora_fused"], "peft": policy["lora_peft"]}
@@ -91,6 +94,14 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         if trainer["logits_fallback_reasons"]:
             line += " because " + "; ".join(trainer["logits_fallback_reasons"])
         lines.append(line)
+        api = trainer.get("teacher_api_positions")
+        if api:
+            line = (f"{when} the teacher server's top-k log-probs covered {api['scored']} of the {api['trained']} "
+                    "trained positions (unscored ones are left out, as ms-swift leaves them out)")
+            if api["scored"] < 0.5 * api["trained"]:
+                line += ("; under half: the server scored another token sequence than the student trains on (its "
+                         "chat template or tokenizer differs from the student's?)")
+            lines.append(line)
     for role in ("policy", "ref"):
         c = snap.get(role)
         if c is None or c["cross_entropy_mode"] == "off":

@@ -10,6 +10,7 @@ import torch
 
 import swift_liger
 from swift_liger.integration import preference, runtime
+from swift_liger.integration.preference import teacher_api_scored
 from swift_liger.integration.arguments import cross_entropy_fallback_reasons, preference_fused
 from swift_liger.config import LigerConfig
 from swift_liger import call_counts
@@ -250,6 +251,23 @@ def test_gkd_seam_with_a_teacher_served_by_api(beta, sft_alpha):
         torch.testing.assert_close(q.grad, p.grad, atol=2e-5 * scale, rtol=2e-4, msg=name)
     assert trainer.liger_calls["fused_linear_jsd"] == 1 and trainer.liger_calls["logits"] == 0
     assert call_counts(student)["lm_head_logits"] == 0
+    # the record counts the trained positions the server scored (position 5 of row 0 left out when it is trained)
+    trained = torch.roll(inputs["teacher_model_inputs"]["labels"], shifts=-1, dims=1) != -100
+    assert teacher_api_scored(trainer) == {"scored": int(trained.sum()) - int(trained[0, 5]),
+                                           "trained": int(trained.sum())}
+    assert teacher_api_scored(Trainer(None, beta, 0.9, sft_alpha)) is None
+
+
+@pytest.mark.parametrize("scored, warned", [(48, False), (11, True)])
+def test_first_step_line_for_a_teacher_server(scored, warned):
+    snap = {"trainer": {"class": "GKDTrainer", "logits_fallback_reasons": {},
+                        "log_prob_passes": {"fused_linear_logprobs": 0, "fused_linear_logprobs_no_grad": 0,
+                                            "fused_linear_jsd": 2, "logits": 0, "logits_no_grad": 0},
+                        "teacher_api_positions": {"scored": scored, "trained": 60}}}
+    line = runtime.describe(snap)[1]
+    assert line.startswith(f"in the first step the teacher server's top-k log-probs covered {scored} of the 60 "
+                           "trained positions")
+    assert ("under half" in line) == warned
 
 
 def test_gkd_seam_falls_back_and_says_why():

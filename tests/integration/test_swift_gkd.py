@@ -70,6 +70,10 @@ def test_divergence_from_hidden_states_and_the_record_says_so(runs, case):
     if case.startswith("api"):   # no teacher model in the process: its top-k log-probs came over HTTP
         assert "the top-k log-probs its teacher server returns" in liger.log
         assert "teacher model:" not in liger.log
+        api = total["trainer"]["teacher_api_positions"]   # the server scores all but each row's closing tokens
+        assert 0.5 * api["trained"] < api["scored"] < api["trained"], api
+        assert "in the first step the teacher server's top-k log-probs covered" in liger.log
+        assert "under half" not in liger.log
     else:
         assert "teacher model: cross_entropy=fused_linear for GKD's divergence from its hidden states" in liger.log
     if "on_policy" not in case:   # generation decodes through logits; the training passes do not
