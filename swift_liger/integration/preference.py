@@ -327,10 +327,10 @@ class GKDSeam(_Seam):
         if teacher is None:   # served by API: the teacher's top-k log-probs per position of its labels
             batch = inputs["gkd_batch"]
             teacher_labels = torch.roll(teacher_inputs["labels"], shifts=-1, dims=1)
-            self._liger_count_scored(teacher_labels, batch.teacher_topk_logprobs)
             loss = student.jsd_topk(hidden, torch.roll(labels, shifts=-1, dims=1), batch.teacher_topk_logprobs,
                                     batch.teacher_topk_indices, teacher_labels=teacher_labels,
                                     beta=float(self.beta), temperature=float(self.temperature), reduction="mean")
+            self._liger_count_scored(teacher_labels, batch.teacher_topk_logprobs)   # shapes checked by jsd_topk
             return self._liger_gkd_finish(loss, inputs, out_student, sft_alpha, return_outputs)
         with self._liger_teacher_context(model, teacher_model), teacher.emitting_hidden():
             teacher_hidden = teacher.take(teacher_model(**{k: v for k, v in teacher_inputs.items() if k != "labels"
@@ -349,8 +349,8 @@ class GKDSeam(_Seam):
         sync; runtime.py reads it with the record). A server whose chat template or tokenizer differs from the
         student's scores another token sequence: ms-swift aligns by position and leaves unscored ones out, so
         most or all trained positions can go unscored without an error (a loss of 0)."""
-        trained = teacher_labels[..., :topk_logprobs.shape[1]] != IGNORE
-        scored = trained & torch.isfinite(topk_logprobs).any(-1)[:, :trained.shape[1]]
+        trained = teacher_labels != IGNORE   # [B, S]: the frame's leading shape
+        scored = trained & torch.isfinite(topk_logprobs).any(-1)
         counts = torch.stack([scored.sum(), trained.sum()])
         st = self._liger_state()
         st["api_scored"] = counts if st.get("api_scored") is None else st["api_scored"] + counts
