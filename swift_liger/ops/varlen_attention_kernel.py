@@ -41,7 +41,7 @@ class AttnConfig:
     num_stages: int = 2
 
 
-LAUNCH_CONFIGS = {"fwd": AttnConfig, "dkdv": AttnConfig, "dq": AttnConfig}
+LAUNCH_CONFIGS = {"fwd": AttnConfig, "dkdv": AttnConfig, "dkdvq": AttnConfig, "dq": AttnConfig}
 
 _C = AttnConfig
 # Most preferred first, per kernel kind and padded head dim (<= 64, <= 128, 256). The first candidate whose estimated
@@ -61,6 +61,10 @@ CANDIDATES = {
     ("dq", 128): (_C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
     ("dq", 256): (_C(128, 32, 8, 2), _C(64, 32, 8, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
 }
+# dK/dV with dQ's atomic adds (ATOMIC_DQ), not yet swept: at head dim 128 the [64, 128] dQ tile makes dK/dV's 64x128
+# spill (112 B of stack per thread, sm_90 bf16 cross-compiled), 64x64 with 8 warps fits in 255 registers.
+CANDIDATES.update({("dkdvq", 64): CANDIDATES[("dkdv", 64)], ("dkdvq", 256): CANDIDATES[("dkdv", 256)],
+                   ("dkdvq", 128): (_C(64, 64, 8, 3),) + CANDIDATES[("dkdv", 128)]})
 
 
 def shared_estimate(kind: str, cfg: AttnConfig, block_d: int, elt_bytes: int, cc: int = 90) -> int:
@@ -69,10 +73,13 @@ def shared_estimate(kind: str, cfg: AttnConfig, block_d: int, elt_bytes: int, cc
     checks the chosen ones on every target) it was at or above the real figure."""
     if kind == "fwd":
         rows = cfg.block_m + 2 * cfg.block_n * cfg.num_stages
-    elif kind == "dkdv":
+    elif kind in ("dkdv", "dkdvq"):
         rows = 2 * cfg.block_n + 2 * cfg.block_m * cfg.num_stages
         if cc < 80:   # pre-Ampere: operand layout changes go through shared memory (98304 B real, sm_75 bf16 D=256 16x32)
             rows *= 2
+        if kind == "dkdvq":   # dS^T staged for the dQ product's operand, the fp32 dQ tile's layout change
+            return (rows * block_d * elt_bytes + cfg.block_m * cfg.block_n * (4 + elt_bytes)
+                    + cfg.block_m * block_d * 4)
     else:
         rows = 2 * cfg.block_m + 2 * cfg.block_n * cfg.num_stages
     return rows * block_d * elt_bytes + cfg.block_m * cfg.block_n * 4
@@ -265,11 +272,13 @@ def _varlen_delta_kernel(o_ptr, do_ptr, delta_ptr, T, HQ, so_b, so_t, so_h, sg_b
 
 
 @triton.jit
-def _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_ptr, m0, n, doc_k, d, dmask, T, sq_t, sg_t,
-               scale, softcap, window, BLOCK_M: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-               WINDOW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, dqa_base, lo_ptr, m0, n, doc_k, d, dmask, T,
+               sq_t, sg_t, sdqa_t, scale, softcap, window, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+               SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+               ATOMIC_DQ: tl.constexpr):
     """One query block's share of dK and dV, in the transposed form [keys, queries]: P^T and dS^T come out of the
-    products as the left operands of the dV and dK products, so no register tile is transposed."""
+    products as the left operands of the dV and dK products, so no register tile is transposed. Under ATOMIC_DQ
+    also this key block's share of the query block's dQ (dS K, scaled), added into the fp32 rows at dqa_base."""
     m = m0 + tl.arange(0, BLOCK_M)
     if MASK:
         mmask = m < T
@@ -297,20 +306,26 @@ def _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_ptr, m0, 
     dst = pt * (dpt - delta[None, :])
     if SOFTCAP:
         dst = dst * (1.0 - tt * tt)
-    dk += _dot(dst.to(qt.dtype), tl.trans(qt), IEEE)
+    dst = dst.to(qt.dtype)
+    dk += _dot(dst, tl.trans(qt), IEEE)
+    if ATOMIC_DQ:
+        dq = _dot(tl.trans(dst), k, IEEE) * scale                  # [BM, BLOCK_D]
+        tl.atomic_add(dqa_base + m[:, None] * sdqa_t + d[None, :], dq, mask=qm, sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["T", "sd_b"])
-def _varlen_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, hi_ptr, dk_ptr, dv_ptr,
+def _varlen_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, hi_ptr, dk_ptr, dv_ptr, dqa_ptr,
                         T, HQ, HKV, scale, softcap, window,
                         sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sg_b, sg_t, sg_h,
-                        sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, sd_b,
+                        sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, sdqa_b, sdqa_h, sdqa_t, sd_b,
                         G: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                        UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Grid (cdiv(T, BLOCK_N), B * HKV, G // HPP). dK and dV of one key block, summed over HPP of the G query heads
-    that share it; with HPP < G, dk/dv are fp32 partials [B, HKV * G // HPP, T, D] that the launcher sums."""
+    that share it; with HPP < G, dk/dv are fp32 partials [B, HKV * G // HPP, T, D] that the launcher sums. Under
+    ATOMIC_DQ, dQ too: fp32 [B, HQ, T, D] rows at dqa_ptr (zeroed by the launcher) gather every key block's share
+    through atomic adds; otherwise dqa_ptr is unused and _varlen_dq_kernel computes dQ."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -352,15 +367,19 @@ def _varlen_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr,
         do_base = do_ptr + b * sg_b + h * sg_h
         lse_base = lse_ptr + (b * HQ + h) * T
         delta_base = delta_ptr + (b * HQ + h) * T
+        dqa_base = dqa_ptr + b * sdqa_b + h * sdqa_h
         for m0 in range(q_start, mid_lo, BLOCK_M):
-            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_b, m0, n, doc_k, d, dmask,
-                                T, sq_t, sg_t, scale, softcap, window, BLOCK_M, True, SOFTCAP, WINDOW, UPCAST, IEEE)
+            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, dqa_base, lo_b, m0, n, doc_k, d,
+                                dmask, T, sq_t, sg_t, sdqa_t, scale, softcap, window, BLOCK_M, True, SOFTCAP, WINDOW,
+                                UPCAST, IEEE, ATOMIC_DQ)
         for m0 in range(mid_lo, mid_hi, BLOCK_M):
-            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_b, m0, n, doc_k, d, dmask,
-                                T, sq_t, sg_t, scale, softcap, window, BLOCK_M, False, SOFTCAP, WINDOW, UPCAST, IEEE)
+            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, dqa_base, lo_b, m0, n, doc_k, d,
+                                dmask, T, sq_t, sg_t, sdqa_t, scale, softcap, window, BLOCK_M, False, SOFTCAP, WINDOW,
+                                UPCAST, IEEE, ATOMIC_DQ)
         for m0 in range(mid_hi, q_end, BLOCK_M):
-            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_b, m0, n, doc_k, d, dmask,
-                                T, sq_t, sg_t, scale, softcap, window, BLOCK_M, True, SOFTCAP, WINDOW, UPCAST, IEEE)
+            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, dqa_base, lo_b, m0, n, doc_k, d,
+                                dmask, T, sq_t, sg_t, sdqa_t, scale, softcap, window, BLOCK_M, True, SOFTCAP, WINDOW,
+                                UPCAST, IEEE, ATOMIC_DQ)
     dk = dk * scale
     ho = hk * (G // HPP) + split
     tl.store(dk_ptr + b * sdk_b + ho * sdk_h + n[:, None] * sdk_t + d[None, :], dk.to(dk_ptr.dtype.element_ty),
@@ -454,6 +473,17 @@ def _fwd_launch(q, k, v, lo, scale: float, softcap: float, window: int) -> Tuple
     return out, lse
 
 
+# dQ inside the dK/dV kernel (fp32 atomic adds of dS K per key and query block: 5 matrix products per block pair
+# instead of 7, an fp32 [B, Hq, T, D] buffer, summation order not fixed). Off until timed against the separate dQ
+# kernel on the H200 (tools/attn_lab.py's swift_liger_atomic_dq); never under torch's deterministic mode. sm_90
+# adds 4 floats per atomic instruction (atom.global.v4.f32); older GPUs one.
+ATOMIC_DQ = False
+
+
+def atomic_dq(q: torch.Tensor) -> bool:
+    return ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled()
+
+
 def _bwd_launch(grad, q, k, v, out, lse, lo, hi, scale: float, softcap: float, window: int):
     B, HQ, T, D = q.shape
     HKV = k.shape[1]
@@ -468,10 +498,12 @@ def _bwd_launch(grad, q, k, v, out, lse, lo, hi, scale: float, softcap: float, w
     _DELTA.launch((_common.cdiv(T, dm), B * HQ), out, grad, delta, T, HQ, so[0], so[1], so[2], sg[0], sg[1], sg[2],
                   D=D, BLOCK_D=block_d, BLOCK_M=dm, UPCAST=flags["UPCAST"], num_warps=4)
     sq, sk, sv = q.stride(), k.stride(), v.stride()
-    sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
+    sdk, sdv = dk.stride(), dv.stride()
     elt = q.element_size()
-    cfg = launch_config("dkdv", block_d, elt, q.device)
+    atomic = atomic_dq(q)
+    cfg = launch_config("dkdvq" if atomic else "dkdv", block_d, elt, q.device)
     G = HQ // HKV
+    dqa = torch.zeros((B, HQ, T, D), dtype=torch.float32, device=q.device) if atomic else lse
     # one program per (key block, query head) when grouped: G x the programs (at Qwen2.5-7B shapes, 8k tokens, 256
     # programs for 132 SMs otherwise, the first ones with the most work); the fp32 partials are summed after
     hpp = 1 if G > 1 else G
@@ -481,15 +513,19 @@ def _bwd_launch(grad, q, k, v, out, lse, lo, hi, scale: float, softcap: float, w
         dv = torch.empty_like(dk)
         sdk, sdv = dk.stride(), dv.stride()
     _DKDV.launch((_common.cdiv(T, cfg.block_n), B * HKV, G // hpp),
-                 q, k, v, grad, lse, delta, lo, hi, dk, dv, T, HQ, HKV, scale, softcap, window,
+                 q, k, v, grad, lse, delta, lo, hi, dk, dv, dqa, T, HQ, HKV, scale, softcap, window,
                  sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sg[0], sg[1], sg[2],
-                 sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2], lo.stride(0),
+                 sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2], HQ * T * D, T * D, D, lo.stride(0),
                  G=G, HPP=hpp, D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 ATOMIC_DQ=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if hpp < G:
         dk_out.copy_(dk.view(B, HKV, G // hpp, T, D).sum(2))
         dv_out.copy_(dv.view(B, HKV, G // hpp, T, D).sum(2))
         dk, dv = dk_out, dv_out
+    if atomic:
+        dq.copy_(dqa)
+        return dq, dk, dv
+    sdq = dq.stride()
     cfg = launch_config("dq", block_d, elt, q.device)
     _DQ.launch((_common.cdiv(T, cfg.block_m), B * HQ),
                q, k, v, grad, lse, delta, lo, dq, T, HQ, scale, softcap, window,

@@ -56,6 +56,45 @@ def test_matches_reference(device, dtype, B, HQ, HKV, D, lengths, softcap, windo
         assert_close(t.grad, r.grad, dtype, slack=2, name=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,HQ,HKV,D,lengths,softcap,window", CASES)
+def test_atomic_dq_matches_reference(device, dtype, B, HQ, HKV, D, lengths, softcap, window, monkeypatch):
+    """ATOMIC_DQ (dQ added from the dK/dV kernel through fp32 atomics, no dQ kernel): all three gradients against the
+    float64 reference, the dQ kernel never launched; torch's deterministic mode goes back to the dQ kernel."""
+    from swift_liger.ops import varlen_attention_kernel as va
+    monkeypatch.setattr(va, "ATOMIC_DQ", True)
+    launched = []
+
+    class Count:
+        def launch(self, *a, **kw):
+            launched.append(1)
+            return inner.launch(*a, **kw)
+    inner = va._DQ
+    monkeypatch.setattr(va, "_DQ", Count())
+    q, k, v, seq = make(B, HQ, HKV, D, lengths, dtype, device)
+    kw = dict(scale=D ** -0.5, softcap=softcap, window=window)
+    out = varlen_attention(q, k, v, seq, **kw)
+    leaves, ref = f64(q, k, v, seq, **kw)
+    grad = torch.randn_like(out)
+    with inputs_unchanged(q, k, v, seq, grad):
+        out.backward(grad)
+    ref.backward(grad.double().cpu())
+    for name, t, r in zip(("dq", "dk", "dv"), (q, k, v), leaves):
+        assert_close(t.grad, r.grad, dtype, slack=2, name=name)
+    assert va._common.use_triton(q) and launched == []
+    if (B, HQ, D) == (1, 2, 16) and softcap is None:   # deterministic mode, once: the separate dQ kernel again
+        dq_atomic = q.grad.clone()
+        q.grad = None
+        torch.use_deterministic_algorithms(True)
+        try:
+            varlen_attention(q, k, v, seq, **kw).backward(grad)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert len(launched) == 1
+        assert_close(q.grad, leaves[0].grad, dtype, slack=2, name="dq deterministic")
+        assert_close(q.grad, dq_atomic.double(), dtype, slack=2, name="dq deterministic vs atomic")
+
+
 @pytest.mark.parametrize("D", [64, 80, 128, 256])
 def test_head_dims(device, D):
     """The head dims of the model families (64 Qwen2.5-0.5B, 80 Phi-2-like, 128 Llama/Qwen, 256 Gemma)."""
