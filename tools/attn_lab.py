@@ -138,8 +138,10 @@ def main():
                                                   "kernel module copied into swift_liger/ops)")
     ap.add_argument("--sweep_kinds", default="", help="comma-separated kernel kinds to sweep (fwd, dkdv, dkdvq, dq); "
                                                       "default all")
-    ap.add_argument("--atomic_dq", action="store_true", help="also time ours with ATOMIC_DQ (dQ added from the "
-                                                             "dK/dV kernel through fp32 atomics)")
+    ap.add_argument("--variants", default="", help="also time ours with module switches on, comma-separated, each "
+                                                   "a +-joined set of: atomic_dq (ATOMIC_DQ: dQ added from the dK/dV "
+                                                   "kernel through fp32 atomics), lazy (LAZY_RESCALE: the forward "
+                                                   "rescales only when a row maximum rises by > 2^8)")
     ap.add_argument("--profile", action="store_true", help="device time by kernel of each case (torch.profiler)")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -198,17 +200,19 @@ def main():
                 seq_ids = seg[None].to(torch.int32)
                 cases.append(("swift_liger", lambda q, k, v: varlen_attention(q, k, v, seq_ids,
                                                                               scale=d ** -0.5)))
-                if args.atomic_dq:
-                    cases.append(("swift_liger_atomic_dq", lambda q, k, v: varlen_attention(q, k, v, seq_ids,
-                                                                                        scale=d ** -0.5)))
+                for variant in filter(None, args.variants.split(",")):
+                    cases.append((f"swift_liger+{variant}", lambda q, k, v: varlen_attention(q, k, v, seq_ids,
+                                                                                         scale=d ** -0.5)))
                 if args.compare:
                     other = importlib.import_module(args.compare).varlen_attention
                     cases.append((args.compare.rsplit(".", 1)[-1],
                                   lambda q, k, v: other(q, k, v, seq_ids, scale=d ** -0.5)))
             for name, fn in cases:
                 va_mod = importlib.import_module("swift_liger.ops.varlen_attention_kernel") if varlen_attention else None
+                switches = name.split("+")[1:] if name.startswith("swift_liger+") else []
                 if va_mod is not None:
-                    va_mod.ATOMIC_DQ = name == "swift_liger_atomic_dq"
+                    va_mod.ATOMIC_DQ = "atomic_dq" in switches
+                    va_mod.LAZY_RESCALE = "lazy" in switches
                 try:
                     r = run_case(name, fn, q, k, v, go)
                     r.update(heads=spec, layout=layout, docs=len(lengths), tokens=T, useful_tflop=useful / 1e12)
@@ -216,7 +220,7 @@ def main():
                         r["kernels_us"] = kernel_profile(fn, q, k, v, go)
                 finally:
                     if va_mod is not None:
-                        va_mod.ATOMIC_DQ = False
+                        va_mod.ATOMIC_DQ = va_mod.LAZY_RESCALE = False
                 if "ms" in r:
                     r["tflops"] = useful / r["ms"] / 1e9
                     r["fwd_tflops"] = useful / 3.5 / r["fwd_ms"] / 1e9

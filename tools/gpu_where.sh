@@ -4,7 +4,7 @@
 # host vs device time, launches, device kernel time by kind and the top kernels of one profiled step), optionally the
 # `swift sft` CLI at CLI=SHAPE:SEQ (--use_liger vs Liger-Kernel), then older unverified GPU tests (TEST_PATHS) in
 # the time left. DROPOUT_LAB=S: after the tests, tools/lora_dropout_lab.py's sweep (S seconds at most); FP8_PROFILE=S:
-# tools/fp8_profile.py (S seconds at most).
+# tools/fp8_profile.py (S seconds at most); ATTN_LAB="ARGS": tools/attn_lab.py ARGS (ATTN_S seconds at most).
 # Everything lands in $OUT/where.tgz after each section.
 #   CALL_S=560 CASES="qwen2.5-7b:1x8192:8" CLI="qwen2.5-7b:8192" bash tools/gpu_where.sh
 set -uo pipefail
@@ -31,6 +31,21 @@ if [ -n "${FP8_PROFILE-}" ]; then   # FP8_PROFILE=S: tools/fp8_profile.py (op ti
   echo "== fp8_profile at ${SECONDS}s"
   timeout "$FP8_PROFILE" python3 tools/fp8_profile.py ${FP8_PROFILE_ARGS:-} >"$W/fp8_profile.txt" 2>&1
   echo "-- fp8_profile rc $? at ${SECONDS}s"; grep -E "^quantize_rows|^fp8:|^bf16:|mismatch" "$W/fp8_profile.txt" | head -40
+  pack
+fi
+if [ -n "${ATTN_LAB-}" ]; then   # ATTN_LAB="ARGS": tools/attn_lab.py ARGS (ATTN_S seconds at most) -> attn_lab.json
+  echo "== attn_lab at ${SECONDS}s"
+  timeout "${ATTN_S:-180}" python3 tools/attn_lab.py --out "$W/attn_lab.json" $ATTN_LAB 2>&1 \
+    | grep -vE "Warning|warn" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    try:
+        r = json.loads(line)
+    except ValueError:
+        print(line.rstrip()[:200]); continue
+    print(r.get('impl'), r.get('heads'), r.get('layout'), r.get('ms') and round(r['ms'], 3), r.get('fwd_ms') and round(r['fwd_ms'], 3),
+          r.get('tflops') and round(r['tflops']), r.get('error', '')[:120])"
+  echo "-- attn_lab done at ${SECONDS}s"
   pack
 fi
 for case in ${CASES:-qwen2.5-7b:1x8192:8 llama3-8b:1x8192:8 qwen2.5-0.5b:8x512:0 qwen2.5-1.5b:4x2048:0 qwen2.5-3b:4x2048:0}; do

@@ -124,22 +124,31 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _scores(a, b, mq, nk, docq, dock, qk_scale, softcap, window,
             MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
-    """Scores in the log2 domain of dot(a, b) (masked to -inf under MASK) and, under SOFTCAP, tanh(raw / softcap)
-    (for the backward). Either [BM, BN] (a = q, b = k^T; mq = m[:, None], nk = n[None, :], docs alike) or
-    transposed [BN, BM] (a = k, b = q^T; mq = m[None, :], nk = n[:, None])."""
+    """Scores of dot(a, b) (masked to -inf under MASK) and, under SOFTCAP, tanh(raw / softcap) (for the backward).
+    Under SOFTCAP in the log2 domain; otherwise raw: _exp2_minus folds qk_scale * log2(e) into the exponent's FMA
+    (one instruction per score instead of a multiply and a subtraction). Either [BM, BN] (a = q, b = k^T;
+    mq = m[:, None], nk = n[None, :], docs alike) or transposed [BN, BM] (a = k, b = q^T; mq = m[None, :],
+    nk = n[:, None])."""
     s = _dot(a, b, IEEE)
     if SOFTCAP:
         t = _tanh(s * (qk_scale / softcap))          # qk_scale here is the natural-log scale
         s = (softcap * LOG2E) * t
     else:
         t = s
-        s = s * (qk_scale * LOG2E)
     if MASK:
         valid = (docq == dock) & (nk <= mq)
         if WINDOW:
             valid = valid & (mq - nk < window)
         s = tl.where(valid, s, float("-inf"))
     return s, t
+
+
+@triton.jit
+def _exp2_minus(s, sub, qk_scale, SOFTCAP: tl.constexpr):
+    """exp2(log2-domain score - sub) for _scores' s: 0 where masked (-inf)."""
+    if SOFTCAP:
+        return tl.exp2(s - sub)
+    return tl.exp2(s * (qk_scale * LOG2E) - sub)
 
 
 @triton.jit
@@ -190,17 +199,36 @@ def _load_keys(k_base, v_base, lo_ptr, n0, d, dmask, T, sk_t, sv_t, BLOCK_N: tl.
 @triton.jit
 def _fwd_step(q, k_base, v_base, lo_ptr, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t, scale, softcap,
               window, BLOCK_N: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-              UPCAST: tl.constexpr, IEEE: tl.constexpr):
+              UPCAST: tl.constexpr, IEEE: tl.constexpr, LAZY: tl.constexpr):
+    """One key block of the online softmax. m_i is the reference maximum the exponents subtract (log2 domain), l_i
+    the row sums and acc the outputs relative to it. LAZY: m_i moves (and l_i, acc are rescaled) only in blocks where
+    some row's maximum exceeds it by more than 8, so p stays <= 2^8 and most blocks skip the [BM, D] rescale; the
+    result is the same sum (lse = m_i + log2(l_i) whichever reference was used)."""
     n, k, v, doc_k = _load_keys(k_base, v_base, lo_ptr, n0, d, dmask, T, sk_t, sv_t, BLOCK_N, MASK, UPCAST)
     s, _t = _scores(q, tl.trans(k), m[:, None], n[None, :], doc_q[:, None], doc_k[None, :], scale, softcap, window,
                     MASK, SOFTCAP, WINDOW, IEEE)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with no visible key yet
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-    return m_new, l_i, acc
+    if SOFTCAP:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * (scale * LOG2E))    # the scale is positive: max commutes with it
+    if LAZY:
+        if tl.max((m_new > m_i + 8.0).to(tl.int32), 0) > 0:     # -inf rows: any visible key counts as a rise
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+    else:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with no visible key yet
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
+    p = _exp2_minus(s, m_ref[:, None], scale, SOFTCAP)
+    l_i = l_i + tl.sum(p, 1)
+    acc = acc + _dot(p.to(v.dtype), v, IEEE)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -224,7 +252,7 @@ def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, T, HQ, scale
                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_t, so_h, sd_b,
                        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       IEEE: tl.constexpr, LAZY: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M), B * HQ). o rows and lse (log2 domain, [B, HQ, T] fp32)."""
     pid_bh, b, h, hk, m0, m, d, mmask, dmask = _query_block(T, HQ, G, D, BLOCK_D, BLOCK_M)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + m[:, None] * sq_t + d[None, :],
@@ -241,13 +269,13 @@ def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, T, HQ, scale
     v_base = v_ptr + b * sv_b + hk * sv_h
     for n0 in range(start, mid_lo, BLOCK_N):
         m_i, l_i, acc = _fwd_step(q, k_base, v_base, lo_b, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t,
-                                  scale, softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE)
+                                  scale, softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE, LAZY)
     for n0 in range(mid_lo, mid_hi, BLOCK_N):
         m_i, l_i, acc = _fwd_step(q, k_base, v_base, lo_b, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t,
-                                  scale, softcap, window, BLOCK_N, False, SOFTCAP, WINDOW, UPCAST, IEEE)
+                                  scale, softcap, window, BLOCK_N, False, SOFTCAP, WINDOW, UPCAST, IEEE, LAZY)
     for n0 in range(mid_hi, end, BLOCK_N):
         m_i, l_i, acc = _fwd_step(q, k_base, v_base, lo_b, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t,
-                                  scale, softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE)
+                                  scale, softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE, LAZY)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     tl.store(o_ptr + b * so_b + h * so_h + m[:, None] * so_t + d[None, :], o.to(o_ptr.dtype.element_ty),
@@ -300,7 +328,7 @@ def _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, dqa_base, lo
         do = do.to(tl.float32)
     st, tt = _scores(k, qt, m[None, :], n[:, None], doc_q[None, :], doc_k[:, None], scale, softcap, window,
                      MASK, SOFTCAP, WINDOW, IEEE)                   # [BN, BM]
-    pt = tl.exp2(st - lse[None, :])                                # 0 where masked
+    pt = _exp2_minus(st, lse[None, :], scale, SOFTCAP)            # 0 where masked
     dv += _dot(pt.to(do.dtype), do, IEEE)
     dpt = _dot(v, tl.trans(do), IEEE)
     dst = pt * (dpt - delta[None, :])
@@ -395,7 +423,7 @@ def _dq_step(q, do, lse, delta, dq, k_base, v_base, lo_ptr, n0, m, doc_q, d, dma
     n, k, v, doc_k = _load_keys(k_base, v_base, lo_ptr, n0, d, dmask, T, sk_t, sv_t, BLOCK_N, MASK, UPCAST)
     s, t = _scores(q, tl.trans(k), m[:, None], n[None, :], doc_q[:, None], doc_k[None, :], scale, softcap, window,
                    MASK, SOFTCAP, WINDOW, IEEE)
-    p = tl.exp2(s - lse[:, None])
+    p = _exp2_minus(s, lse[:, None], scale, SOFTCAP)
     dp = _dot(do, tl.trans(v), IEEE)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
@@ -455,6 +483,12 @@ def _flags(q: torch.Tensor, softcap: float, window: int):
     return dict(SOFTCAP=softcap > 0, WINDOW=window > 0, UPCAST=_common.INTERPRET, IEEE=q.dtype == torch.float32)
 
 
+# The forward rescales its [BLOCK_M, D] accumulator only in key blocks where a row's maximum rose by more than 2^8
+# (_fwd_step). Counted from sm_90 SASS at 7B heads (128 x 64 tiles, 8 warps): the per-block rescale is 64 of the ~260
+# FP32 instructions per thread per key block. Off until timed on the H200 (tools/attn_lab.py --variants lazy).
+LAZY_RESCALE = False
+
+
 def _fwd_launch(q, k, v, lo, scale: float, softcap: float, window: int) -> Tuple[torch.Tensor, torch.Tensor]:
     B, HQ, T, D = q.shape
     HKV = k.shape[1]
@@ -469,13 +503,13 @@ def _fwd_launch(q, k, v, lo, scale: float, softcap: float, window: int) -> Tuple
                 q, k, v, out, lse, lo, T, HQ, scale, softcap, window,
                 sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], lo.stride(0),
                 G=HQ // HKV, D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                **_flags(q, softcap, window), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                **_flags(q, softcap, window), LAZY=LAZY_RESCALE, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
 
 
 # dQ inside the dK/dV kernel (fp32 atomic adds of dS K per key and query block: 5 matrix products per block pair
 # instead of 7, an fp32 [B, Hq, T, D] buffer, summation order not fixed). Off until timed against the separate dQ
-# kernel on the H200 (tools/attn_lab.py's swift_liger_atomic_dq); never under torch's deterministic mode. sm_90
+# kernel on the H200 (tools/attn_lab.py --variants atomic_dq); never under torch's deterministic mode. sm_90
 # adds 4 floats per atomic instruction (atom.global.v4.f32); older GPUs one.
 ATOMIC_DQ = False
 

@@ -242,7 +242,8 @@ def _enumerate():
                                  ("dkdvq", "_varlen_dkdv_kernel"), ("dq", "_varlen_dq_kernel")):
                     cfg = va.launch_config(kind, block_d, elt, t)
                     for f in _both(["SOFTCAP", "WINDOW"]):
-                        extra = dict(HPP=1, ATOMIC_DQ=kind == "dkdvq") if kind.startswith("dkdv") else {}
+                        extra = (dict(HPP=1, ATOMIC_DQ=kind == "dkdvq") if kind.startswith("dkdv")
+                                 else dict(LAZY=va.LAZY_RESCALE) if kind == "fwd" else {})
                         add("varlen_attention_kernel", fn,
                             dict(f, **extra, G=HQ // HKV, D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                  UPCAST=False, IEEE=ieee), cfg.num_warps, cfg.num_stages, archs=(arch,))
