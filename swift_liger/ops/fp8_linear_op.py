@@ -45,7 +45,9 @@ CHUNK_BYTES = 256 << 20
 
 
 def _quantize(x2: torch.Tensor, fold: Optional[torch.Tensor], reciprocal: bool = False):
-    xf = x2.float() if fold is None else x2.float().mul_(fold)
+    xf = x2.to(torch.float32, copy=True)       # a copy also of fp32 rows: the in-place steps below must not reach x2
+    if fold is not None:
+        xf.mul_(fold)
     amax = torch.linalg.vector_norm(xf, float("inf"), dim=1, keepdim=True)
     # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, 1 ulp off IEEE's quotient
     scale = amax.clamp_(min=_TINY).div_(torch.full_like(amax, FP8_MAX))

@@ -198,6 +198,22 @@ def test_transpose_kernel_equals_torch(r, c):
     assert torch.equal(t.view(torch.uint8), q.view(torch.uint8).t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_quantization_leaves_its_input_alone(dtype, monkeypatch):
+    """The torch paths (the reference backend, and the kernels' test references) on fp32 rows too, where
+    ``.float()`` would return the rows themselves: whole, in chunks, with and without a fold, reciprocal or not."""
+    import swift_liger.ops.fp8_linear_op as op
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(11, 40, generator=g) * 5).to(dtype).to(DEVICE)
+    f = (torch.rand(40, generator=g) + 0.5).to(DEVICE)
+    for chunk in (op.CHUNK_BYTES, 3 * 40 * 4):
+        monkeypatch.setattr(op, "CHUNK_BYTES", chunk)
+        for fold in (None, f):
+            with inputs_unchanged(x, f):
+                op.quantize_rows_torch(x, fold)
+                op.quantize_rows_fast_torch(x, fold)
+
+
 def test_quantize_rows_in_chunks_equals_whole(monkeypatch):
     import swift_liger.ops.fp8_linear_op as op
     g = torch.Generator().manual_seed(6)
