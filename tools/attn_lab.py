@@ -78,29 +78,22 @@ def kernel_profile(fn, q, k, v, go, steps=5):
 
 
 def sweep(q, k, v, go, seq_ids, d, useful, spec, layout, kinds=()):
-    """Alternative tiles per kernel kind (launch_override), the others at their default; ``kinds``: only these
-    (dkdvq: the dK/dV kernel with ATOMIC_DQ, dQ's separate kernel skipped)."""
+    """Alternative tiles per kernel kind (launch_override), the others at their default; ``kinds``: only these."""
     from swift_liger.ops import varlen_attention_kernel as va
     fn = lambda q, k, v: va.varlen_attention(q, k, v, seq_ids, scale=d ** -0.5)  # noqa: E731
     if d == 256:   # the head-256 candidates and neighbours (the D=128 tiles exceed shared memory there)
-        grid = {"dkdvq": [(64, 64, 8, 2), (32, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2)],
-                "dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2),
+        grid = {"dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2),
                          (16, 128, 8, 2), (32, 64, 8, 1)],
                 "dq": [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)]}
-        if kinds:
-            grid = {kd: tiles for kd, tiles in grid.items() if kd in kinds}
-        return _sweep(q, k, v, go, fn, grid, useful, spec, layout)
+        return _sweep(q, k, v, go, fn, {kd: t for kd, t in grid.items() if not kinds or kd in kinds}, useful, spec,
+                      layout)
     grid = {"fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 3),
                     (64, 128, 8, 2), (128, 64, 8, 2)],
-            "dkdvq": [(64, 64, 8, 3), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 8, 2), (32, 64, 4, 3),
-                      (64, 128, 8, 2), (128, 64, 8, 2)],
             "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 3), (16, 128, 8, 3),
                      (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 2)],
             "dq": [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3),
                    (128, 64, 8, 3)]}
-    if kinds:
-        grid = {kd: tiles for kd, tiles in grid.items() if kd in kinds}
-    return _sweep(q, k, v, go, fn, grid, useful, spec, layout)
+    return _sweep(q, k, v, go, fn, {kd: t for kd, t in grid.items() if not kinds or kd in kinds}, useful, spec, layout)
 
 
 def _sweep(q, k, v, go, fn, grid, useful, spec, layout):
@@ -110,12 +103,8 @@ def _sweep(q, k, v, go, fn, grid, useful, spec, layout):
     out = []
     for kind, cfgs in grid.items():
         for bm, bn, w, st in cfgs:
-            va.ATOMIC_DQ = kind == "dkdvq"   # the dK/dV kernel that adds dQ too
-            try:
-                with launch_override(va, kind, block_m=bm, block_n=bn, num_warps=w, num_stages=st):
-                    r = run_case(f"swift_liger[{kind}={bm}x{bn}w{w}s{st}]", fn, q, k, v, go)
-            finally:
-                va.ATOMIC_DQ = False
+            with launch_override(va, kind, block_m=bm, block_n=bn, num_warps=w, num_stages=st):
+                r = run_case(f"swift_liger[{kind}={bm}x{bn}w{w}s{st}]", fn, q, k, v, go)
             r.update(heads=spec, layout=layout, tokens=q.shape[2], sweep=kind)
             if "ms" in r:
                 r["tflops"] = useful / r["ms"] / 1e9
@@ -136,12 +125,8 @@ def main():
     ap.add_argument("--sweep_layout", default="packed", help="dense, or packed (the first packed layout)")
     ap.add_argument("--compare", default="", help="also time MODULE.varlen_attention (e.g. a previous version of the "
                                                   "kernel module copied into swift_liger/ops)")
-    ap.add_argument("--sweep_kinds", default="", help="comma-separated kernel kinds to sweep (fwd, dkdv, dkdvq, dq); "
-                                                      "default all")
-    ap.add_argument("--variants", default="", help="also time ours with module switches on, comma-separated, each "
-                                                   "a +-joined set of: atomic_dq (ATOMIC_DQ: dQ added from the dK/dV "
-                                                   "kernel through fp32 atomics), lazy (LAZY_RESCALE: the forward "
-                                                   "rescales only when a row maximum rises by > 2^8)")
+    ap.add_argument("--sweep_kinds", default="", help="comma-separated kernel kinds to sweep (fwd, dkdv, dq); default "
+                                                      "all")
     ap.add_argument("--profile", action="store_true", help="device time by kernel of each case (torch.profiler)")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -200,27 +185,15 @@ def main():
                 seq_ids = seg[None].to(torch.int32)
                 cases.append(("swift_liger", lambda q, k, v: varlen_attention(q, k, v, seq_ids,
                                                                               scale=d ** -0.5)))
-                for variant in filter(None, args.variants.split(",")):
-                    cases.append((f"swift_liger+{variant}", lambda q, k, v: varlen_attention(q, k, v, seq_ids,
-                                                                                         scale=d ** -0.5)))
                 if args.compare:
                     other = importlib.import_module(args.compare).varlen_attention
                     cases.append((args.compare.rsplit(".", 1)[-1],
                                   lambda q, k, v: other(q, k, v, seq_ids, scale=d ** -0.5)))
             for name, fn in cases:
-                va_mod = importlib.import_module("swift_liger.ops.varlen_attention_kernel") if varlen_attention else None
-                switches = name.split("+")[1:] if name.startswith("swift_liger+") else []
-                if va_mod is not None:
-                    va_mod.ATOMIC_DQ = "atomic_dq" in switches
-                    va_mod.LAZY_RESCALE = "lazy" in switches
-                try:
-                    r = run_case(name, fn, q, k, v, go)
-                    r.update(heads=spec, layout=layout, docs=len(lengths), tokens=T, useful_tflop=useful / 1e12)
-                    if args.profile and "ms" in r:
-                        r["kernels_us"] = kernel_profile(fn, q, k, v, go)
-                finally:
-                    if va_mod is not None:
-                        va_mod.ATOMIC_DQ = va_mod.LAZY_RESCALE = False
+                r = run_case(name, fn, q, k, v, go)
+                r.update(heads=spec, layout=layout, docs=len(lengths), tokens=T, useful_tflop=useful / 1e12)
+                if args.profile and "ms" in r:
+                    r["kernels_us"] = kernel_profile(fn, q, k, v, go)
                 if "ms" in r:
                     r["tflops"] = useful / r["ms"] / 1e9
                     r["fwd_tflops"] = useful / 3.5 / r["fwd_ms"] / 1e9

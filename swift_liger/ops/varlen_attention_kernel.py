@@ -41,7 +41,7 @@ class AttnConfig:
     num_stages: int = 2
 
 
-LAUNCH_CONFIGS = {"fwd": AttnConfig, "dkdv": AttnConfig, "dkdvq": AttnConfig, "dq": AttnConfig}
+LAUNCH_CONFIGS = {"fwd": AttnConfig, "dkdv": AttnConfig, "dq": AttnConfig}
 
 _C = AttnConfig
 # Most preferred first, per kernel kind and padded head dim (<= 64, <= 128, 256). The first candidate whose estimated
@@ -61,10 +61,6 @@ CANDIDATES = {
     ("dq", 128): (_C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
     ("dq", 256): (_C(128, 32, 8, 2), _C(64, 32, 8, 2), _C(32, 32, 4, 1), _C(16, 16, 4, 1)),
 }
-# dK/dV with dQ's atomic adds (ATOMIC_DQ), not yet swept: at head dim 128 the [64, 128] dQ tile makes dK/dV's 64x128
-# spill (112 B of stack per thread, sm_90 bf16 cross-compiled), 64x64 with 8 warps fits in 255 registers.
-CANDIDATES.update({("dkdvq", 64): CANDIDATES[("dkdv", 64)], ("dkdvq", 256): CANDIDATES[("dkdv", 256)],
-                   ("dkdvq", 128): (_C(64, 64, 8, 3),) + CANDIDATES[("dkdv", 128)]})
 
 
 def shared_estimate(kind: str, cfg: AttnConfig, block_d: int, elt_bytes: int, cc: int = 90) -> int:
@@ -73,13 +69,10 @@ def shared_estimate(kind: str, cfg: AttnConfig, block_d: int, elt_bytes: int, cc
     checks the chosen ones on every target) it was at or above the real figure."""
     if kind == "fwd":
         rows = cfg.block_m + 2 * cfg.block_n * cfg.num_stages
-    elif kind in ("dkdv", "dkdvq"):
+    elif kind == "dkdv":
         rows = 2 * cfg.block_n + 2 * cfg.block_m * cfg.num_stages
         if cc < 80:   # pre-Ampere: operand layout changes go through shared memory (98304 B real, sm_75 bf16 D=256 16x32)
             rows *= 2
-        if kind == "dkdvq":   # dS^T staged for the dQ product's operand, the fp32 dQ tile's layout change
-            return (rows * block_d * elt_bytes + cfg.block_m * cfg.block_n * (4 + elt_bytes)
-                    + cfg.block_m * block_d * 4)
     else:
         rows = 2 * cfg.block_m + 2 * cfg.block_n * cfg.num_stages
     return rows * block_d * elt_bytes + cfg.block_m * cfg.block_n * 4
@@ -126,8 +119,8 @@ def _scores(a, b, mq, nk, docq, dock, qk_scale, softcap, window,
             MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
     """Scores of dot(a, b) (masked to -inf under MASK) and, under SOFTCAP, tanh(raw / softcap) (for the backward).
     Under SOFTCAP in the log2 domain; otherwise raw: _exp2_minus folds qk_scale * log2(e) into the exponent's FMA
-    (one instruction per score instead of a multiply and a subtraction). Either [BM, BN] (a = q, b = k^T;
-    mq = m[:, None], nk = n[None, :], docs alike) or transposed [BN, BM] (a = k, b = q^T; mq = m[None, :],
+    (sm_90 SASS at head dim 128: 90 fewer FP32 instructions in the forward, 64 in dK/dV). Either [BM, BN] (a = q,
+    b = k^T; mq = m[:, None], nk = n[None, :], docs alike) or transposed [BN, BM] (a = k, b = q^T; mq = m[None, :],
     nk = n[:, None])."""
     s = _dot(a, b, IEEE)
     if SOFTCAP:
@@ -199,11 +192,7 @@ def _load_keys(k_base, v_base, lo_ptr, n0, d, dmask, T, sk_t, sv_t, BLOCK_N: tl.
 @triton.jit
 def _fwd_step(q, k_base, v_base, lo_ptr, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t, scale, softcap,
               window, BLOCK_N: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-              UPCAST: tl.constexpr, IEEE: tl.constexpr, LAZY: tl.constexpr):
-    """One key block of the online softmax. m_i is the reference maximum the exponents subtract (log2 domain), l_i
-    the row sums and acc the outputs relative to it. LAZY: m_i moves (and l_i, acc are rescaled) only in blocks where
-    some row's maximum exceeds it by more than 8, so p stays <= 2^8 and most blocks skip the [BM, D] rescale; the
-    result is the same sum (lse = m_i + log2(l_i) whichever reference was used)."""
+              UPCAST: tl.constexpr, IEEE: tl.constexpr):
     n, k, v, doc_k = _load_keys(k_base, v_base, lo_ptr, n0, d, dmask, T, sk_t, sv_t, BLOCK_N, MASK, UPCAST)
     s, _t = _scores(q, tl.trans(k), m[:, None], n[None, :], doc_q[:, None], doc_k[None, :], scale, softcap, window,
                     MASK, SOFTCAP, WINDOW, IEEE)
@@ -211,24 +200,12 @@ def _fwd_step(q, k_base, v_base, lo_ptr, n0, m, doc_q, m_i, l_i, acc, d, dmask, 
         m_new = tl.maximum(m_i, tl.max(s, 1))
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * (scale * LOG2E))    # the scale is positive: max commutes with it
-    if LAZY:
-        if tl.max((m_new > m_i + 8.0).to(tl.int32), 0) > 0:     # -inf rows: any visible key counts as a rise
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-    else:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with no visible key yet
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha
-        acc = acc * alpha[:, None]
-        m_i = m_new
-    m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
-    p = _exp2_minus(s, m_ref[:, None], scale, SOFTCAP)
-    l_i = l_i + tl.sum(p, 1)
-    acc = acc + _dot(p.to(v.dtype), v, IEEE)
-    return m_i, l_i, acc
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with no visible key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = _exp2_minus(s, m_safe[:, None], scale, SOFTCAP)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -252,7 +229,7 @@ def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, T, HQ, scale
                        sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_t, so_h, sd_b,
                        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr,
-                       IEEE: tl.constexpr, LAZY: tl.constexpr):
+                       IEEE: tl.constexpr):
     """Grid (cdiv(T, BLOCK_M), B * HQ). o rows and lse (log2 domain, [B, HQ, T] fp32)."""
     pid_bh, b, h, hk, m0, m, d, mmask, dmask = _query_block(T, HQ, G, D, BLOCK_D, BLOCK_M)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + m[:, None] * sq_t + d[None, :],
@@ -269,13 +246,13 @@ def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lo_ptr, T, HQ, scale
     v_base = v_ptr + b * sv_b + hk * sv_h
     for n0 in range(start, mid_lo, BLOCK_N):
         m_i, l_i, acc = _fwd_step(q, k_base, v_base, lo_b, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t,
-                                  scale, softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE, LAZY)
+                                  scale, softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE)
     for n0 in range(mid_lo, mid_hi, BLOCK_N):
         m_i, l_i, acc = _fwd_step(q, k_base, v_base, lo_b, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t,
-                                  scale, softcap, window, BLOCK_N, False, SOFTCAP, WINDOW, UPCAST, IEEE, LAZY)
+                                  scale, softcap, window, BLOCK_N, False, SOFTCAP, WINDOW, UPCAST, IEEE)
     for n0 in range(mid_hi, end, BLOCK_N):
         m_i, l_i, acc = _fwd_step(q, k_base, v_base, lo_b, n0, m, doc_q, m_i, l_i, acc, d, dmask, T, sk_t, sv_t,
-                                  scale, softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE, LAZY)
+                                  scale, softcap, window, BLOCK_N, True, SOFTCAP, WINDOW, UPCAST, IEEE)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     tl.store(o_ptr + b * so_b + h * so_h + m[:, None] * so_t + d[None, :], o.to(o_ptr.dtype.element_ty),
@@ -300,13 +277,11 @@ def _varlen_delta_kernel(o_ptr, do_ptr, delta_ptr, T, HQ, so_b, so_t, so_h, sg_b
 
 
 @triton.jit
-def _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, dqa_base, lo_ptr, m0, n, doc_k, d, dmask, T,
-               sq_t, sg_t, sdqa_t, scale, softcap, window, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
-               SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr):
+def _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_ptr, m0, n, doc_k, d, dmask, T, sq_t, sg_t,
+               scale, softcap, window, BLOCK_M: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+               WINDOW: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One query block's share of dK and dV, in the transposed form [keys, queries]: P^T and dS^T come out of the
-    products as the left operands of the dV and dK products, so no register tile is transposed. Under ATOMIC_DQ
-    also this key block's share of the query block's dQ (dS K, scaled), added into the fp32 rows at dqa_base."""
+    products as the left operands of the dV and dK products, so no register tile is transposed."""
     m = m0 + tl.arange(0, BLOCK_M)
     if MASK:
         mmask = m < T
@@ -334,26 +309,20 @@ def _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, dqa_base, lo
     dst = pt * (dpt - delta[None, :])
     if SOFTCAP:
         dst = dst * (1.0 - tt * tt)
-    dst = dst.to(qt.dtype)
-    dk += _dot(dst, tl.trans(qt), IEEE)
-    if ATOMIC_DQ:
-        dq = _dot(tl.trans(dst), k, IEEE) * scale                  # [BM, BLOCK_D]
-        tl.atomic_add(dqa_base + m[:, None] * sdqa_t + d[None, :], dq, mask=qm, sem="relaxed")
+    dk += _dot(dst.to(qt.dtype), tl.trans(qt), IEEE)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["T", "sd_b"])
-def _varlen_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, hi_ptr, dk_ptr, dv_ptr, dqa_ptr,
+def _varlen_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, hi_ptr, dk_ptr, dv_ptr,
                         T, HQ, HKV, scale, softcap, window,
                         sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sg_b, sg_t, sg_h,
-                        sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, sdqa_b, sdqa_h, sdqa_t, sd_b,
+                        sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t, sd_b,
                         G: tl.constexpr, HPP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                        UPCAST: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                        UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """Grid (cdiv(T, BLOCK_N), B * HKV, G // HPP). dK and dV of one key block, summed over HPP of the G query heads
-    that share it; with HPP < G, dk/dv are fp32 partials [B, HKV * G // HPP, T, D] that the launcher sums. Under
-    ATOMIC_DQ, dQ too: fp32 [B, HQ, T, D] rows at dqa_ptr (zeroed by the launcher) gather every key block's share
-    through atomic adds; otherwise dqa_ptr is unused and _varlen_dq_kernel computes dQ."""
+    that share it; with HPP < G, dk/dv are fp32 partials [B, HKV * G // HPP, T, D] that the launcher sums."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
@@ -395,19 +364,15 @@ def _varlen_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr,
         do_base = do_ptr + b * sg_b + h * sg_h
         lse_base = lse_ptr + (b * HQ + h) * T
         delta_base = delta_ptr + (b * HQ + h) * T
-        dqa_base = dqa_ptr + b * sdqa_b + h * sdqa_h
         for m0 in range(q_start, mid_lo, BLOCK_M):
-            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, dqa_base, lo_b, m0, n, doc_k, d,
-                                dmask, T, sq_t, sg_t, sdqa_t, scale, softcap, window, BLOCK_M, True, SOFTCAP, WINDOW,
-                                UPCAST, IEEE, ATOMIC_DQ)
+            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_b, m0, n, doc_k, d, dmask,
+                                T, sq_t, sg_t, scale, softcap, window, BLOCK_M, True, SOFTCAP, WINDOW, UPCAST, IEEE)
         for m0 in range(mid_lo, mid_hi, BLOCK_M):
-            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, dqa_base, lo_b, m0, n, doc_k, d,
-                                dmask, T, sq_t, sg_t, sdqa_t, scale, softcap, window, BLOCK_M, False, SOFTCAP, WINDOW,
-                                UPCAST, IEEE, ATOMIC_DQ)
+            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_b, m0, n, doc_k, d, dmask,
+                                T, sq_t, sg_t, scale, softcap, window, BLOCK_M, False, SOFTCAP, WINDOW, UPCAST, IEEE)
         for m0 in range(mid_hi, q_end, BLOCK_M):
-            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, dqa_base, lo_b, m0, n, doc_k, d,
-                                dmask, T, sq_t, sg_t, sdqa_t, scale, softcap, window, BLOCK_M, True, SOFTCAP, WINDOW,
-                                UPCAST, IEEE, ATOMIC_DQ)
+            dk, dv = _dkdv_step(k, v, dk, dv, q_base, do_base, lse_base, delta_base, lo_b, m0, n, doc_k, d, dmask,
+                                T, sq_t, sg_t, scale, softcap, window, BLOCK_M, True, SOFTCAP, WINDOW, UPCAST, IEEE)
     dk = dk * scale
     ho = hk * (G // HPP) + split
     tl.store(dk_ptr + b * sdk_b + ho * sdk_h + n[:, None] * sdk_t + d[None, :], dk.to(dk_ptr.dtype.element_ty),
@@ -483,12 +448,6 @@ def _flags(q: torch.Tensor, softcap: float, window: int):
     return dict(SOFTCAP=softcap > 0, WINDOW=window > 0, UPCAST=_common.INTERPRET, IEEE=q.dtype == torch.float32)
 
 
-# The forward rescales its [BLOCK_M, D] accumulator only in key blocks where a row's maximum rose by more than 2^8
-# (_fwd_step). Counted from sm_90 SASS at 7B heads (128 x 64 tiles, 8 warps): the per-block rescale is 64 of the ~260
-# FP32 instructions per thread per key block. Off until timed on the H200 (tools/attn_lab.py --variants lazy).
-LAZY_RESCALE = False
-
-
 def _fwd_launch(q, k, v, lo, scale: float, softcap: float, window: int) -> Tuple[torch.Tensor, torch.Tensor]:
     B, HQ, T, D = q.shape
     HKV = k.shape[1]
@@ -503,19 +462,8 @@ def _fwd_launch(q, k, v, lo, scale: float, softcap: float, window: int) -> Tuple
                 q, k, v, out, lse, lo, T, HQ, scale, softcap, window,
                 sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], so[2], lo.stride(0),
                 G=HQ // HKV, D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                **_flags(q, softcap, window), LAZY=LAZY_RESCALE, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                **_flags(q, softcap, window), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
-
-
-# dQ inside the dK/dV kernel (fp32 atomic adds of dS K per key and query block: 5 matrix products per block pair
-# instead of 7, an fp32 [B, Hq, T, D] buffer, summation order not fixed). Off until timed against the separate dQ
-# kernel on the H200 (tools/attn_lab.py --variants atomic_dq); never under torch's deterministic mode. sm_90
-# adds 4 floats per atomic instruction (atom.global.v4.f32); older GPUs one.
-ATOMIC_DQ = False
-
-
-def atomic_dq(q: torch.Tensor) -> bool:
-    return ATOMIC_DQ and not torch.are_deterministic_algorithms_enabled()
 
 
 def _bwd_launch(grad, q, k, v, out, lse, lo, hi, scale: float, softcap: float, window: int):
@@ -532,12 +480,10 @@ def _bwd_launch(grad, q, k, v, out, lse, lo, hi, scale: float, softcap: float, w
     _DELTA.launch((_common.cdiv(T, dm), B * HQ), out, grad, delta, T, HQ, so[0], so[1], so[2], sg[0], sg[1], sg[2],
                   D=D, BLOCK_D=block_d, BLOCK_M=dm, UPCAST=flags["UPCAST"], num_warps=4)
     sq, sk, sv = q.stride(), k.stride(), v.stride()
-    sdk, sdv = dk.stride(), dv.stride()
+    sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
     elt = q.element_size()
-    atomic = atomic_dq(q)
-    cfg = launch_config("dkdvq" if atomic else "dkdv", block_d, elt, q.device)
+    cfg = launch_config("dkdv", block_d, elt, q.device)
     G = HQ // HKV
-    dqa = torch.zeros((B, HQ, T, D), dtype=torch.float32, device=q.device) if atomic else lse
     # one program per (key block, query head) when grouped: G x the programs (at Qwen2.5-7B shapes, 8k tokens, 256
     # programs for 132 SMs otherwise, the first ones with the most work); the fp32 partials are summed after
     hpp = 1 if G > 1 else G
@@ -547,19 +493,15 @@ def _bwd_launch(grad, q, k, v, out, lse, lo, hi, scale: float, softcap: float, w
         dv = torch.empty_like(dk)
         sdk, sdv = dk.stride(), dv.stride()
     _DKDV.launch((_common.cdiv(T, cfg.block_n), B * HKV, G // hpp),
-                 q, k, v, grad, lse, delta, lo, hi, dk, dv, dqa, T, HQ, HKV, scale, softcap, window,
+                 q, k, v, grad, lse, delta, lo, hi, dk, dv, T, HQ, HKV, scale, softcap, window,
                  sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sg[0], sg[1], sg[2],
-                 sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2], HQ * T * D, T * D, D, lo.stride(0),
+                 sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2], lo.stride(0),
                  G=G, HPP=hpp, D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags,
-                 ATOMIC_DQ=atomic, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if hpp < G:
         dk_out.copy_(dk.view(B, HKV, G // hpp, T, D).sum(2))
         dv_out.copy_(dv.view(B, HKV, G // hpp, T, D).sum(2))
         dk, dv = dk_out, dv_out
-    if atomic:
-        dq.copy_(dqa)
-        return dq, dk, dv
-    sdq = dq.stride()
     cfg = launch_config("dq", block_d, elt, q.device)
     _DQ.launch((_common.cdiv(T, cfg.block_m), B * HQ),
                q, k, v, grad, lse, delta, lo, dq, T, HQ, scale, softcap, window,

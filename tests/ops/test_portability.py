@@ -68,7 +68,7 @@ FIXED_PTRS = {
     "RSTD": "*fp32", "DW_PART": "*fp32", "labels_ptr": "*i64", "loss_ptr": "*fp32", "lse_ptr": "*fp32",
     "grad_ptr": "*fp32", "sum_ptr": "*fp32", "scale_ptr": "*fp32", "part_ptr": "*fp32", "pos_ptr": "*i64",
     "end_ptr": "*i64", "start_ptr": "*i64", "mask_ptr": "*u8", "bits_ptr": "*u8",
-    "delta_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32", "dqa_ptr": "*fp32",
+    "delta_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32",
 }
 KERNEL_FIXED_PTRS = {  # per kernel overrides
     "_fp8_quant_rows_kernel": {"q_ptr": "*u8", "fold_ptr": "*fp32"},
@@ -239,11 +239,10 @@ def _enumerate():
             for ieee in (False, True):
                 elt = 4 if ieee else 2
                 for kind, fn in (("fwd", "_varlen_fwd_kernel"), ("dkdv", "_varlen_dkdv_kernel"),
-                                 ("dkdvq", "_varlen_dkdv_kernel"), ("dq", "_varlen_dq_kernel")):
+                                 ("dq", "_varlen_dq_kernel")):
                     cfg = va.launch_config(kind, block_d, elt, t)
                     for f in _both(["SOFTCAP", "WINDOW"]):
-                        extra = (dict(HPP=1, ATOMIC_DQ=kind == "dkdvq") if kind.startswith("dkdv")
-                                 else dict(LAZY=va.LAZY_RESCALE) if kind == "fwd" else {})
+                        extra = dict(HPP=1) if kind == "dkdv" else {}
                         add("varlen_attention_kernel", fn,
                             dict(f, **extra, G=HQ // HKV, D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                  UPCAST=False, IEEE=ieee), cfg.num_warps, cfg.num_stages, archs=(arch,))
