@@ -14,8 +14,9 @@ pack() { tar czf "$OUT/where.tgz" -C "$W" . 2>/dev/null; }
 left() { echo $(( ${CALL_S:-570} - SECONDS )); }
 if [ -n "${FIRST_TESTS-x}" ]; then   # the tests of what changed this session, before the profiles
   echo "== first GPU tests at ${SECONDS}s"
-  # one process: test_layer_graphs.py reads the root conftest by name, which xdist workers may resolve to another
-  SWIFT_LIGER_TEST_GPU=1 timeout "${FIRST_TIMEOUT:-90}" python3 -m pytest -q -rf -p no:cacheprovider \
+  # one process by default: test_layer_graphs.py reads the root conftest by name, which xdist workers may resolve to
+  # another; FIRST_N=8 spreads the other files over 8 workers (one process compiled 58 varlen/FP8 tests in 200 s)
+  SWIFT_LIGER_TEST_GPU=1 timeout "${FIRST_TIMEOUT:-90}" python3 -m pytest -q -rf -p no:cacheprovider ${FIRST_N:+-n $FIRST_N} \
     ${FIRST_TESTS:-tests/ops/test_lora_dropout_kernel.py tests/ops/test_lora_linear_op.py tests/patching/test_layer_graphs.py} \
     >"$W/gpu_tests_first.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"
   pkill -f execnet 2>/dev/null; grep -E "^FAILED|^ERROR|passed|failed" "$W/gpu_tests_first.txt" | cut -c1-200 | tail -8
