@@ -85,23 +85,25 @@ def sweep(q, k, v, go, seq_ids, d, useful, spec, layout, kinds=()):
         grid = {"dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2),
                          (16, 128, 8, 2), (32, 64, 8, 1)],
                 "dq": [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)]}
-        return _sweep(q, k, v, go, fn, {kd: t for kd, t in grid.items() if not kinds or kd in kinds}, useful, spec,
-                      layout)
+        return _sweep(q, k, v, go, fn, grid, useful, spec, layout, kinds)
     grid = {"fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 3),
                     (64, 128, 8, 2), (128, 64, 8, 2)],
             "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 8, 3), (16, 128, 8, 3),
                      (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3), (32, 128, 4, 2)],
             "dq": [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3),
                    (128, 64, 8, 3)]}
-    return _sweep(q, k, v, go, fn, {kd: t for kd, t in grid.items() if not kinds or kd in kinds}, useful, spec, layout)
+    return _sweep(q, k, v, go, fn, grid, useful, spec, layout, kinds)
 
 
-def _sweep(q, k, v, go, fn, grid, useful, spec, layout):
-    """Time `fn` under each (kind: [(block_m, block_n, warps, stages)]) tile of `grid`, one kind at a time."""
+def _sweep(q, k, v, go, fn, grid, useful, spec, layout, kinds=()):
+    """Time `fn` under each (kind: [(block_m, block_n, warps, stages)]) tile of `grid`, one kind at a time (only the
+    ``kinds`` given, when any)."""
     from swift_liger.ops import varlen_attention_kernel as va
     from swift_liger.ops._common import launch_override
     out = []
     for kind, cfgs in grid.items():
+        if kinds and kind not in kinds:
+            continue
         for bm, bn, w, st in cfgs:
             with launch_override(va, kind, block_m=bm, block_n=bn, num_warps=w, num_stages=st):
                 r = run_case(f"swift_liger[{kind}={bm}x{bn}w{w}s{st}]", fn, q, k, v, go)
