@@ -33,7 +33,9 @@ def _counters(shared, reset) -> dict:
     out = {"graph_layers": {"captures": stats["captures"], "capture_s": round(stats["capture_s"], 3),
                             "capture_parts_s": {k: round(v, 3) for k, v in stats["capture_parts_s"].items()},
                             "replays": stats["replays"], "eager": dict(stats["eager"]),
-                            "measured": list(stats["measured"]),
+                            "measured": list(stats["measured"]), "inferred": stats["inferred"],
+                            "keys_replayed": len(shared.slots),
+                            "static_mib": round(shared.store.nbytes() / 2 ** 20, 1),
                             **{k: stats[k] for k in ("compiled_ahead", "compile_ahead_failed", "compile_ahead_error")}}}
     if reset:
         from ..patching.layer_graphs import new_stats   # lazy: the spec loads without torch

@@ -169,6 +169,8 @@ def describe(snap: dict, when: str = "in the first step") -> list:
             line += f"; the compile-ahead pass stopped ({graphs['compile_ahead_error']})"
         if graphs["eager"]:
             line += "; run eagerly: " + "; ".join(f"{n} x {why}" for why, n in graphs["eager"].items())
+        if graphs.get("inferred"):
+            line += f"; batch shapes decided by a measured one, untimed: {graphs['inferred']}"
         if graphs.get("measured"):
             line += ("; timed per batch shape, a layer's forward eager vs replayed, max(host, GPU) ms per call: "
                      + "; ".join(_graph_timing(m) for m in graphs["measured"]))

@@ -26,8 +26,10 @@ graphs is timed once more at that layer's RECHECK_AT-th replayed first pass, awa
 (at 1.5B, 4 x 2k the first step timed 5.05 ms of host time per eager layer forward, more than the 0.259 s eager step
 allows: docs/benchmarks/train_graph_choice_h200.md). Where the replay is not MARGIN faster (GPU-bound layers:
 7B-8B at 4k-8k tokens, where the graphs only add the input copies and padding) the key runs eagerly in every layer,
-its graphs and buffers dropped; counters record the times (call_counts()["graph_layers"]["measured"]).
-SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
+its graphs and buffers dropped; counters record the times (call_counts()["graph_layers"]["measured"]). A new key
+of a family already timed (the same but for rows and padded length) is not timed where a measured one decides it
+(Shared.infer: a smaller shape that ran faster eagerly, or a larger one that ran faster replayed); "inferred" counts
+those. SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
 
 Keys: one pair of graphs per layer and (batch, padded length, dtypes, autocast, PEFT adapter state). The length is
 padded up to a bucket (8 per octave: at most 1/8 more tokens) so batches of varying lengths share captures. Padded
@@ -36,8 +38,11 @@ rows are dropped, so real tokens compute what they would unpadded (up to the GEM
 padded row draws its mask over more elements, so other, equally distributed, draws). At most MAX_KEYS keys (least
 recently used dropped). A capture that fails (a host sync inside the layer, e.g. MoE routing) leaves that key eager.
 
-Memory: every graph of a process draws from one pool, and the static buffers (hidden input, output, gradients in
-and out, cos/sin, mask, positions) are one set per key shared by all layers. Both are safe only in reentrant order:
+Memory: every graph of a process draws from one pool; the static buffers (hidden input, output, gradients in and
+out, cos/sin, mask, positions) are one set of views per key, shared by all layers, of one store shared by all keys
+(_Store: ~2x the largest key's, and up to as much again in older tensors that keys captured before a growth still
+view); the parameters' gradients land in one buffer per parameter, shared by the keys. So a key costs its graphs,
+not memory that grows with the number of lengths. All of it is safe only in reentrant order:
 the first pass replays layer after layer, each reading and writing the shared buffers in turn, and a layer's
 recompute and backward replay back to back with nothing between them (its saved tensors live in pool memory the next
 layer's capture reuses). Non-reentrant checkpointing, or no checkpointing, breaks that order: those run eagerly.
@@ -56,7 +61,8 @@ import torch
 
 from ..ops import _launch
 
-MAX_KEYS = 8            # keys kept per model (static buffers) and per layer (graphs), least recently used dropped
+MAX_KEYS = 48           # keys kept per model and per layer (graphs), least recently used dropped: rows of varying
+                        # length meet up to ~40 buckets (log-uniform 64-2048 tokens at batch 1: 37)
 MEASURE_REPS = 3        # a new key: its first layer timed eagerly and replayed in this many interleaved rounds
 MEASURE_CALLS = 3       # of this many calls each
 SPIN_CYCLES = 50_000_000  # GPU clock cycles (~25 ms) the timed calls queue behind
@@ -65,6 +71,9 @@ GPU_BOUND = 0.5         # a new key whose eager host time is below this share of
 RETIME_BELOW = 0.8      # a host time between GPU_BOUND and this share of the GPU time is timed once more
 RECHECK_AT = 5          # a key kept for graphs is timed again at its timing layer's 5th replayed first pass
 SMALL_TRAINABLE = 0.25  # trainable parameters up to this share of the layer's elements (adapters) replay
+
+EAGER_MEASURED = "measured faster eagerly at this batch shape"
+EAGER_INFERRED = "a smaller batch shape measured faster eagerly"
 
 _BACKENDS: dict = {}    # device index -> the one capture stream and memory pool of every layer's graphs
 
@@ -155,13 +164,15 @@ class _Backend:
 
 class _Slot:
     """The static buffers of one key, shared by all layers: inputs (hidden, cos, sin, mask or None, positions or
-    None), what was last loaded into them (n real tokens; weak references and versions of the sources)."""
-    __slots__ = ("inputs", "out", "gout", "ghidden", "dead", "warm", "n", "gout_n", "src", "ver")
+    None), what was last loaded into them (n real tokens; weak references and versions of the sources). They are
+    views of the model's _Store, which every key shares: `last` ([inputs, output gradient]) names the slot that
+    wrote each last, so a slot reloads what another key may have overwritten."""
+    __slots__ = ("inputs", "out", "gout", "ghidden", "dead", "warm", "n", "gout_n", "src", "ver", "last")
 
 
 class _Entry:
     """One layer's graphs for one key."""
-    __slots__ = ("fwd", "bwd", "pgrads", "params", "keep", "slot", "recheck", "pidx", "plist", "pnone")
+    __slots__ = ("fwd", "bwd", "gbufs", "params", "keep", "slot", "recheck", "pidx", "plist", "pnone")
 
 
 class _Replay(torch.autograd.Function):
@@ -178,9 +189,10 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, grad):
         slot, entry, n = ctx.slot, ctx.entry, ctx.n
         slot.gout[:, :n].copy_(grad)
-        if n < slot.gout.shape[1] and slot.gout_n != n:   # padded rows: no gradient (zeroed once per length)
-            slot.gout[:, n:].zero_()
+        if n < slot.gout.shape[1] and (slot.gout_n != n or slot.last[1] is not slot):   # padded rows: no gradient
+            slot.gout[:, n:].zero_()   # (zeroed once per length, and after another key wrote the shared store)
         slot.gout_n = n
+        slot.last[1] = slot
         entry.bwd.replay()
         # The parameters' gradients leave as fresh tensors (one multi-tensor op, x * 1.0 is exact): autograd may
         # keep a gradient it is handed as .grad, and the next replay rewrites the static buffers.
@@ -190,13 +202,33 @@ class _Replay(torch.autograd.Function):
         return (None,) * 4 + (slot.ghidden[:, :n].clone(), None, None, None, None) + tuple(grads)
 
 
+def _new_slot(shared: "Shared", padded: int, hidden, cos, sin, mask, pos) -> _Slot:
+    """A key's static buffers ([rows, padded, ...] for each input like the call's), views of shared.store."""
+    slot = _Slot()
+    slot.dead = slot.warm = False
+    slot.n = slot.gout_n = None
+    slot.src, slot.ver = [None] * 5, [None] * 5
+    slot.last = shared.last
+    view = shared.store.view
+
+    def static(role, t):
+        return None if t is None else view(role, t.shape[:1] + (padded,) + t.shape[2:], t.dtype, t.device)
+    slot.inputs = [static(r, t) for r, t in zip(("hidden", "cos", "sin", "", "pos"), (hidden, cos, sin, None, pos))]
+    if mask is not None:
+        slot.inputs[3] = view("mask", mask.shape[:2] + (padded, padded), mask.dtype, mask.device)
+    slot.inputs[0] = slot.inputs[0].detach().requires_grad_(True)   # a leaf over the store's memory
+    shape, dt, dv = slot.inputs[0].shape, slot.inputs[0].dtype, slot.inputs[0].device
+    slot.out, slot.gout, slot.ghidden = (view(r, shape, dt, dv) for r in ("out", "gout", "ghidden"))
+    return slot
+
+
 def _load(slot, n, hidden, cos, sin, mask, pos) -> None:
     """Copy one call's inputs into the key's static buffers. Hidden states every call; position embeddings, mask and
     positions only when they are other tensors (or were modified) than the last call's: the layers of one forward
     share them. Rows past n (padding) are rewritten when n changes: zeros (positions continue, masks are causal)."""
     static = slot.inputs
     padded = static[0].shape[1]
-    fresh = slot.n != n
+    fresh = slot.n != n or slot.last[0] is not slot   # another key's inputs may be in the shared store
     static[0][:, :n].copy_(hidden)
     if fresh and n < padded:
         static[0][:, n:].zero_()
@@ -217,6 +249,7 @@ def _load(slot, n, hidden, cos, sin, mask, pos) -> None:
                     dst[:, n:].zero_()
         slot.src[i], slot.ver[i] = weakref.ref(t), t._version
     slot.n = n
+    slot.last[0] = slot
 
 
 def _in_backward() -> bool:
@@ -254,6 +287,7 @@ class LayerGraphs:
         self.backend = None
         self.pending = 0   # first passes replayed whose recompute has not run yet
         self.lora = None
+        self.gbufs: dict = {}   # trainable parameter -> the static buffer its replayed gradient lands in
         shared.members.append(self)
 
     def __deepcopy__(self, memo):   # a copied model captures its own graphs (its stats: the copied patch state's)
@@ -299,10 +333,13 @@ class LayerGraphs:
                 position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != n)):
             return self._eager("position embeddings or ids not [batch, tokens, ...]")
         dev = hidden_states.device
-        key = (tuple(hidden_states.shape[:1]) + (padded,) + tuple(hidden_states.shape[2:]), hidden_states.dtype,
-               tuple(cos.shape[:1]) + tuple(cos.shape[2:]), cos.dtype, mask is None or tuple(mask.shape[:2]),
-               position_ids is None or position_ids.shape[0], dev, torch.is_autocast_enabled(dev.type),
-               torch.get_autocast_dtype(dev.type), self._adapter_state(layer))
+        rows = hidden_states.shape[0]
+        # ((rows, padded tokens), everything else): keys of one family differ in size only (Shared.infer)
+        key = ((rows, padded), (tuple(hidden_states.shape[2:]), hidden_states.dtype, cos.shape[0] == rows,
+                                tuple(cos.shape[2:]), cos.dtype, mask is None or (mask.shape[0] == rows, mask.shape[1]),
+                                position_ids is None or position_ids.shape[0] == rows, dev,
+                                torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type),
+                                self._adapter_state(layer)))
         entry = self.entries.get(key)
         if isinstance(entry, _Entry) and entry.slot.dead:   # its static buffers were dropped: capture again
             del self.entries[key]
@@ -321,14 +358,22 @@ class LayerGraphs:
                 self.shared.ahead_keys.add(key)
                 self._compile_ahead(layer, call, hidden_states, cos, sin, mask, position_ids)
                 t0 = self._spent("compile_ahead", t0)
-            bound = key not in self.shared.slots and self._gpu_bound(self.backend, layer, call, padded, hidden_states,
-                                                                     cos, sin, mask, position_ids, key)
+            inferred = None if key in self.shared.slots else self.shared.infer(key)
+            if inferred is not None:
+                self.stats["inferred"] += 1
+            if inferred is False:   # a smaller shape of this family measured GPU-bound or faster eagerly
+                self.shared.choice[key] = EAGER_INFERRED
+                self.entries[key] = EAGER_INFERRED
+                return self._eager(EAGER_INFERRED)
+            bound = inferred is None and key not in self.shared.slots and self._gpu_bound(
+                self.backend, layer, call, padded, hidden_states, cos, sin, mask, position_ids, key)
             self._spent("eager_timing", t0)
             if bound:
                 self.entries[key] = self.shared.choice[key]
                 return self._eager(self.entries[key])
             try:
-                entry = self._capture(layer, call, key, padded, hidden_states, cos, sin, mask, position_ids, n)
+                entry = self._capture(layer, call, key, padded, hidden_states, cos, sin, mask, position_ids, n,
+                                      timed=inferred is None)
             except Exception as exc:   # noqa: BLE001  e.g. a host sync inside the layer (MoE routing): eager
                 self.entries[key] = f"capture failed ({type(exc).__name__}: {str(exc)[:120]})"
                 return self._eager(self.entries[key])
@@ -404,7 +449,8 @@ class LayerGraphs:
             return "trainable parameters beyond adapters (full fine-tuning)"
         return None
 
-    def _capture(self, layer, call, key, padded, hidden_states, cos, sin, mask, pos, n) -> Optional[_Entry]:
+    def _capture(self, layer, call, key, padded, hidden_states, cos, sin, mask, pos, n,
+                 timed: bool = True) -> Optional[_Entry]:
         t0 = time.perf_counter()
         dev, be = hidden_states.device, self.backend
         while len(self.entries) >= MAX_KEYS:
@@ -415,26 +461,15 @@ class LayerGraphs:
         if new_slot:
             while len(slots) >= MAX_KEYS:
                 slots.popitem(last=False)[1].dead = True
-            slot = _Slot()
-            slot.dead = slot.warm = False
-            slot.n = slot.gout_n = None
-            slot.src, slot.ver = [None] * 5, [None] * 5
-
-            def static(t):
-                return None if t is None else t.new_empty(t.shape[:1] + (padded,) + t.shape[2:])
-            slot.inputs = [static(t) for t in (hidden_states, cos, sin, None, pos)]
-            if mask is not None:
-                slot.inputs[3] = mask.new_empty(mask.shape[:2] + (padded, padded))
-            slot.inputs[0].requires_grad_(True)
-            slot.out = torch.empty_like(slot.inputs[0])
-            slot.gout = torch.zeros_like(slot.inputs[0])
-            slot.ghidden = torch.empty_like(slot.inputs[0])
-            slots[key] = slot
+            slot = slots[key] = _new_slot(self.shared, padded, hidden_states, cos, sin, mask, pos)
         with torch.no_grad():
             _load(slot, n, hidden_states, cos, sin, mask, pos)
         e = _Entry()
         e.slot, e.recheck = slot, None
         e.params = tuple(p for p in layer.parameters() if p.requires_grad)
+        # the parameters' gradients land in one buffer per parameter, shared by every key of this layer (the
+        # captured backward copies them there; autograd's own outputs go back to the pool at the capture's end)
+        e.gbufs = tuple(self._gbuf(p) for p in e.params)
         s_hidden, s_cos, s_sin, s_mask, s_pos = slot.inputs
         wrt = (s_hidden,) + e.params
         held = {}
@@ -450,12 +485,10 @@ class LayerGraphs:
         def bwd():
             grads = torch.autograd.grad(held["out"], wrt, slot.gout, allow_unused=True)
             slot.ghidden.copy_(grads[0])
-            if not be.keep_capture_outputs or "pgrads" not in held:
-                held["pgrads"] = grads[1:]
-            else:   # the CPU stand-in re-runs this: same buffers, new values
-                for static_g, g in zip(held["pgrads"], grads[1:]):
-                    if static_g is not None:
-                        static_g.copy_(g)
+            held["has_grad"] = tuple(g is not None for g in grads[1:])
+            pairs = [(b, g) for b, g in zip(e.gbufs, grads[1:]) if g is not None]
+            if pairs:
+                torch._foreach_copy_([b for b, _ in pairs], [g for _, g in pairs])
 
         rng = be.rng_state(dev)
         adt, aen = torch.get_autocast_dtype(dev.type), torch.is_autocast_enabled(dev.type)
@@ -478,15 +511,14 @@ class LayerGraphs:
         if not slot.warm:
             be.release()   # the warm-up's blocks, cached for the capture stream only
         slot.warm = True
-        e.pgrads = tuple(held["pgrads"])
-        e.pidx = tuple(i for i, g in enumerate(e.pgrads) if g is not None)
-        e.plist = [e.pgrads[i] for i in e.pidx]
-        e.pnone = (None,) * len(e.pgrads)
+        e.pidx = tuple(i for i, has in enumerate(held["has_grad"]) if has)
+        e.plist = [e.gbufs[i] for i in e.pidx]
+        e.pnone = (None,) * len(e.params)
         if not be.keep_capture_outputs:
             held.clear()   # the capture's own tensors go back to the pool for the next capture
         e.keep = held
         self.stats["captures"] += 1
-        if new_slot and self.shared.measure and be.timer is not None:
+        if new_slot and timed and self.shared.measure and be.timer is not None:
             faster = self._graphs_faster(be, layer, call, e, slot, n, hidden_states, cos, sin, mask, pos, key,
                                          when="capture")
             self._spent("release_and_timing", t0)
@@ -497,6 +529,13 @@ class LayerGraphs:
             self._spent("release_and_timing", t0)
         self.entries[key] = e
         return e
+
+    def _gbuf(self, p: torch.Tensor) -> torch.Tensor:
+        """The static buffer p's replayed gradient lands in (a new one if p changed shape, dtype or device)."""
+        b = self.gbufs.get(p)
+        if b is None or b.shape != p.shape or b.dtype != p.dtype or b.device != p.device:
+            b = self.gbufs[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        return b
 
     def _gpu_bound(self, be, layer, call, padded, hidden, cos, sin, mask, pos, key) -> bool:
         """Before a new key's capture: the layer's forward eagerly, once untimed (compiles, lazy state), then one
@@ -525,7 +564,8 @@ class LayerGraphs:
             "rows": hidden.shape[0], "tokens": padded, "eager_ms": round(1e3 * max(host, gpu), 3), "graph_ms": None,
             "eager_host_ms": round(1e3 * host, 3), "eager_gpu_ms": round(1e3 * gpu, 3), "graph_host_ms": None,
             "graph_gpu_ms": None, "graphs": False, "when": "before capture"})
-        self.shared.choice[key] = "measured faster eagerly at this batch shape"
+        self.shared.choice[key] = EAGER_MEASURED
+        self.shared.record(key, False)
         return True
 
     def _graphs_faster(self, be, layer, call, e, slot, n, hidden, cos, sin, mask, pos, key, when) -> bool:
@@ -563,8 +603,9 @@ class LayerGraphs:
             "eager_host_ms": round(1e3 * best["eager"][0], 3), "eager_gpu_ms": round(1e3 * best["eager"][1], 3),
             "graph_host_ms": round(1e3 * best["replay"][0], 3), "graph_gpu_ms": round(1e3 * best["replay"][1], 3),
             "graphs": faster, "when": when})
+        self.shared.record(key, faster)
         if not faster:   # every layer runs this key eagerly; its graphs and static buffers go
-            self.shared.choice[key] = "measured faster eagerly at this batch shape"
+            self.shared.choice[key] = EAGER_MEASURED
             self.shared.slots.pop(key).dead = True
             e.fwd = e.bwd = None
             for member in self.shared.members:
@@ -579,22 +620,73 @@ PARTS = ("eager_timing", "warm_up", "capture_forward", "capture_backward", "rele
 
 def new_stats() -> dict:
     return {"captures": 0, "capture_s": 0.0, "capture_parts_s": dict.fromkeys(PARTS, 0.0), "replays": 0, "eager": {},
+            "inferred": 0,
             "measured": [], "compiled_ahead": None, "compile_ahead_failed": 0, "compile_ahead_error": None}
 
 
+class _Store:
+    """The memory behind every key's static buffers: one flat tensor per (role, dtype, device), each key's buffer a
+    contiguous view of its start. A key larger than a role's tensor gets a new one twice the size (or its own size):
+    keys captured before keep the old tensor alive through their views until they are dropped. So a model's static
+    buffers take at most ~2x its largest key's, however many keys (lengths) the data brings."""
+
+    def __init__(self):
+        self.flat: dict = {}
+
+    def view(self, role: str, shape, dtype, device) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        k = (role, dtype, device)
+        t = self.flat.get(k)
+        if t is None or t.numel() < numel:
+            t = self.flat[k] = torch.empty(numel if t is None else max(numel, 2 * t.numel()), dtype=dtype,
+                                           device=device)
+        return t[:numel].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.flat.values())
+
+
 class Shared:
-    """What the decoder layers of one patched model share: the counters and one set of static buffers per key."""
+    """What the decoder layers of one patched model share: the counters, the static buffers' store and one set of
+    views of it per key, and the measured choices."""
 
     def __init__(self):
         self.stats = new_stats()
         self.slots: "collections.OrderedDict" = collections.OrderedDict()
+        self.store = _Store()
+        self.last = [None, None]   # the slot whose inputs / output gradient the store holds
         self.choice: dict = {}   # key -> why it runs eagerly (measured), kept after its slot is dropped
+        self.sizes: dict = {}    # a key's family -> {True: sizes measured faster replayed, False: eagerly}
         self.members: list = []  # the LayerGraphs of the model's layers
         # SWIFT_LIGER_GRAPH_LAYERS=always replays every replayable key without timing it (benchmarks)
         self.measure = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS", "measure").strip() != "always"
         # SWIFT_LIGER_COMPILE_AHEAD=1: a new key's kernels compile side by side first (LayerGraphs._compile_ahead)
         self.compile_ahead = os.environ.get("SWIFT_LIGER_COMPILE_AHEAD", "0").strip() == "1"
         self.ahead_keys: set = set()
+
+    def record(self, key, graphs: bool) -> None:
+        """A measured choice for key ((rows, padded tokens), family)."""
+        sizes = self.sizes.setdefault(key[1], {True: set(), False: set()})
+        sizes[not graphs].discard(key[0])
+        sizes[graphs].add(key[0])
+
+    def infer(self, key) -> Optional[bool]:
+        """The choice for a new key of a family already timed, without timing it: eager (False) where a size with no
+        more rows and tokens ran faster eagerly, replayed (True) where one with no fewer of either ran faster
+        replayed; None (time it) otherwise. A layer's host time per call hardly depends on its shape while its GPU
+        time grows with rows and tokens, so a smaller shape is at least as host-bound as a larger one. Data of
+        varying lengths meets up to ~40 keys (8 buckets per octave); each timing costs ~0.2 s of the step."""
+        sizes = self.sizes.get(key[1])
+        if not sizes:
+            return None
+        rows, tokens = key[0]
+        if any(r <= rows and t <= tokens for r, t in sizes[False]):
+            return False
+        if any(rows <= r and tokens <= t for r, t in sizes[True]):
+            return True
+        return None
 
     def __deepcopy__(self, memo):   # a copied model starts empty
         return type(self)()

@@ -433,6 +433,97 @@ def test_fp8_bases_replay(backend, monkeypatch):
     assert s["captures"] == 2 and s["replays"] == 2 * 2 * 2 and not s["eager"], s
 
 
+def test_varying_lengths_capture_each_key_once_in_one_store(backend):
+    """Batches of many lengths and row counts, revisited in shuffled order (as a dataset of varying lengths brings
+    them): each key is captured once (no least-recently-used churn below MAX_KEYS), every step matches eager, and the
+    static buffers stay within twice the largest key's (views of one store), the parameters' gradient buffers one
+    set per layer whatever the number of keys."""
+    device = backend
+    eager, graphed = models(device)
+    g = torch.Generator().manual_seed(8)
+    shapes = [(2, 13), (1, 40), (3, 21), (2, 70), (1, 9), (2, 33)]
+    order = shapes + [shapes[i] for i in (2, 0, 5, 1, 3, 4, 0, 3)]
+    for i, (rows, n) in enumerate(order):
+        ids = torch.randint(2, 128, (rows, n), generator=g).to(device)
+        mask = torch.ones(rows, n, dtype=torch.long, device=device)
+        mask[-1, n // 2:] = 0 if rows > 1 else 1   # padded rows where there are several (the 4-D mask's keys)
+        assert_same(step(eager, ids, mask, seed=i), step(graphed, ids, mask, seed=i))
+    s = stats(graphed)
+    assert s["captures"] == len(shapes) * 3 and s["replays"] == len(order) * 3 * 2 and not s["eager"], s
+    shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
+    hidden = graphed.config.hidden_size
+    largest = max(r * layer_graphs.bucket(n) for r, n in shapes)
+    need = 4 * largest * hidden * 4 + max(r * layer_graphs.bucket(n) ** 2 for r, n in shapes)   # fp32 x 4, mask
+    assert need < shared.store.nbytes() - sum(t.numel() * t.element_size() for (role, *_), t in
+                                               shared.store.flat.items() if role in ("cos", "sin", "pos")) <= 2 * need
+    layer = shared.members[0]
+    assert len(layer.gbufs) == sum(p.requires_grad for p in graphed.base_model.model.model.layers[0].parameters())
+
+
+def test_store_reloads_what_another_key_overwrote():
+    """Two keys' static buffers share the store's memory: loading one key after the other rewrites its inputs and
+    padding even when the caller's tensors are the very ones loaded before (unchanged, same version)."""
+    shared = layer_graphs.Shared()
+    h = torch.arange(2 * 5 * 4, dtype=torch.float32).view(2, 5, 4) + 1
+    cos, sin = torch.rand(2, 5, 3), torch.rand(2, 5, 3)
+    pos = torch.arange(5).expand(2, 5)
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril_()
+    b = layer_graphs._new_slot(shared, 32, h, cos, sin, mask, pos)   # the larger first: the smaller fits its store
+    a = layer_graphs._new_slot(shared, 16, h, cos, sin, mask, pos)
+    assert a.inputs[0].data_ptr() == b.inputs[0].data_ptr() and a.out.data_ptr() == b.out.data_ptr()
+    with torch.no_grad():
+        layer_graphs._load(a, 5, h, cos, sin, mask, pos)
+        h2, cos2 = h + 100, cos + 7
+        mask2 = torch.zeros(2, 1, 5, 5, dtype=torch.bool)
+        layer_graphs._load(b, 5, h2, cos2, sin, mask2, pos)
+        layer_graphs._load(a, 5, h, cos, sin, mask, pos)   # the same tensors as a's first load
+    torch.testing.assert_close(a.inputs[0][:, :5], h)
+    assert not a.inputs[0][:, 5:].any()
+    torch.testing.assert_close(a.inputs[1][:, :5], cos)
+    torch.testing.assert_close(a.inputs[3], layer_graphs._pad_mask(mask, 5, 16))
+    torch.testing.assert_close(a.inputs[4][:, :5], pos)
+    assert shared.last[0] is a
+
+
+def test_measured_shape_decides_smaller_and_larger_ones(backend, monkeypatch):
+    """A key timed faster replayed makes smaller shapes of its family replay untimed; one timed faster eagerly makes
+    larger shapes run eagerly untimed; a shape neither decides is timed. All match eager."""
+    device = backend
+    timings = []
+    verdict = {}
+
+    def timer(fn):   # replays 0.1 / 1 ms; eager 6 / 1 ms (host-bound) or 0.3 / 3 ms (GPU-bound), as verdict says
+        timings.append(fn.__name__)
+        fn()
+        if fn.__name__ == "replay":
+            return (0.1e-3, 1e-3)
+        return (6e-3, 1e-3) if verdict["host_bound"] else (0.9e-3, 9e-3)
+    if device.type == "cpu":
+        monkeypatch.setattr(RerunBackend, "timer", staticmethod(timer), raising=False)
+    else:
+        monkeypatch.setattr(layer_graphs._Backend, "timer", staticmethod(timer))
+    g = torch.Generator().manual_seed(9)
+    for host_bound, lengths in ((True, [30, 13, 20, 40]), (False, [13, 30, 16, 9])):
+        verdict["host_bound"] = host_bound
+        timings.clear()
+        eager, graphed = models(device)
+        for i, n in enumerate(lengths):
+            ids = torch.randint(2, 128, (2, n), generator=g).to(device)
+            assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i))
+        s = stats(graphed)
+        if host_bound:   # 32 timed (graphs); 16 and 32 inferred; 48 (larger) timed
+            assert [(m["tokens"], m["graphs"]) for m in s["measured"]] == [(32, True), (48, True)], s
+            assert s["inferred"] == 1 and s["captures"] == 3 * 3 and not s["eager"], s
+            assert timings.count("eager") == 2 * (1 + layer_graphs.MEASURE_REPS), timings
+        else:            # 16 timed (GPU-bound: eager); 32 inferred eager; 16 again; 16 (9 tokens) again
+            assert [(m["tokens"], m["graphs"]) for m in s["measured"]] == [(16, False)], s
+            assert s["inferred"] == 1 and s["captures"] == 0 and timings == ["eager"], (s, timings)
+            assert s["eager"] == {layer_graphs.EAGER_MEASURED: 3 * 3, layer_graphs.EAGER_INFERRED: 3}, s
+        from swift_liger.integration.runtime import describe   # lazy: the runtime's log lines
+        line = describe({"policy": {"graph_layers": s, "cross_entropy_mode": "off"}}, when="in total")[0]
+        assert "batch shapes decided by a measured one, untimed: 1" in line, line
+
+
 def test_bucket_lengths():
     assert [layer_graphs.bucket(n) for n in (1, 16, 17, 100, 448, 449, 2011, 2048, 4097)] == \
         [16, 16, 32, 112, 448, 480, 2048, 2048, 4608]
