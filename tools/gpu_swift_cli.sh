@@ -8,6 +8,7 @@
 #   SHAPE=qwen2.5-7b SEQ=4096 TASKS="dpo orpo" GA=4         preference pairs of 2 x ~4k tokens
 #   BATCH=8 SEQ=512                                          8 rows of ~448 tokens per step (default batch 1)
 #   EXTRA="--label_smoothing_factor 0.1" NAME=...              more swift flags for every run (name the report apart)
+#   LENGTHS=longtail ROWS=256                                 rows of log-uniform 64..SEQ-64 tokens (varying batch shapes)
 #   COLD_TRITON=1                                                every run with an empty Triton cache of its own (cold first steps)
 #   TUNER=full  VARIANTS="swift_liger plain"  VARIANTS_orpo="plain"  STEPS=8 WARMUP=3  DEADLINE=530 (whole call, s)
 #   TEST_PATHS="tests/ops/test_logprobs_op.py ..."              run these tests on the GPU first (SWIFT_LIGER_TEST_GPU=1)
@@ -16,7 +17,7 @@
 set -uo pipefail
 OUT=${OUT:-.out}; R=${R:-/tmp/swift_cli_runs}; DEADLINE=${DEADLINE:-530}
 SHAPE=${SHAPE:-llama3-8b}; SEQ=${SEQ:-8192}; TASKS=${TASKS:-sft}; TUNER=${TUNER:-lora}; GA=${GA:-1}
-STEPS=${STEPS:-12}; WARMUP=${WARMUP:-3}; M=/tmp/model_${SHAPE}_${SEQ}
+STEPS=${STEPS:-12}; WARMUP=${WARMUP:-3}; M=/tmp/model_${SHAPE}_${SEQ}${LENGTHS:+_$LENGTHS}${ROWS:+_$ROWS}
 NAME=${NAME:-swift_cli_${SHAPE//[.-]/_}}
 mkdir -p "$OUT/swift_cli" "$R"
 source "$(dirname "$0")/device_env.sh"
@@ -26,7 +27,7 @@ if [ -f "$M/build.json" ]; then
   echo "== reusing $M"
 else
   build() { timeout 240 python3 -m swift_liger.bench.swift_cli build "$M" --shape "$SHAPE" --seq "$SEQ" --device cuda \
-    "$@" >"$OUT/swift_cli/build.log" 2>&1; }
+    ${LENGTHS:+--lengths "$LENGTHS"} ${ROWS:+--rows "$ROWS"} "$@" >"$OUT/swift_cli/build.log" 2>&1; }
   FROM=()   # an earlier build of this shape on this machine (another --seq): link its weights, write only datasets
   for d in /tmp/model_${SHAPE}_*; do
     [ -f "$d/build.json" ] && [ "$SEQ" -le 32768 ] && { FROM=(--model-from "$d"); break; }

@@ -309,6 +309,9 @@ def summarize(rows, warmup) -> dict:
         out.update({"tokens_per_s": statistics.median(tps), "tokens_per_s_mean": statistics.fmean(tps),
                     "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
                     "step_time_s": statistics.median(st),
+                    # rows of varying length: every measured token over every measured second (first calls of a
+                    # new batch shape included), where the median step says little
+                    "tokens_per_s_total": sum(r["tokens/s"] * r["step_time(s)"] for r in measured) / sum(st),
                     "tokens_per_step": round(statistics.median(r["tokens/s"] * r["step_time(s)"] for r in measured))})
     for key, name in (("peak_alloc(GiB)", "peak_allocated_gib"), ("peak_reserved(GiB)", "peak_reserved_gib"),
                       ("memory(GiB)", "swift_memory_gib"), ("rss(GiB)", "rss_gib")):
@@ -498,7 +501,8 @@ def report(args) -> str:
     notes = [f"- {r['variant']}: {r['summary'].get('tokens_per_step', '?')} tokens/step, "
              f"{r['summary']['steps_measured']} measured steps, tokens/s min–max "
              f"{fmt(r['summary'].get('tokens_per_s_min'), '.0f')}–"
-             f"{fmt(r['summary'].get('tokens_per_s_max'), '.0f')}, "
+             f"{fmt(r['summary'].get('tokens_per_s_max'), '.0f')} (all measured tokens / all measured seconds "
+             f"{fmt(r['summary'].get('tokens_per_s_total'), '.0f')}), "
              f"MFU {fmt(r['summary'].get('mfu'), '.3f')}, ms-swift memory(GiB) "
              f"{fmt(r['summary'].get('swift_memory_gib'), '.2f')}, whole CLI run {r['wall_s']} s"
              + ("; counted in the first step: " + " / ".join(r["first_step"]) if r.get("first_step") else "")
