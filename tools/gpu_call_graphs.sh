@@ -17,12 +17,12 @@ for point in ${POINTS:-qwen2.5-0.5b:512:8 qwen2.5-1.5b:2048:1}; do
   IFS=: read -r shape seq batch deadline variants tuner <<<"$point"
   echo "== $shape $seq x $batch at ${SECONDS}s"
   [ -n "$variants" ] || variants=${VARIANTS:-swift_liger,swift_liger_eager}
-  rm -rf "/tmp/runs_${shape}_${seq}_$batch${tuner:+_$tuner}"
+  tag=${shape}_${seq}_$batch${tuner:+_$tuner}${LENGTHS:+_$LENGTHS}   # LENGTHS=longtail: rows of varying length
+  rm -rf "/tmp/runs_$tag"
   SHAPE=$shape SEQ=$seq BATCH=$batch STEPS=${STEPS:-10} WARMUP=3 VARIANTS="${variants:+${variants//,/ }}" \
-    TUNER=${tuner:-lora} DEADLINE=${deadline:-200} R=/tmp/runs_${shape}_${seq}_$batch${tuner:+_$tuner} \
-    OUT=$OUT/c/${shape}_${seq}_$batch${tuner:+_$tuner} \
+    TUNER=${tuner:-lora} DEADLINE=${deadline:-200} R=/tmp/runs_$tag OUT=$OUT/c/$tag \
     bash tools/gpu_swift_cli.sh 2>&1 | grep -E "^\||^- |rc |skipped|failed" | cut -c1-400
-  for f in /tmp/runs_${shape}_${seq}_$batch${tuner:+_$tuner}/*.log; do   # what graph_layers did (integration/runtime.py's log line)
+  for f in /tmp/runs_$tag/*.log; do   # what graph_layers did (integration/runtime.py's log line)
     grep -h "graph_layers in the first step" "$f" | sed "s|.*swift_liger: |$(basename "$f" .log): |" | cut -c1-700
   done
   tar czf "$OUT/calls.tgz" -C "$OUT" c   # after every point: a call cut short keeps what ran

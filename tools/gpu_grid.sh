@@ -26,10 +26,20 @@ P15="qwen2.5-1.5b:512:8:full qwen2.5-1.5b:2048:1:full qwen2.5-1.5b:2048:4:full"
 P16="qwen2.5-1.5b:8192:1:full qwen2.5-1.5b:16384:1:full"
 P17="qwen2.5-3b:512:8:full qwen2.5-3b:2048:1:full qwen2.5-3b:2048:4:full"
 P18="qwen2.5-3b:8192:1:full qwen2.5-3b:16384:1:full"
+# Parts 19-21: rows of varying length (log-uniform 64 .. row length - 64 tokens, 320 rows, 40 steps), as real data
+# brings them: every batch a new shape until graph_layers has met its buckets. tok/s = all measured tokens / seconds.
+P19="qwen2.5-0.5b:2048:1 qwen2.5-0.5b:1024:8"
+P20="qwen2.5-1.5b:2048:1 qwen2.5-1.5b:1024:8"
+P21="qwen2.5-3b:2048:1 qwen2.5-7b:4096:1"
 if [ "${PART:-list}" = list ]; then
-  for i in $(seq 1 18); do v="P$i"; echo "PART=$i: ${!v}"; done; exit 0
+  for i in $(seq 1 21); do v="P$i"; echo "PART=$i: ${!v}$([ "$i" -ge 19 ] && echo ' (varying lengths)')"; done; exit 0
 fi
-v="P$PART"; [ -n "${!v:-}" ] || { echo "PART must be 1-18 or list"; exit 2; }
+v="P$PART"; [ -n "${!v:-}" ] || { echo "PART must be 1-21 or list"; exit 2; }
+steps=${STEPS:-8}
+if [ "$PART" -ge 19 ]; then
+  export LENGTHS=longtail ROWS=${ROWS:-320}; steps=${STEPS:-40}
+  GRID_VARIANTS=${GRID_VARIANTS:-plain swift_liger swift_liger_eager liger_kernel}
+fi
 variants=$(tr ' ' ',' <<<"${GRID_VARIANTS:-plain swift_liger liger_kernel}")
 points=""
 for p in ${!v}; do
@@ -37,7 +47,8 @@ for p in ${!v}; do
   case $shape in qwen2.5-7b|llama3-8b) build=90 run=80 ;; *) build=40 run=45 ;; esac
   nv=$(wc -w <<<"${variants//,/ }")
   deadline=$(( build + run * nv + run * seq / 16384 + 75 ))   # 16k rows: the steps themselves add up to a run
+  [ "$PART" -ge 19 ] && deadline=$(( deadline + 15 * nv ))    # 40 steps, a capture per new bucket
   points+="$shape:$seq:$batch:$deadline:$variants${tuner:+:$tuner} "
 done
 echo "== part $PART: $points"
-SKIP_TESTS=${SKIP_TESTS:-1} POINTS="$points" STEPS=${STEPS:-8} bash "$(dirname "$0")/gpu_call_graphs.sh"
+SKIP_TESTS=${SKIP_TESTS:-1} POINTS="$points" STEPS=$steps bash "$(dirname "$0")/gpu_call_graphs.sh"

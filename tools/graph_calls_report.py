@@ -18,6 +18,7 @@ def load(call_dir: str) -> dict:
         for r in rep["results"]:
             s = r["summary"]
             runs[r["variant"]] = {k: s.get(k) for k in ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
+                                                        "tokens_per_s_total",
                                                         "tokens_per_step", "step_time_s", "peak_allocated_gib",
                                                         "peak_reserved_gib", "final_loss")}
             runs[r["variant"]].update(tuner=r["tuner"], wall_s=r["wall_s"], first_step_s=r["rows"][0]["step_time(s)"]
@@ -38,12 +39,20 @@ def load(call_dir: str) -> dict:
 
 
 def _label(point: str) -> str:
-    """qwen2.5-0.5b_512_8[_full] -> "Qwen2.5-0.5B, 8 x 512[ (full)]" (rows x row length)."""
-    m = re.match(r"(.+?)_(\d+)_(\d+)(_full)?$", point)
+    """qwen2.5-0.5b_512_8[_full][_longtail] -> "Qwen2.5-0.5B, 8 x 512[ (full)][, varying lengths]" (rows x row
+    length; varying: rows of log-uniform 64..length-64 tokens)."""
+    m = re.match(r"(.+?)_(\d+)_(\d+)(_full)?(_longtail)?$", point)
     if not m:
         return point
     name = {"llama3-8b": "Llama-3-8B"}.get(m.group(1), m.group(1).replace("qwen", "Qwen").replace("b", "B"))
-    return f"{name}, {m.group(3)} x {m.group(2)}{' (full)' if m.group(4) else ''}"
+    return (f"{name}, {m.group(3)} x {m.group(2)}{' (full)' if m.group(4) else ''}"
+            f"{', varying lengths' if m.group(5) else ''}")
+
+
+def rate(point: str, run: dict):
+    """A run's tokens/s: the median step's, or where rows vary in length (a longtail point) all measured tokens
+    over all measured seconds (steps differ by shape, and a new shape's first calls count)."""
+    return run.get("tokens_per_s_total" if point.endswith("_longtail") else "tokens_per_s")
 
 
 def tables(calls) -> str:
@@ -58,9 +67,9 @@ def tables(calls) -> str:
         for point, p in c["points"].items():
             runs = p["runs"]
             get = lambda v, k: runs.get(v, {}).get(k)   # noqa: E731
-            ours, plain, liger = (get(v, "tokens_per_s") for v in ("swift_liger", "plain", "liger_kernel"))
-            others = ", ".join(f"{v} {r['tokens_per_s']:.0f}" for v, r in runs.items()
-                               if v not in ("swift_liger", "plain", "liger_kernel") and r.get("tokens_per_s"))
+            ours, plain, liger = (rate(point, runs.get(v, {})) for v in ("swift_liger", "plain", "liger_kernel"))
+            others = ", ".join(f"{v} {rate(point, r):.0f}" for v, r in runs.items()
+                               if v not in ("swift_liger", "plain", "liger_kernel") and rate(point, r))
             speed.append(f"| {_label(point)} | {c['call']} | {f(plain)} | {f(ours)} | "
                          f"{f(ours / plain if ours and plain else None, '{:.2f}x')} | {f(liger)} | "
                          f"{f(ours / liger if ours and liger else None, '{:.2f}x')} | {others} |")
@@ -70,7 +79,8 @@ def tables(calls) -> str:
                        f"{gib('liger_kernel')} |")
             first.append(f"| {_label(point)} | {c['call']} | " + " | ".join(
                 f(get(v, "first_step_s"), "{:.2f}") for v in ("plain", "swift_liger", "liger_kernel")) + " |")
-    return "\n".join(["Tokens/s (median of the measured steps):", "", *speed, "",
+    return "\n".join(["Tokens/s (median of the measured steps; at varying lengths all measured tokens / seconds):", "",
+                      *speed, "",
                       "Peak allocated / reserved GiB:", "", *mem, "", "First step, s:", "", *first, ""])
 
 
@@ -90,11 +100,10 @@ def main():
     for c in calls:
         for point, p in c["points"].items():
             runs = p["runs"]
-            ours = runs.get("swift_liger", {}).get("tokens_per_s")
-            plain = runs.get("plain", {}).get("tokens_per_s")
-            liger = runs.get("liger_kernel", {}).get("tokens_per_s")
+            ours, plain, liger = (rate(point, runs.get(v, {})) for v in ("swift_liger", "plain", "liger_kernel"))
             if ours and plain:
-                label = point.replace("qwen2.5-", "").replace("llama3-", "L").replace("_full", " full")
+                label = point.replace("qwen2.5-", "").replace("llama3-", "L").replace("_full", " full").replace(
+                    "_longtail", " varying")
                 label = re.sub(r"_(\d+)_(\d+)", r" \2x\1", label)   # 0.5b_512_8 -> 0.5b 8x512 (rows x row length)
                 bars.append((f"{label} ({c['call']})", ours / plain, ours / liger if liger else None))
     import matplotlib
