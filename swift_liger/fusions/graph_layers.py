@@ -26,6 +26,18 @@ def patch(ctx) -> None:
     ctx.report.patched["graph_layers"] += n
 
 
+def _outside_torch_mib(shared):
+    """Device memory in use that torch's allocator does not hold (CUDA context, cuBLAS, and the captured graphs'
+    own memory, which grows with the graphs kept), MiB; None off CUDA or before a capture."""
+    backend = next((m.backend for m in shared.members if m.backend is not None), None)
+    stream = getattr(backend, "stream", None)
+    if stream is None:
+        return None
+    import torch   # lazy: the spec loads without torch
+    free, total = torch.cuda.mem_get_info(stream.device)
+    return round((total - free - torch.cuda.memory_reserved(stream.device)) / 2 ** 20)
+
+
 def _counters(shared, reset) -> dict:
     if shared is None:
         return {}
@@ -36,6 +48,7 @@ def _counters(shared, reset) -> dict:
                             "measured": list(stats["measured"]), "inferred": stats["inferred"],
                             "keys_replayed": len(shared.slots),
                             "static_mib": round(shared.store.nbytes() / 2 ** 20, 1),
+                            "device_outside_torch_mib": _outside_torch_mib(shared),
                             **{k: stats[k] for k in ("compiled_ahead", "compile_ahead_failed", "compile_ahead_error")}}}
     if reset:
         from ..patching.layer_graphs import new_stats   # lazy: the spec loads without torch

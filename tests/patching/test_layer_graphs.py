@@ -450,6 +450,7 @@ def test_varying_lengths_capture_each_key_once_in_one_store(backend):
         assert_same(step(eager, ids, mask, seed=i), step(graphed, ids, mask, seed=i))
     s = stats(graphed)
     assert s["captures"] == len(shapes) * 3 and s["replays"] == len(order) * 3 * 2 and not s["eager"], s
+    assert s["keys_replayed"] == len(shapes) and s["static_mib"] > 0, s
     shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
     hidden = graphed.config.hidden_size
     largest = max(r * layer_graphs.bucket(n) for r, n in shapes)
