@@ -461,6 +461,23 @@ def test_varying_lengths_capture_each_key_once_in_one_store(backend):
     assert len(layer.gbufs) == sum(p.requires_grad for p in graphed.base_model.model.model.layers[0].parameters())
 
 
+def test_keys_beyond_max_keys_are_dropped_and_captured_again(backend, monkeypatch):
+    """More shapes than MAX_KEYS in turn: the least recently used key's graphs and views go, a returning shape is
+    captured again over the same store, and every step still matches eager."""
+    monkeypatch.setattr(layer_graphs, "MAX_KEYS", 2)
+    device = backend
+    eager, graphed = models(device)
+    g = torch.Generator().manual_seed(10)
+    lengths = [13, 30, 45, 13, 30]   # buckets 16, 32, 48, 16, 32: the last two were dropped before they return
+    for i, n in enumerate(lengths):
+        ids = torch.randint(2, 128, (2, n), generator=g).to(device)
+        assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i))
+    s = stats(graphed)
+    assert s["captures"] == len(lengths) * 3 and s["replays"] == len(lengths) * 3 * 2 and not s["eager"], s
+    shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
+    assert [k[0][1] for k in shared.slots] == [16, 32] and all(len(m.entries) == 2 for m in shared.members)
+
+
 def test_store_reloads_what_another_key_overwrote():
     """Two keys' static buffers share the store's memory: loading one key after the other rewrites its inputs and
     padding even when the caller's tensors are the very ones loaded before (unchanged, same version)."""
