@@ -6,7 +6,8 @@
 # Points are SHAPE:SEQ:BATCH[:TUNER] (SEQ = row length, BATCH = rows). A point's deadline is computed: the model
 # build, then per run the CLI's start-up and load plus the steps (measured on the H200: 0.5B-3B runs take 22-42 s,
 # 7B-8B 50-80 s plus a 50-80 s build), and the 60 s tools/gpu_swift_cli.sh wants left before a later run starts.
-# SKIP_TESTS= (empty) runs the graph_layers GPU tests first. Results in $OUT/calls.tgz, merged afterwards with tools/graph_calls_report.py --call DIR COMMIT COMMAND ...
+# SKIP_TESTS= (empty) runs the graph_layers GPU tests first. Results in $OUT/calls.tgz, merged afterwards with
+# tools/graph_calls_report.py --call DIR COMMIT COMMAND ...
 set -uo pipefail
 P1="qwen2.5-0.5b:512:8 qwen2.5-0.5b:2048:1 qwen2.5-0.5b:2048:4"
 P2="qwen2.5-0.5b:8192:1 qwen2.5-0.5b:16384:1"
