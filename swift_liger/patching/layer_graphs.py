@@ -626,9 +626,10 @@ def new_stats() -> dict:
 
 class _Store:
     """The memory behind every key's static buffers: one flat tensor per (role, dtype, device), each key's buffer a
-    contiguous view of its start. A key larger than a role's tensor gets a new one twice the size (or its own size):
-    keys captured before keep the old tensor alive through their views until they are dropped. So a model's static
-    buffers take at most ~2x its largest key's, however many keys (lengths) the data brings."""
+    contiguous view of its start. A key larger than a role's tensor gets a new one twice the size (or its own size);
+    keys captured before keep the old tensor alive through their views until they are dropped. So the store holds at
+    most ~2x the largest key's buffers, and older tensors at most as much again, however many keys (lengths) the
+    data brings."""
 
     def __init__(self):
         self.flat: dict = {}
