@@ -306,13 +306,14 @@ def summarize(rows, warmup) -> dict:
     if measured:
         tps = [r["tokens/s"] for r in measured]
         st = [r["step_time(s)"] for r in measured]
+        tokens = [t * s for t, s in zip(tps, st)]
         out.update({"tokens_per_s": statistics.median(tps), "tokens_per_s_mean": statistics.fmean(tps),
                     "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
                     "step_time_s": statistics.median(st),
                     # rows of varying length: every measured token over every measured second (first calls of a
                     # new batch shape included), where the median step says little
-                    "tokens_per_s_total": sum(r["tokens/s"] * r["step_time(s)"] for r in measured) / sum(st),
-                    "tokens_per_step": round(statistics.median(r["tokens/s"] * r["step_time(s)"] for r in measured))})
+                    "tokens_per_s_total": sum(tokens) / sum(st),
+                    "tokens_per_step": round(statistics.median(tokens))})
     for key, name in (("peak_alloc(GiB)", "peak_allocated_gib"), ("peak_reserved(GiB)", "peak_reserved_gib"),
                       ("memory(GiB)", "swift_memory_gib"), ("rss(GiB)", "rss_gib")):
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]

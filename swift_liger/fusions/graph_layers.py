@@ -27,8 +27,9 @@ def patch(ctx) -> None:
 
 
 def _outside_torch_mib(shared):
-    """Device memory in use that torch's allocator does not hold (CUDA context, cuBLAS, and the captured graphs'
-    own memory, which grows with the graphs kept), MiB; None off CUDA or before a capture."""
+    """Device memory in use that this process's torch allocator does not hold (CUDA context, cuBLAS, the captured
+    graphs' own memory, which grows with the graphs kept, and any other process on the GPU), MiB; None off CUDA or
+    before a capture."""
     backend = next((m.backend for m in shared.members if m.backend is not None), None)
     stream = getattr(backend, "stream", None)
     if stream is None:

@@ -52,6 +52,7 @@ recompute draw what the first pass drew.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import time
 import weakref
@@ -635,9 +636,7 @@ class _Store:
         self.flat: dict = {}
 
     def view(self, role: str, shape, dtype, device) -> torch.Tensor:
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         k = (role, dtype, device)
         t = self.flat.get(k)
         if t is None or t.numel() < numel:
