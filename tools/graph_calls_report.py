@@ -23,10 +23,24 @@ def load(call_dir: str) -> dict:
                                                         "peak_reserved_gib", "final_loss")}
             runs[r["variant"]].update(tuner=r["tuner"], wall_s=r["wall_s"], first_step_s=r["rows"][0]["step_time(s)"]
                                       if r["rows"] else None, command=r["command"])
+            timed = [(x["step_time(s)"], x["tokens/s"] * x["step_time(s)"]) for x in r["rows"]
+                     if x.get("step_time(s)") and x.get("tokens/s") is not None]
+            if timed:   # every logged step, the first ones (captures, Triton compiles) included
+                runs[r["variant"]].update(all_steps=len(timed), all_steps_s=sum(t for t, _ in timed),
+                                          tokens_per_s_all_steps=sum(n for _, n in timed) / sum(t for t, _ in timed))
         for log in glob.glob(os.path.join(call_dir, "c", point, "swift_cli_runs.tar.gz")):
             import tarfile
             with tarfile.open(log) as tar:
                 for m in tar.getmembers():
+                    if m.name.endswith(".liger_patch.json"):   # graph_layers' counters over the whole run
+                        v = os.path.basename(m.name)[:-len(".liger_patch.json")]
+                        total = json.load(tar.extractfile(m)).get("runtime", {}).get("total", {})
+                        g = total.get("policy", {}).get("graph_layers")
+                        if g and v in runs:
+                            runs[v]["graph_layers_total"] = {k: g.get(k) for k in (
+                                "captures", "capture_s", "replays", "inferred", "keys_replayed", "static_mib",
+                                "device_outside_torch_mib")} | {"timed": len(g.get("measured") or []),
+                                                                 "eager_keys": len(g.get("eager") or {})}
                     if m.name.endswith(".log"):
                         text = tar.extractfile(m).read().decode(errors="replace")
                         hit = re.search(r"swift_liger: (graph_layers in the first step: .*)", text)
@@ -79,9 +93,30 @@ def tables(calls) -> str:
                        f"{gib('liger_kernel')} |")
             first.append(f"| {_label(point)} | {c['call']} | " + " | ".join(
                 f(get(v, "first_step_s"), "{:.2f}") for v in ("plain", "swift_liger", "liger_kernel")) + " |")
+    varying = ["| point | call | plain | `--use_liger` | vs plain | ours, graphs off | `--use_liger_kernel` | "
+               "vs Liger | keys: replayed / timed / inferred / eager | captures (s) | outside torch MiB |",
+               "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for c in calls:
+        for point, p in c["points"].items():
+            if not point.endswith("_longtail"):
+                continue
+            runs = p["runs"]
+            a = {v: runs.get(v, {}).get("tokens_per_s_all_steps") for v in
+                 ("plain", "swift_liger", "swift_liger_eager", "liger_kernel")}
+            g = runs.get("swift_liger", {}).get("graph_layers_total") or {}
+            ratio = lambda a, b: f(a / b if a and b else None, "{:.2f}x")   # noqa: E731
+            ours = a["swift_liger"]
+            varying.append(
+                f"| {_label(point)} | {c['call']} | {f(a['plain'])} | {f(ours)} | {ratio(ours, a['plain'])} | "
+                f"{f(a['swift_liger_eager'])} | {f(a['liger_kernel'])} | {ratio(ours, a['liger_kernel'])}"
+                f" | {g.get('keys_replayed', '')} / {g.get('timed', '')} / {g.get('inferred', '')} / "
+                f"{g.get('eager_keys', '')} | {g.get('captures', '')} ({f(g.get('capture_s'), '{:.1f}')}) | "
+                f"{f(g.get('device_outside_torch_mib'))} |")
+    extra = ["Varying lengths, every step counted (captures and compiles included): tokens/s; graph_layers' keys "
+             "over the run:", "", *varying, ""] if len(varying) > 2 else []
     return "\n".join(["Tokens/s (median of the measured steps; at varying lengths all measured tokens / seconds):", "",
                       *speed, "",
-                      "Peak allocated / reserved GiB:", "", *mem, "", "First step, s:", "", *first, ""])
+                      "Peak allocated / reserved GiB:", "", *mem, "", "First step, s:", "", *first, "", *extra])
 
 
 def main():
