@@ -243,6 +243,29 @@ class RuntimeRecord(TrainerCallback):
         total = snapshot(self.trainer, self.attention_since)
         update_record(self.args, "runtime", {"first_step": self.first, "total": total,
                                              "optimizer_steps": state.global_step})
+        from swift.utils import get_logger
+        for line in describe_run(total, state.global_step):
+            get_logger().info(f"swift_liger: {line}")
+
+
+def describe_run(total: dict, steps: int) -> list:
+    """Log lines at the end of training: what graph_layers did over the whole run (rows of varying length meet a
+    new batch shape, so captures go on after the first step; the graphs' memory is not in ms-swift's memory(GiB))."""
+    g = (total.get("policy") or {}).get("graph_layers")
+    if not g or not (g["captures"] or g["replays"]):
+        return []
+    line = (f"graph_layers over {steps} optimizer steps: {g['replays']} decoder-layer passes replayed from CUDA "
+            f"graphs, {g['captures']} captured ({g['capture_s']:.1f} s); batch shapes: {g.get('keys_replayed', 0)} "
+            f"kept for graphs, {len(g.get('measured') or [])} timings, {g.get('inferred', 0)} decided by a timed "
+            "one")
+    if g["eager"]:
+        line += "; run eagerly: " + "; ".join(f"{n} x {why}" for why, n in g["eager"].items())
+    if g.get("static_mib") is not None:
+        line += f"; static buffers {g['static_mib']:.0f} MiB"
+    if g.get("device_outside_torch_mib") is not None:
+        line += (f"; GPU memory outside torch's allocator {g['device_outside_torch_mib']} MiB (the CUDA context, "
+                 "cuBLAS workspaces, the captured graphs: not in memory(GiB))")
+    return [line]
 
 
 def _graph_timing(m: dict) -> str:

@@ -584,6 +584,24 @@ def test_first_step_log_lines():
     assert describe({"policy": {"graph_layers": idle, "cross_entropy_mode": "off"}}) == []
 
 
+def test_end_of_run_log_line():
+    from swift_liger.integration.runtime import describe_run   # lazy: the runtime's log lines
+    total = {"policy": {"graph_layers": {
+        "captures": 528, "capture_s": 9.607, "replays": 1920, "eager": {layer_graphs.EAGER_INFERRED: 48},
+        "measured": [{"rows": 1, "tokens": 384}] * 3, "inferred": 19, "keys_replayed": 22, "static_mib": 20.0,
+        "device_outside_torch_mib": 1155}}}
+    assert describe_run(total, 40) == [
+        "graph_layers over 40 optimizer steps: 1920 decoder-layer passes replayed from CUDA graphs, 528 captured "
+        "(9.6 s); batch shapes: 22 kept for graphs, 3 timings, 19 decided by a timed one; run eagerly: 48 x "
+        f"{layer_graphs.EAGER_INFERRED}; static buffers 20 MiB; GPU memory outside torch's allocator 1155 MiB "
+        "(the CUDA context, cuBLAS workspaces, the captured graphs: not in memory(GiB))"]
+    idle = {"policy": {"graph_layers": {"captures": 0, "capture_s": 0.0, "replays": 0, "eager": {}}}}
+    assert describe_run(idle, 3) == [] and describe_run({}, 3) == []   # CPU, or graph_layers off: nothing said
+    off_cuda = {"policy": {"graph_layers": {"captures": 3, "capture_s": 0.1, "replays": 6, "eager": {},
+                                            "static_mib": 0.1, "device_outside_torch_mib": None}}}
+    assert describe_run(off_cuda, 2)[0].endswith("0 decided by a timed one; static buffers 0 MiB")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gemma3_text", "phi3", "glm4", "qwen3_moe",
                                     "qwen2_5_vl"])
 def test_each_family_matches_eager(backend, family):
