@@ -243,7 +243,7 @@ def build(args) -> dict:
                                          **{k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads",
                                                                           "kv_heads", "vocab", "seq", "rows",
                                                                           "pref_rows", "prompt_frac", "seed",
-                                                                          "tok_vocab")}},
+                                                                          "tok_vocab", "lengths")}},
             "tokenizer_vocab": len(tokenizer), "eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None,
             "row_tokens": {"min": min(lengths), "max": max(lengths), "mean": round(sum(lengths) / len(lengths), 1)},
             "pref_sequence_tokens": {"min": min(pref_lengths), "max": max(pref_lengths),
@@ -440,7 +440,11 @@ def report(args) -> str:
                                 os.path.dirname(build_info["model"]) + " " +
                                 " ".join(f"--{k.replace('_', '-')} {v}" for k, v in build_info["config"].items()
                                          if k not in ("seed", "model_type", "tied")))
-    base = next((r for r in results if r["variant"] == "plain" and r["summary"].get("tokens_per_s")), None)
+    # rows of varying length: steps differ by shape and a new shape's first calls count, so the median step says
+    # little; the rate is every measured token over every measured second
+    varying = (build_info or {}).get("config", {}).get("lengths") == "longtail"
+    stat = "tokens_per_s_total" if varying else "tokens_per_s"
+    base = next((r for r in results if r["variant"] == "plain" and r["summary"].get(stat)), None)
     rlhf = args.task != "sft"
     cli = f"swift rlhf --rlhf_type {args.task}" if rlhf else "swift sft"
     shape_name = (build_info or {}).get("config", {}).get("shape", "llama3-8b")
@@ -483,7 +487,8 @@ def report(args) -> str:
               f"({shape}); {micro}, {dtype}, SDPA, gradient "
               f"checkpointing, {tuning}, AdamW, {steps} steps. Throughput and memory are "
               f"swift_liger's per-step metrics (`--liger_metrics`, on in every variant, no patching): tokens/s = "
-              f"median over steps {warmup + 1}–{steps} (steps 1–{warmup} are warm-up); peak allocated / reserved = "
+              + ("all tokens / all seconds of" if varying else "median over") +
+              f" steps {warmup + 1}–{steps} (steps 1–{warmup} are warm-up); peak allocated / reserved = "
               f"`torch.cuda.max_memory_*` reset each step, max over all steps. Loss after step {steps} "
               f"(random init and random text: only a sanity check that the variants agree).", "",
               "| variant | tokens/s | vs plain | step s | peak allocated GiB | peak reserved GiB | final loss |",
@@ -491,11 +496,11 @@ def report(args) -> str:
     for r in results:
         s = r["summary"]
         label = VARIANT_LABELS.get(r["variant"], r["variant"])
-        if "error" in r and not s.get("tokens_per_s"):
+        if "error" in r and not s.get(stat):
             lines.append(f"| {label} | failed: {r['error'][:160].replace('|', '/')} | | | | | |")
             continue
-        rel = f"{s['tokens_per_s'] / base['summary']['tokens_per_s']:.2f}×" if base else "—"
-        lines.append(f"| {label} | {s['tokens_per_s']:.0f} | {rel} | {fmt(s.get('step_time_s'), '.3f')} | "
+        rel = f"{s[stat] / base['summary'][stat]:.2f}×" if base else "—"
+        lines.append(f"| {label} | {s[stat]:.0f} | {rel} | {fmt(s.get('step_time_s'), '.3f')} | "
                      f"{fmt(s.get('peak_allocated_gib'), '.2f')} | {fmt(s.get('peak_reserved_gib'), '.2f')} | "
                      f"{fmt(s.get('final_loss'), '.4f')} |")
     lines += [""]
@@ -516,8 +521,9 @@ def report(args) -> str:
     for r in results:
         lines.append(r["command"])
     lines += ["```", ""]
+    statistic = "all measured tokens / all measured seconds" if varying else "median over measured steps"
     return write_report(args.out, args.name, {"environment": env, "build": build_info, "warmup": warmup, "steps": steps,
-                                              "seq": seq, "tokens_per_s_statistic": "median over measured steps",
+                                              "seq": seq, "tokens_per_s_statistic": statistic,
                                               "results": results}, "\n".join(lines))
 
 
