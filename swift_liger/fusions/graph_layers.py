@@ -47,6 +47,7 @@ def _counters(shared, reset) -> dict:
                             "capture_parts_s": {k: round(v, 3) for k, v in stats["capture_parts_s"].items()},
                             "replays": stats["replays"], "eager": dict(stats["eager"]),
                             "measured": list(stats["measured"]), "inferred": stats["inferred"],
+                            "no_grad_replays": stats["no_grad_replays"],
                             "keys_replayed": len(shared.slots),
                             "static_mib": round(shared.store.nbytes() / 2 ** 20, 1),
                             "device_outside_torch_mib": _outside_torch_mib(shared),

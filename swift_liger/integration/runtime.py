@@ -157,8 +157,10 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         lines.append(line)
     graphs = (snap.get("policy") or {}).get("graph_layers")
     if graphs and (graphs["captures"] or graphs["replays"] or graphs["eager"]):
-        line = (f"graph_layers {when}: {graphs['replays']} decoder-layer passes replayed from CUDA graphs, "
-                f"{graphs['captures']} captured ({graphs['capture_s']:.1f} s: a layer's first call per batch shape"
+        line = (f"graph_layers {when}: {graphs['replays']} decoder-layer passes replayed from CUDA graphs"
+                + (f" ({graphs['no_grad_replays']} of them forwards of autograd-off passes)"
+                   if graphs.get("no_grad_replays") else "") +
+                f", {graphs['captures']} captured ({graphs['capture_s']:.1f} s: a layer's first call per batch shape"
                 + "".join(f"; {k.replace('_', ' ')} {v:.2f}" for k, v in (graphs.get("capture_parts_s") or {}).items()
                           if v >= 0.005) + ")")
         if graphs.get("compiled_ahead") is not None:
@@ -255,7 +257,9 @@ def describe_run(total: dict, steps: int) -> list:
     if not g or not (g["captures"] or g["replays"]):
         return []
     line = (f"graph_layers over {steps} optimizer steps: {g['replays']} decoder-layer passes replayed from CUDA "
-            f"graphs, {g['captures']} captured ({g['capture_s']:.1f} s); batch shapes: {g.get('keys_replayed', 0)} "
+            "graphs" + (f" ({g['no_grad_replays']} of them forwards of autograd-off passes)"
+                        if g.get("no_grad_replays") else "") +
+            f", {g['captures']} captured ({g['capture_s']:.1f} s); batch shapes: {g.get('keys_replayed', 0)} "
             f"kept for graphs, {len(g.get('measured') or [])} timings, {g.get('inferred', 0)} decided by a timed "
             "one")
     if g["eager"]:

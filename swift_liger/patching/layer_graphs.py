@@ -31,6 +31,12 @@ of a family already timed (the same but for rows and padded length) is not timed
 (Shared.infer: a smaller shape that ran faster eagerly, or a larger one that ran faster replayed); "inferred" counts
 those. SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
 
+SWIFT_LIGER_GRAPH_NO_GRAD=1 (off until measured on a GPU): autograd-off passes other than a checkpoint's first pass
+(a DPO/GRPO reference or old-policy forward, an evaluation) replay their forward alone, from graphs captured and timed
+under keys of their own (the training mode is part of the key), up to 2 x MAX_KEYS keys in all. A reference pass's
+first layer still looks like a checkpoint's first pass (the input-require-grads hook marks its input) and replays a
+training key. Inference mode always runs eagerly: its tensors have no version counters for _load's reuse check.
+
 Keys: one pair of graphs per layer and (batch, padded length, dtypes, autocast, PEFT adapter state). The length is
 padded up to a bucket (8 per octave: at most 1/8 more tokens) so batches of varying lengths share captures. Padded
 tokens come after every real token, are masked out as keys (causal order does it when the mask is None) and their
@@ -75,6 +81,7 @@ SMALL_TRAINABLE = 0.25  # trainable parameters up to this share of the layer's e
 
 EAGER_MEASURED = "measured faster eagerly at this batch shape"
 EAGER_INFERRED = "a smaller batch shape measured faster eagerly"
+INFERENCE_MODE = "inference mode (its tensors keep no version counter to check a reload by)"
 
 _BACKENDS: dict = {}    # device index -> the one capture stream and memory pool of every layer's graphs
 
@@ -172,8 +179,8 @@ class _Slot:
 
 
 class _Entry:
-    """One layer's graphs for one key."""
-    __slots__ = ("fwd", "bwd", "gbufs", "params", "keep", "slot", "recheck", "pidx", "plist", "pnone")
+    """One layer's graphs for one key (fonly: the forward alone, of an autograd-off pass)."""
+    __slots__ = ("fwd", "bwd", "gbufs", "params", "keep", "slot", "recheck", "pidx", "plist", "pnone", "fonly")
 
 
 class _Replay(torch.autograd.Function):
@@ -257,11 +264,12 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _eager_calls(layer, call, hidden, cos, sin, mask, pos, calls: int = MEASURE_CALLS) -> Callable:
-    """A function running the layer's forward `calls` times eagerly with autograd on (the recompute's mode), named
-    "eager" for the timings' records."""
+def _eager_calls(layer, call, hidden, cos, sin, mask, pos, calls: int = MEASURE_CALLS,
+                 grad: bool = True) -> Callable:
+    """A function running the layer's forward `calls` times eagerly with autograd on (the recompute's mode; off for
+    an autograd-off pass's key), named "eager" for the timings' records."""
     def eager():
-        with torch.enable_grad():
+        with torch.set_grad_enabled(grad):
             for _ in range(calls):
                 call(layer, hidden, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
     return eager
@@ -308,15 +316,25 @@ class LayerGraphs:
     def forward(self, layer, call: Callable, hidden_states, attention_mask=None, position_ids=None,
                 past_key_values=None, use_cache=False, position_embeddings=None, **kwargs):
         """The layer's output replayed from graphs, or None (the caller runs the layer eagerly)."""
-        if not layer.training or (hidden_states.device.type != "cuda" and self.backend_for == _Backend.of):
-            return None   # evaluation, or no CUDA graphs on this device: nothing to report
-        if torch.is_grad_enabled():   # a reentrant recompute: inside the backward, after a replayed first pass
-            if not _in_backward():
-                return self._eager("autograd on outside a reentrant checkpoint's recompute")
-            if self.pending <= 0:     # the recompute of a first pass that ran eagerly (counted there)
-                return None
-        elif not (hidden_states.requires_grad and getattr(layer, "gradient_checkpointing", False)):
-            return self._eager("autograd off, input without grad (an evaluation or reference pass)")
+        if hidden_states.device.type != "cuda" and self.backend_for == _Backend.of:
+            return None   # no CUDA graphs on this device: nothing to report
+        if torch.is_inference_mode_enabled() or hidden_states.is_inference():
+            # (a train-mode model generating under inference mode: its inputs may still be marked requiring grad)
+            return self._eager(INFERENCE_MODE) if layer.training or self.shared.no_grad else None
+        # an autograd-off pass that is not a reentrant checkpoint's first pass: a reference, old-policy or evaluation
+        # forward (SWIFT_LIGER_GRAPH_NO_GRAD=1 replays its forward alone)
+        fonly = self.shared.no_grad and not torch.is_grad_enabled() and not (
+            layer.training and hidden_states.requires_grad and getattr(layer, "gradient_checkpointing", False))
+        if not fonly:
+            if not layer.training:
+                return None   # evaluation: nothing to report
+            if torch.is_grad_enabled():   # a reentrant recompute: inside the backward, after a replayed first pass
+                if not _in_backward():
+                    return self._eager("autograd on outside a reentrant checkpoint's recompute")
+                if self.pending <= 0:     # the recompute of a first pass that ran eagerly (counted there)
+                    return None
+            elif not (hidden_states.requires_grad and getattr(layer, "gradient_checkpointing", False)):
+                return self._eager("autograd off, input without grad (an evaluation or reference pass)")
         if past_key_values is not None or use_cache:
             return self._eager("a KV cache")
         kwargs.pop("cache_position", None)   # read only by a KV cache's update
@@ -340,7 +358,7 @@ class LayerGraphs:
                                 tuple(cos.shape[2:]), cos.dtype, mask is None or (mask.shape[0] == rows, mask.shape[1]),
                                 position_ids is None or position_ids.shape[0] == rows, dev,
                                 torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type),
-                                self._adapter_state(layer)))
+                                self._adapter_state(layer), fonly and ("forward only", layer.training)))
         entry = self.entries.get(key)
         if isinstance(entry, _Entry) and entry.slot.dead:   # its static buffers were dropped: capture again
             del self.entries[key]
@@ -355,7 +373,7 @@ class LayerGraphs:
             if self.backend is None:
                 self.backend = type(self).backend_for(dev)
             t0 = time.perf_counter()
-            if self.shared.compile_ahead and key not in self.shared.ahead_keys:
+            if self.shared.compile_ahead and not fonly and key not in self.shared.ahead_keys:
                 self.shared.ahead_keys.add(key)
                 self._compile_ahead(layer, call, hidden_states, cos, sin, mask, position_ids)
                 t0 = self._spent("compile_ahead", t0)
@@ -367,14 +385,14 @@ class LayerGraphs:
                 self.entries[key] = EAGER_INFERRED
                 return self._eager(EAGER_INFERRED)
             bound = inferred is None and key not in self.shared.slots and self._gpu_bound(
-                self.backend, layer, call, padded, hidden_states, cos, sin, mask, position_ids, key)
+                self.backend, layer, call, padded, hidden_states, cos, sin, mask, position_ids, key, grad=not fonly)
             self._spent("eager_timing", t0)
             if bound:
                 self.entries[key] = self.shared.choice[key]
                 return self._eager(self.entries[key])
             try:
                 entry = self._capture(layer, call, key, padded, hidden_states, cos, sin, mask, position_ids, n,
-                                      timed=inferred is None)
+                                      timed=inferred is None, fonly=fonly)
             except Exception as exc:   # noqa: BLE001  e.g. a host sync inside the layer (MoE routing): eager
                 self.entries[key] = f"capture failed ({type(exc).__name__}: {str(exc)[:120]})"
                 return self._eager(self.entries[key])
@@ -391,6 +409,12 @@ class LayerGraphs:
                     return self._eager(self.entries[key])
         self.entries.move_to_end(key)
         self.shared.slots.move_to_end(key)
+        if entry.fonly:   # the forward alone: no recompute or backward follows
+            _load(entry.slot, n, hidden_states, cos, sin, mask, position_ids)
+            entry.fwd.replay()
+            self.stats["replays"] += 1
+            self.stats["no_grad_replays"] += 1
+            return entry.slot.out[:, :n].clone()   # the next layer's replay rewrites slot.out
         self.pending += -1 if torch.is_grad_enabled() else 1
         return _Replay.apply(self, entry.slot, entry, n, hidden_states, cos, sin, mask, position_ids, *entry.params)
 
@@ -451,23 +475,24 @@ class LayerGraphs:
         return None
 
     def _capture(self, layer, call, key, padded, hidden_states, cos, sin, mask, pos, n,
-                 timed: bool = True) -> Optional[_Entry]:
+                 timed: bool = True, fonly: bool = False) -> Optional[_Entry]:
         t0 = time.perf_counter()
         dev, be = hidden_states.device, self.backend
-        while len(self.entries) >= MAX_KEYS:
+        cap = self.shared.max_keys
+        while len(self.entries) >= cap:
             self.entries.popitem(last=False)
         slots = self.shared.slots
         slot = slots.get(key)
         new_slot = slot is None
         if new_slot:
-            while len(slots) >= MAX_KEYS:
+            while len(slots) >= cap:
                 slots.popitem(last=False)[1].dead = True
             slot = slots[key] = _new_slot(self.shared, padded, hidden_states, cos, sin, mask, pos)
         with torch.no_grad():
             _load(slot, n, hidden_states, cos, sin, mask, pos)
         e = _Entry()
-        e.slot, e.recheck = slot, None
-        e.params = tuple(p for p in layer.parameters() if p.requires_grad)
+        e.slot, e.recheck, e.fonly = slot, None, fonly
+        e.params = () if fonly else tuple(p for p in layer.parameters() if p.requires_grad)
         # the parameters' gradients land in one buffer per parameter, shared by every key of this layer (the
         # captured backward copies them there; autograd's own outputs go back to the pool at the capture's end)
         e.gbufs = tuple(self._gbuf(p) for p in e.params)
@@ -483,6 +508,10 @@ class LayerGraphs:
             held["out"] = run()
             slot.out.copy_(held["out"].detach())
 
+        def fwd_only():   # autograd off inside: the CPU stand-in replays with it on
+            with torch.no_grad():
+                slot.out.copy_(run())
+
         def bwd():
             grads = torch.autograd.grad(held["out"], wrt, slot.gout, allow_unused=True)
             slot.ghidden.copy_(grads[0])
@@ -495,16 +524,17 @@ class LayerGraphs:
         adt, aen = torch.get_autocast_dtype(dev.type), torch.is_autocast_enabled(dev.type)
         be.begin()
         try:
-            with be.side(), torch.enable_grad(), torch.autocast(dev.type, dtype=adt, enabled=aen,
-                                                                  cache_enabled=False):
+            with be.side(), torch.set_grad_enabled(not fonly), torch.autocast(dev.type, dtype=adt, enabled=aen,
+                                                                                cache_enabled=False):
                 if not slot.warm:   # once per key: kernel compiles, cuBLAS workspace, lazy state, outside capture
                     out = run()
-                    torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)
+                    if not fonly:
+                        torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)
                     del out
                 t0 = self._spent("warm_up", t0)
-                e.fwd = be.capture(fwd)
+                e.fwd = be.capture(fwd_only if fonly else fwd)
                 t0 = self._spent("capture_forward", t0)
-                e.bwd = be.capture(bwd)
+                e.bwd = None if fonly else be.capture(bwd)
                 t0 = self._spent("capture_backward", t0)
         finally:
             be.end()
@@ -512,7 +542,7 @@ class LayerGraphs:
         if not slot.warm:
             be.release()   # the warm-up's blocks, cached for the capture stream only
         slot.warm = True
-        e.pidx = tuple(i for i, has in enumerate(held["has_grad"]) if has)
+        e.pidx = tuple(i for i, has in enumerate(held.get("has_grad", ())) if has)
         e.plist = [e.gbufs[i] for i in e.pidx]
         e.pnone = (None,) * len(e.params)
         if not be.keep_capture_outputs:
@@ -538,7 +568,7 @@ class LayerGraphs:
             b = self.gbufs[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
         return b
 
-    def _gpu_bound(self, be, layer, call, padded, hidden, cos, sin, mask, pos, key) -> bool:
+    def _gpu_bound(self, be, layer, call, padded, hidden, cos, sin, mask, pos, key, grad: bool = True) -> bool:
         """Before a new key's capture: the layer's forward eagerly, once untimed (compiles, lazy state), then one
         timed round. Where the host issues it in under GPU_BOUND of the GPU's time to run it, a replay (the same
         kernels plus the input copies) cannot come out MARGIN faster: the key runs eagerly in every layer and nothing
@@ -550,10 +580,10 @@ class LayerGraphs:
             return False
         dev = hidden.device
         rng = be.rng_state(dev)
-        eager = _eager_calls(layer, call, hidden, cos, sin, mask, pos)
+        eager = _eager_calls(layer, call, hidden, cos, sin, mask, pos, grad=grad)
         try:
             with torch.no_grad():
-                _eager_calls(layer, call, hidden, cos, sin, mask, pos, 1)()
+                _eager_calls(layer, call, hidden, cos, sin, mask, pos, 1, grad)()
                 host, gpu = (t / MEASURE_CALLS for t in be.timer(eager))
                 if GPU_BOUND * gpu <= host < RETIME_BELOW * gpu:   # near the line: once more, the lower host time
                     host = min(host, be.timer(eager)[0] / MEASURE_CALLS)
@@ -577,7 +607,7 @@ class LayerGraphs:
         layer."""
         dev = hidden.device
         rng = be.rng_state(dev)
-        eager = _eager_calls(layer, call, hidden, cos, sin, mask, pos)
+        eager = _eager_calls(layer, call, hidden, cos, sin, mask, pos, grad=not e.fonly)
 
         def replay():
             for _ in range(MEASURE_CALLS):
@@ -621,7 +651,7 @@ PARTS = ("eager_timing", "warm_up", "capture_forward", "capture_backward", "rele
 
 def new_stats() -> dict:
     return {"captures": 0, "capture_s": 0.0, "capture_parts_s": dict.fromkeys(PARTS, 0.0), "replays": 0, "eager": {},
-            "inferred": 0,
+            "inferred": 0, "no_grad_replays": 0,
             "measured": [], "compiled_ahead": None, "compile_ahead_failed": 0, "compile_ahead_error": None}
 
 
@@ -664,6 +694,10 @@ class Shared:
         self.measure = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS", "measure").strip() != "always"
         # SWIFT_LIGER_COMPILE_AHEAD=1: a new key's kernels compile side by side first (LayerGraphs._compile_ahead)
         self.compile_ahead = os.environ.get("SWIFT_LIGER_COMPILE_AHEAD", "0").strip() == "1"
+        # SWIFT_LIGER_GRAPH_NO_GRAD=1: autograd-off passes (reference, old-policy, evaluation forwards) replay their
+        # forward from graphs too, under keys of their own (so twice the keys are kept)
+        self.no_grad = os.environ.get("SWIFT_LIGER_GRAPH_NO_GRAD", "0").strip() == "1"
+        self.max_keys = MAX_KEYS * (2 if self.no_grad else 1)
         self.ahead_keys: set = set()
 
     def record(self, key, graphs: bool) -> None:

@@ -195,6 +195,69 @@ def test_eager_passes_counted_by_reason(backend):
     assert s["eager"] == {"autograd on outside a reentrant checkpoint's recompute": 3}, s
 
 
+def test_inference_mode_runs_eagerly(backend):
+    """A train-mode model called under torch.inference_mode (a generate call in a trainer): the input-require-grads
+    hook still marks the embeddings' output, so the first layer looked like a reentrant first pass and loading its
+    inference tensors into the static buffers raised. Every layer runs eagerly there, counted; training goes on."""
+    device = backend
+    eager, graphed = models(device)
+    ids = torch.randint(2, 128, (2, 13)).to(device)
+    assert_same(step(eager, ids), step(graphed, ids))
+    with torch.inference_mode():
+        torch.testing.assert_close(graphed(input_ids=ids).logits, eager(input_ids=ids).logits)
+    assert_same(step(eager, ids, seed=1), step(graphed, ids, seed=1))
+    s = stats(graphed)
+    assert s["eager"] == {layer_graphs.INFERENCE_MODE: 3} and s["captures"] == 3, s
+
+
+def test_autograd_off_passes_replay_their_forward(backend, monkeypatch):
+    """SWIFT_LIGER_GRAPH_NO_GRAD=1: a reference pass (adapters disabled) between the policy's forward and its
+    backward, as DPO runs it, and an evaluation pass replay their forward from graphs under keys of their own; the
+    policy's recompute and backward then reload the static buffers the reference pass overwrote. Inference mode runs
+    eagerly. Everything matches the eager model."""
+    monkeypatch.setenv("SWIFT_LIGER_GRAPH_NO_GRAD", "1")
+    device = backend
+    eager, graphed = models(device)
+
+    def dpo_like(model, ids, seed):
+        torch.manual_seed(seed)
+        loss = model(input_ids=ids, labels=ids).loss
+        with torch.no_grad(), model.disable_adapter():
+            ref = model(input_ids=ids).logits
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        with torch.no_grad():
+            evaluated = model(input_ids=ids).logits
+        model.train()
+        return loss.detach(), grads, ref, evaluated
+
+    g = torch.Generator().manual_seed(11)
+    for i, n in enumerate([13, 20, 13]):   # buckets 16, 32, 16
+        ids = torch.randint(2, 128, (2, n), generator=g).to(device)
+        a, b = dpo_like(eager, ids, i), dpo_like(graphed, ids, i)
+        assert_same(a[:2], b[:2])
+        torch.testing.assert_close(b[2], a[2], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(b[3], a[3], atol=2e-5, rtol=1e-4)
+    s = stats(graphed)
+    # The reference pass's first layer looks like a reentrant first pass (the input-require-grads hook marks the
+    # embeddings' output under no_grad too): it replays a training key of its own, its recompute never comes. The
+    # other layers and every layer in eval mode replay forward-only keys. Per bucket (2): training keys 3 layers,
+    # reference 1 + 2, evaluation 3.
+    assert s["captures"] == 2 * (3 + 1 + 2 + 3) and not s["eager"], s
+    assert s["no_grad_replays"] == 3 * (2 + 3) and s["replays"] == 3 * (3 * 2 + 1) + s["no_grad_replays"], s
+    members = graphed.base_model.model._swift_liger_state.parts["graph_layers"].members
+    assert [m.pending for m in members] == [3, 0, 0]
+    with torch.inference_mode():
+        out = graphed(input_ids=ids).logits
+    torch.testing.assert_close(out, eager(input_ids=ids).logits, atol=2e-5, rtol=1e-4)
+    assert stats(graphed)["eager"] == {layer_graphs.INFERENCE_MODE: 3}
+    from swift_liger.integration.runtime import describe   # lazy: the runtime's log lines
+    line = describe({"policy": {"graph_layers": s, "cross_entropy_mode": "off"}})[0]
+    assert "36 decoder-layer passes replayed from CUDA graphs (15 of them forwards of autograd-off passes)" in line
+
+
 def test_masks_change_between_steps_and_gradients_accumulate(backend):
     """Steps of one key with other padding masks (the static mask is reloaded when the mask changes, not per layer),
     and two micro-batches accumulated before the gradients are read (.grad must not alias the static gradient
