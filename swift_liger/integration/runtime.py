@@ -157,10 +157,8 @@ def describe(snap: dict, when: str = "in the first step") -> list:
         lines.append(line)
     graphs = (snap.get("policy") or {}).get("graph_layers")
     if graphs and (graphs["captures"] or graphs["replays"] or graphs["eager"]):
-        line = (f"graph_layers {when}: {graphs['replays']} decoder-layer passes replayed from CUDA graphs"
-                + (f" ({graphs['no_grad_replays']} of them forwards of autograd-off passes)"
-                   if graphs.get("no_grad_replays") else "") +
-                f", {graphs['captures']} captured ({graphs['capture_s']:.1f} s: a layer's first call per batch shape"
+        line = (f"graph_layers {when}: {_replayed(graphs)}, {graphs['captures']} captured "
+                f"({graphs['capture_s']:.1f} s: a layer's first call per batch shape"
                 + "".join(f"; {k.replace('_', ' ')} {v:.2f}" for k, v in (graphs.get("capture_parts_s") or {}).items()
                           if v >= 0.005) + ")")
         if graphs.get("compiled_ahead") is not None:
@@ -256,10 +254,8 @@ def describe_run(total: dict, steps: int) -> list:
     g = (total.get("policy") or {}).get("graph_layers")
     if not g or not (g["captures"] or g["replays"]):
         return []
-    line = (f"graph_layers over {steps} optimizer steps: {g['replays']} decoder-layer passes replayed from CUDA "
-            "graphs" + (f" ({g['no_grad_replays']} of them forwards of autograd-off passes)"
-                        if g.get("no_grad_replays") else "") +
-            f", {g['captures']} captured ({g['capture_s']:.1f} s); batch shapes: {g.get('keys_replayed', 0)} "
+    line = (f"graph_layers over {steps} optimizer steps: {_replayed(g)}, {g['captures']} captured "
+            f"({g['capture_s']:.1f} s); batch shapes: {g.get('keys_replayed', 0)} "
             f"kept for graphs, {len(g.get('measured') or [])} timings, {g.get('inferred', 0)} decided by a timed "
             "one")
     if g["eager"]:
@@ -270,6 +266,13 @@ def describe_run(total: dict, steps: int) -> list:
         line += (f"; GPU memory outside torch's allocator {g['device_outside_torch_mib']} MiB (the CUDA context, "
                  "cuBLAS workspaces, the captured graphs: not in memory(GiB))")
     return [line]
+
+
+def _replayed(g: dict) -> str:
+    """graph_layers' replay count for the log, the autograd-off passes' share named where there were any."""
+    no_grad = g.get("no_grad_replays")
+    return (f"{g['replays']} decoder-layer passes replayed from CUDA graphs"
+            + (f" ({no_grad} of them forwards of autograd-off passes)" if no_grad else ""))
 
 
 def _graph_timing(m: dict) -> str:

@@ -183,14 +183,20 @@ class _Entry:
     __slots__ = ("fwd", "bwd", "gbufs", "params", "keep", "slot", "recheck", "pidx", "plist", "pnone", "fonly")
 
 
+def _replay_forward(stats, slot, entry, n, hidden, cos, sin, mask, pos) -> torch.Tensor:
+    """Load one call's inputs, replay the forward graph, return the n real tokens' output (a copy: the next layer's
+    replay rewrites slot.out)."""
+    _load(slot, n, hidden, cos, sin, mask, pos)
+    entry.fwd.replay()
+    stats["replays"] += 1
+    return slot.out[:, :n].clone()
+
+
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs, slot, entry, n, hidden, cos, sin, mask, pos, *params):
-        _load(slot, n, hidden, cos, sin, mask, pos)
-        entry.fwd.replay()
         ctx.graphs, ctx.slot, ctx.entry, ctx.n = graphs, slot, entry, n
-        graphs.stats["replays"] += 1
-        return slot.out[:, :n].clone()   # the next layer's replay rewrites slot.out
+        return _replay_forward(graphs.stats, slot, entry, n, hidden, cos, sin, mask, pos)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -410,11 +416,8 @@ class LayerGraphs:
         self.entries.move_to_end(key)
         self.shared.slots.move_to_end(key)
         if entry.fonly:   # the forward alone: no recompute or backward follows
-            _load(entry.slot, n, hidden_states, cos, sin, mask, position_ids)
-            entry.fwd.replay()
-            self.stats["replays"] += 1
             self.stats["no_grad_replays"] += 1
-            return entry.slot.out[:, :n].clone()   # the next layer's replay rewrites slot.out
+            return _replay_forward(self.stats, entry.slot, entry, n, hidden_states, cos, sin, mask, position_ids)
         self.pending += -1 if torch.is_grad_enabled() else 1
         return _Replay.apply(self, entry.slot, entry, n, hidden_states, cos, sin, mask, position_ids, *entry.params)
 
