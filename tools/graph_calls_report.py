@@ -1,7 +1,9 @@
 """Merge the CLI results of `tools/gpu_call_graphs.sh` calls (each call's calls.tgz unpacked into a directory) into
 one JSON, and plot --use_liger's speed-up over plain and over --use_liger_kernel per point (rows measured in the same
 call only); --tables prints the report's markdown tables.
-    python3 tools/graph_calls_report.py --call DIR COMMIT "CMD" [--call ...] --out docs/benchmarks/NAME [--tables]"""
+    python3 tools/graph_calls_report.py --call DIR COMMIT "CMD" [--call ...] --out docs/benchmarks/NAME [--tables]
+--after docs/benchmarks/NAME.json keeps an earlier report's calls (and their numbers) first and numbers the new
+calls after them, so a grid measured over several leases stays one report."""
 import argparse
 import glob
 import json
@@ -125,8 +127,11 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--tables", action="store_true", help="also print the markdown tables (speed, memory, first "
                     "step) of every point, for the report's .md")
+    ap.add_argument("--after", help="an earlier report's JSON whose calls come first")
     args = ap.parse_args()
-    calls = [{"call": i + 1, "commit": c, "command": cmd, "points": load(d)} for i, (d, c, cmd) in enumerate(args.call)]
+    calls = json.load(open(args.after))["calls"] if args.after else []
+    calls += [{"call": len(calls) + i + 1, "commit": c, "command": cmd, "points": load(d)}
+              for i, (d, c, cmd) in enumerate(args.call)]
     with open(args.out + ".json", "w") as f:
         json.dump({"calls": calls}, f, indent=1)
     if args.tables:
