@@ -1,5 +1,6 @@
 """Replay each decoder layer's forward and backward as CUDA graphs (patching/layer_graphs.py), where training runs
-it under reentrant gradient checkpointing (ms-swift's default on one GPU). Everything else runs the layer as it is,
+it under reentrant gradient checkpointing (ms-swift's default on one GPU), and the forward alone of autograd-off
+passes (DPO/GRPO reference and old-policy forwards, evaluation). Everything else runs the layer as it is,
 counted by reason in call_counts()["graph_layers"]["eager"]. Captured at a layer's first call of each batch shape
 (lengths padded to 8 buckets per octave); a shape whose replay is not faster than the eager layer (timed in its
 first layer at the capture and again at its 5th replayed first pass: GPU-bound 7B-8B steps) runs eagerly, and one
@@ -61,7 +62,8 @@ def _counters(shared, reset) -> dict:
 FUSION = Fusion(key="graph_layers", default=True,
                 label=lambda count, report: f"CUDA graphs of {count} decoder layers",
                 help="Replay each decoder layer's forward and backward as CUDA graphs under reentrant gradient "
-                     "checkpointing (one capture per batch shape, kept where its first layer times faster than eager; "
-                     "adapters only, not full fine-tuning).",
+                     "checkpointing, and the forward of reference, old-policy and evaluation passes (one capture per "
+                     "batch shape, kept where its first layer times faster than eager; adapters only, not full "
+                     "fine-tuning).",
                 applies_to="decoder layers (GradientCheckpointingLayer)", order=95, patch=patch, say_off=False,
                 counters=_counters)

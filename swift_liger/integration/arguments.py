@@ -55,8 +55,8 @@ ENV_VARS = {   # every environment variable swift_liger reads, checked in valida
                                 "faster) or always (replay every replayable shape untimed, for benchmarks)",
     "SWIFT_LIGER_COMPILE_AHEAD": "1 compiles a new batch shape's decoder-layer kernels on a thread pool before its "
                                  "first call (graph_layers; off by default until measured on a GPU)",
-    "SWIFT_LIGER_GRAPH_NO_GRAD": "1 lets graph_layers replay autograd-off forwards too (reference, old-policy and "
-                                 "evaluation passes; off by default until measured on a GPU)",
+    "SWIFT_LIGER_GRAPH_NO_GRAD": "0 runs autograd-off forwards (reference, old-policy and evaluation passes) eagerly "
+                                 "(default 1: graph_layers replays them too, under batch shapes of their own)",
     "SWIFT_LIGER_ALLOW_UNTESTED_VERSIONS": "1 warns instead of refusing torch, triton, transformers or ms-swift "
                                            "versions outside the tested ranges (swift_liger/versions.py)",
     "SWIFT_LIGER_FP8_EMULATE": "1 lets liger_fp8_base run without an FP8 GPU, on CPU through torch's reference FP8 "

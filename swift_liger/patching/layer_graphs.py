@@ -11,12 +11,12 @@ and positions only when they change: once per model forward) and launches one gr
     out = graphs.forward(layer, type(layer).forward, hidden_states, attention_mask=...,
                          position_embeddings=(cos, sin), position_ids=...)   # None: call the layer eagerly
 
-What replays (anything else on CUDA runs the layer as it is, counted by reason; evaluation and CPU run it uncounted):
-a training-mode layer under reentrant checkpointing (the first pass: autograd off, input requiring grad; the
-recompute: inside the backward, after a replayed first pass), position embeddings given, no cache, an attention mask
-that is None or a 4-D bool mask, weights that no hook gathers or moves per call (not ZeRO-3, FSDP or accelerate
-offload), and only small trainable parameters (adapters: the captured backward keeps their gradients in static
-buffers, copied out per call in one multi-tensor op).
+What replays (anything else on CUDA runs the layer as it is, counted by reason; CPU runs it uncounted): a
+training-mode layer under reentrant checkpointing (the first pass: autograd off, input requiring grad; the recompute:
+inside the backward, after a replayed first pass) and the forward of other autograd-off passes (below), position
+embeddings given, no cache, an attention mask that is None or a 4-D bool mask, weights that no hook gathers or moves
+per call (not ZeRO-3, FSDP or accelerate offload), and only small trainable parameters (adapters: the captured backward
+keeps their gradients in static buffers, copied out per call in one multi-tensor op).
 
 Chosen by measurement: at a new key the first layer's forward is timed eagerly; where the host issues it in under
 GPU_BOUND of its GPU time nothing is captured (a replay runs the same kernels). Otherwise it is captured and timed
@@ -31,11 +31,13 @@ of a family already timed (the same but for rows and padded length) is not timed
 (Shared.infer: a smaller shape that ran faster eagerly, or a larger one that ran faster replayed); "inferred" counts
 those. SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
 
-SWIFT_LIGER_GRAPH_NO_GRAD=1 (off until measured on a GPU): autograd-off passes other than a checkpoint's first pass
-(a DPO/GRPO reference or old-policy forward, an evaluation) replay their forward alone, from graphs captured and timed
-under keys of their own (the training mode is part of the key), up to 2 x MAX_KEYS keys in all. A reference pass's
-first layer still looks like a checkpoint's first pass (the input-require-grads hook marks its input) and replays a
-training key. Inference mode always runs eagerly: its tensors have no version counters for _load's reuse check.
+Autograd-off passes other than a checkpoint's first pass (a DPO/GRPO reference or old-policy forward, an evaluation,
+a frozen reference or teacher model's forward) replay their forward alone, from graphs captured and timed under keys
+of their own (the training mode is part of the key), up to 2 x MAX_KEYS keys in all (SWIFT_LIGER_GRAPH_NO_GRAD=0: they
+run eagerly, MAX_KEYS keys). Through the CLI on an H100 (docs/benchmarks/rl_graph_no_grad_h100.md) that took DPO 1.18x
+/ 1.11x and GRPO 1.13x / 1.00x at Qwen2.5-0.5B / 1.5B shapes, 0-0.13 GiB more reserved. A reference pass's first
+layer still looks like a checkpoint's first pass (the input-require-grads hook marks its input) and replays a training
+key. Inference mode always runs eagerly: its tensors have no version counters for _load's reuse check.
 
 Keys: one pair of graphs per layer and (batch, padded length, dtypes, autocast, PEFT adapter state). The length is
 padded up to a bucket (8 per octave: at most 1/8 more tokens) so batches of varying lengths share captures. Padded
@@ -328,7 +330,7 @@ class LayerGraphs:
             # (a train-mode model generating under inference mode: its inputs may still be marked requiring grad)
             return self._eager(INFERENCE_MODE) if layer.training or self.shared.no_grad else None
         # an autograd-off pass that is not a reentrant checkpoint's first pass: a reference, old-policy or evaluation
-        # forward (SWIFT_LIGER_GRAPH_NO_GRAD=1 replays its forward alone)
+        # forward: its forward alone is replayed (SWIFT_LIGER_GRAPH_NO_GRAD=0: eagerly)
         fonly = self.shared.no_grad and not torch.is_grad_enabled() and not (
             layer.training and hidden_states.requires_grad and getattr(layer, "gradient_checkpointing", False))
         if not fonly:
@@ -697,9 +699,9 @@ class Shared:
         self.measure = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS", "measure").strip() != "always"
         # SWIFT_LIGER_COMPILE_AHEAD=1: a new key's kernels compile side by side first (LayerGraphs._compile_ahead)
         self.compile_ahead = os.environ.get("SWIFT_LIGER_COMPILE_AHEAD", "0").strip() == "1"
-        # SWIFT_LIGER_GRAPH_NO_GRAD=1: autograd-off passes (reference, old-policy, evaluation forwards) replay their
-        # forward from graphs too, under keys of their own (so twice the keys are kept)
-        self.no_grad = os.environ.get("SWIFT_LIGER_GRAPH_NO_GRAD", "0").strip() == "1"
+        # autograd-off passes (reference, old-policy, evaluation forwards) replay their forward from graphs too, under
+        # keys of their own (so twice the keys are kept); SWIFT_LIGER_GRAPH_NO_GRAD=0 runs them eagerly
+        self.no_grad = os.environ.get("SWIFT_LIGER_GRAPH_NO_GRAD", "1").strip() != "0"
         self.max_keys = MAX_KEYS * (2 if self.no_grad else 1)
         self.ahead_keys: set = set()
 

@@ -176,7 +176,8 @@ def test_padding_mask_rows_match_eager(backend):
     assert s["captures"] == 3 and not s["eager"], s
 
 
-def test_eager_passes_counted_by_reason(backend):
+def test_eager_passes_counted_by_reason(backend, monkeypatch):
+    monkeypatch.setenv("SWIFT_LIGER_GRAPH_NO_GRAD", "0")   # autograd-off passes eager, counted with their reason
     device = backend
     eager, graphed = models(device)
     ids = torch.randint(2, 128, (2, 9)).to(device)
@@ -211,11 +212,11 @@ def test_inference_mode_runs_eagerly(backend):
 
 
 def test_autograd_off_passes_replay_their_forward(backend, monkeypatch):
-    """SWIFT_LIGER_GRAPH_NO_GRAD=1: a reference pass (adapters disabled) between the policy's forward and its
-    backward, as DPO runs it, and an evaluation pass replay their forward from graphs under keys of their own; the
-    policy's recompute and backward then reload the static buffers the reference pass overwrote. Inference mode runs
-    eagerly. Everything matches the eager model."""
-    monkeypatch.setenv("SWIFT_LIGER_GRAPH_NO_GRAD", "1")
+    """By default (SWIFT_LIGER_GRAPH_NO_GRAD unset or 1) a reference pass (adapters disabled) between the policy's
+    forward and its backward, as DPO runs it, and an evaluation pass replay their forward from graphs under keys of
+    their own; the policy's recompute and backward then reload the static buffers the reference pass overwrote.
+    Inference mode runs eagerly. Everything matches the eager model."""
+    monkeypatch.delenv("SWIFT_LIGER_GRAPH_NO_GRAD", raising=False)
     device = backend
     eager, graphed = models(device)
 
@@ -527,7 +528,7 @@ def test_varying_lengths_capture_each_key_once_in_one_store(backend):
 def test_keys_beyond_max_keys_are_dropped_and_captured_again(backend, monkeypatch):
     """More shapes than MAX_KEYS in turn: the least recently used key's graphs and views go, a returning shape is
     captured again over the same store, and every step still matches eager."""
-    monkeypatch.setattr(layer_graphs, "MAX_KEYS", 2)
+    monkeypatch.setattr(layer_graphs, "MAX_KEYS", 1)   # 2 keys kept: twice MAX_KEYS with autograd-off graphs on
     device = backend
     eager, graphed = models(device)
     g = torch.Generator().manual_seed(10)
