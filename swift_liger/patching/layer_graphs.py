@@ -15,7 +15,8 @@ What replays (anything else on CUDA runs the layer as it is, counted by reason; 
 training-mode layer under reentrant checkpointing (the first pass: autograd off, input requiring grad; the recompute:
 inside the backward, after a replayed first pass) and the forward of other autograd-off passes (below), position
 embeddings given, no cache, an attention mask that is None or a 4-D bool mask, weights that no hook gathers or moves
-per call (not ZeRO-3, FSDP or accelerate offload), and only small trainable parameters (adapters: the captured backward
+per call (not ZeRO-3, FSDP or accelerate offload; a model moved off the GPU and back between calls has its graphs
+dropped, and runs eagerly once moved twice), and only small trainable parameters (adapters: the captured backward
 keeps their gradients in static buffers, copied out per call in one multi-tensor op).
 
 Chosen by measurement: at a new key the first layer's forward is timed eagerly; where the host issues it in under
@@ -84,6 +85,7 @@ SMALL_TRAINABLE = 0.25  # trainable parameters up to this share of the layer's e
 EAGER_MEASURED = "measured faster eagerly at this batch shape"
 EAGER_INFERRED = "a smaller batch shape measured faster eagerly"
 INFERENCE_MODE = "inference mode (its tensors keep no version counter to check a reload by)"
+MOVED = "parameters moved again since a capture (a model offloaded between calls)"
 
 _BACKENDS: dict = {}    # device index -> the one capture stream and memory pool of every layer's graphs
 
@@ -303,6 +305,11 @@ class LayerGraphs:
         self.entries: "collections.OrderedDict" = collections.OrderedDict()
         self.backend = None
         self.pending = 0   # first passes replayed whose recompute has not run yet
+        # (first parameter, its address, last parameter, its address) at the capture: graphs read the weights where
+        # they were then, so a model moved off the GPU and back (GKD's offload_teacher_model, GRPO's offload_model)
+        # drops this layer's graphs; moved twice, it runs eagerly from then on
+        self.anchors: Optional[tuple] = None
+        self.moves = 0
         self.lora = None
         self.gbufs: dict = {}   # trainable parameter -> the static buffer its replayed gradient lands in
         shared.members.append(self)
@@ -343,6 +350,12 @@ class LayerGraphs:
                     return None
             elif not (hidden_states.requires_grad and getattr(layer, "gradient_checkpointing", False)):
                 return self._eager("autograd off, input without grad (an evaluation or reference pass)")
+        a = self.anchors
+        if a is not None and (a[0].data_ptr() != a[1] or a[2].data_ptr() != a[3]):
+            self.entries.clear()
+            self.anchors, self.moves = None, self.moves + 1
+        if self.moves > 1:
+            return self._eager(MOVED)
         if past_key_values is not None or use_cache:
             return self._eager("a KV cache")
         kwargs.pop("cache_position", None)   # read only by a KV cache's update
@@ -554,6 +567,9 @@ class LayerGraphs:
             held.clear()   # the capture's own tensors go back to the pool for the next capture
         e.keep = held
         self.stats["captures"] += 1
+        if self.anchors is None:   # plain parameters (an FP8 base is a wrapper without an address of its own)
+            ps = [p for p in layer.parameters() if type(p) is torch.nn.Parameter]
+            self.anchors = (ps[0], ps[0].data_ptr(), ps[-1], ps[-1].data_ptr()) if ps else None
         if new_slot and timed and self.shared.measure and be.timer is not None:
             faster = self._graphs_faster(be, layer, call, e, slot, n, hidden_states, cos, sin, mask, pos, key,
                                          when="capture")

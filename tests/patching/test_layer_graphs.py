@@ -542,6 +542,30 @@ def test_keys_beyond_max_keys_are_dropped_and_captured_again(backend, monkeypatc
     assert [k[0][1] for k in shared.slots] == [16, 32] and all(len(m.entries) == 2 for m in shared.members)
 
 
+def test_moved_parameters_drop_the_graphs_then_run_eagerly(backend):
+    """Graphs read the weights where the capture found them. A model moved off the device and back between calls
+    (GKD's offload_teacher_model, GRPO's offload_model: every parameter in new memory) has its graphs dropped and
+    captured again; moved a second time, its layers run eagerly from then on. Every step matches eager."""
+    device = backend
+    eager, graphed = models(device)
+    ids = torch.randint(2, 128, (2, 13), generator=torch.Generator().manual_seed(3)).to(device)
+
+    def move(model):   # what .to("cpu") then .to(device) does to each parameter: same values, new storage
+        for p in model.parameters():
+            p.data = p.data.clone()
+
+    assert_same(step(eager, ids), step(graphed, ids))
+    move(graphed)
+    assert_same(step(eager, ids, seed=1), step(graphed, ids, seed=1))
+    s = stats(graphed)
+    assert s["captures"] == 2 * 3 and s["replays"] == 2 * 3 * 2 and not s["eager"], s
+    move(graphed)
+    assert_same(step(eager, ids, seed=2), step(graphed, ids, seed=2))
+    s = stats(graphed)
+    assert s["captures"] == 2 * 3 and s["replays"] == 2 * 3 * 2, s
+    assert s["eager"] == {layer_graphs.MOVED: 3}, s   # each layer's first pass (its recompute follows it uncounted)
+
+
 def test_store_reloads_what_another_key_overwrote():
     """Two keys' static buffers share the store's memory: loading one key after the other rewrites its inputs and
     padding even when the caller's tensors are the very ones loaded before (unchanged, same version)."""
