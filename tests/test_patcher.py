@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 FAMILY_NAMES = ["llama", "mistral", "qwen2", "qwen3"]
 VOCAB, SEQ, BATCH = 128, 8, 2
 ALL_OFF = dict(rms_norm=False, rope=False, swiglu=False, cross_entropy="off", qk_norm_rope=False, lora_fusion=False,
-               graph_layers=False, cudnn_attention=False)
+               graph_layers=False, cudnn_attention=False, drop_pad_mask=False)
 
 
 def build(model_type: str, layers: int = 2, seed: int = 0, **extra) -> torch.nn.Module:
@@ -296,7 +296,7 @@ def test_default_report_and_summary(caplog):
     assert report.patched == {"rms_norm": 5, "rope": 2, "qk_norm_rope": 2, "swiglu": 2, "tiled_mlp": 0,
                               "offload_checkpoints": 0, "save_attention": 0, "cross_entropy": 1, "rolling_cache": 0,
                               "fused_projections": 0,
-                              "compile_layers": 0, "cudnn_attention": 0,
+                              "compile_layers": 0, "drop_pad_mask": 0, "cudnn_attention": 0,
                               "graph_layers": 2 if torch.cuda.is_available() else 0, "fp8_base": 0}
     assert report.activation == "swiglu" and report.model_type == "qwen3"
     text = str(report)

@@ -2,6 +2,7 @@
 # One device call (issue 27): the graph_layers GPU tests, then the real CLI per point (SHAPE:SEQ:BATCH) with
 # --use_liger (graph_layers on by default) against --use_liger --liger_graph_layers false and the other VARIANTS.
 # Everything under $OUT/calls.tgz.   POINTS="qwen2.5-0.5b:512:8 qwen2.5-1.5b:2048:1"  VARIANTS="swift_liger swift_liger_eager"
+# GPU_TESTS: the test files run first unless SKIP_TESTS is set (default tests/patching/test_layer_graphs.py).
 # A point may name its own deadline (s), variants and tuner: qwen2.5-7b:4096:1:300:swift_liger,swift_liger_eager:full
 # A deadline (default 200) covers the point's model build and all its runs, less 15 s for the report; a run that
 # would start with under 60 s left is skipped. 0.5B-3B runs take 22-42 s each, so 3 variants need ~200 s and more
@@ -10,8 +11,9 @@
 set -uo pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT/c"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  SWIFT_LIGER_TEST_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/patching/test_layer_graphs.py \
-    >"$OUT/c/gpu_tests.txt" 2>&1; echo "-- tests rc $? at ${SECONDS}s"; tail -3 "$OUT/c/gpu_tests.txt"
+  SWIFT_LIGER_TEST_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+    ${GPU_TESTS:-tests/patching/test_layer_graphs.py} >"$OUT/c/gpu_tests.txt" 2>&1
+  echo "-- tests rc $? at ${SECONDS}s"; tail -3 "$OUT/c/gpu_tests.txt"
 fi
 for point in ${POINTS:-qwen2.5-0.5b:512:8 qwen2.5-1.5b:2048:1}; do
   IFS=: read -r shape seq batch deadline variants tuner <<<"$point"

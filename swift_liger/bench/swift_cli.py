@@ -54,7 +54,7 @@ VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_graphs_alw
             "swift_liger_compiled", "swift_liger_long_context",
             "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel",
             "swift_liger_rollout_eager", "swift_liger_fp8", "swift_liger_cudnn", "swift_liger_compile_ahead",
-            "swift_liger_no_grad_eager")
+            "swift_liger_no_grad_eager", "swift_liger_pad_masks")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
                  "swift_liger_graphs_always": ["--use_liger"],
@@ -71,7 +71,8 @@ VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_fp8": ["--use_liger", "--liger_fp8_base", "true"],
                  "swift_liger_cudnn": ["--use_liger", "--liger_cudnn_attention", "true"],
                  "swift_liger_compile_ahead": ["--use_liger"],
-                 "swift_liger_no_grad_eager": ["--use_liger"]}
+                 "swift_liger_no_grad_eager": ["--use_liger"],
+                 "swift_liger_pad_masks": ["--use_liger", "--liger_drop_pad_mask", "false"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
                   "swift_liger_eager": "`--use_liger --liger_graph_layers false`",
                   "swift_liger_graphs_always": "`--use_liger`, graphs at every shape (SWIFT_LIGER_GRAPH_LAYERS=always)",
@@ -90,7 +91,8 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                   "swift_liger_cudnn": "`--use_liger --liger_cudnn_attention true` (SDPA cuDNN-first where it times "
                                        "faster)",
                   "swift_liger_compile_ahead": "`--use_liger`, SWIFT_LIGER_COMPILE_AHEAD=1",
-                  "swift_liger_no_grad_eager": "`--use_liger`, SWIFT_LIGER_GRAPH_NO_GRAD=0 (autograd-off passes eager)"}
+                  "swift_liger_no_grad_eager": "`--use_liger`, SWIFT_LIGER_GRAPH_NO_GRAD=0 (autograd-off passes eager)",
+                  "swift_liger_pad_masks": "`--use_liger --liger_drop_pad_mask false` (right-padding masks kept)"}
 VARIANT_ENV = {"swift_liger_graphs_always": {"SWIFT_LIGER_GRAPH_LAYERS": "always"},
                "swift_liger_compile_ahead": {"SWIFT_LIGER_COMPILE_AHEAD": "1"},
                "swift_liger_no_grad_eager": {"SWIFT_LIGER_GRAPH_NO_GRAD": "0"}}

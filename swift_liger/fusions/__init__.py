@@ -5,13 +5,14 @@ patcher (swift_liger/patcher.py) runs the patches in `order`; `call_counts` and 
 """
 from __future__ import annotations
 
-from . import (compile_layers, cudnn_attention, fp8_base, fused_projections, graph_layers, lora_fusion, loss_head,
-               offload_checkpoints, qk_norm_rope, rms_norm, rolling_cache, rope, save_attention, swiglu, tiled_mlp)
+from . import (compile_layers, cudnn_attention, drop_pad_mask, fp8_base, fused_projections, graph_layers, lora_fusion,
+               loss_head, offload_checkpoints, qk_norm_rope, rms_norm, rolling_cache, rope, save_attention, swiglu,
+               tiled_mlp)
 from .base import Fusion, PatchContext
 
 REGISTRY = tuple(m.FUSION for m in (rms_norm, rope, qk_norm_rope, swiglu, lora_fusion, tiled_mlp, offload_checkpoints,
                                     save_attention, loss_head, rolling_cache, fused_projections,
-                                    compile_layers, cudnn_attention, graph_layers, fp8_base))
+                                    compile_layers, drop_pad_mask, cudnn_attention, graph_layers, fp8_base))
 BY_KEY = {f.key: f for f in REGISTRY}
 COUNTED = tuple(f.key for f in REGISTRY if f.counted)          # PatchReport.patched keys, in this order
 PATCHES = tuple(sorted((f for f in REGISTRY if f.patch is not None), key=lambda f: f.order))

@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Tuple
 
+SAME = "same as default"   # Fusion.swift_default: no ms-swift default of its own
+
+
 @dataclasses.dataclass(frozen=True)
 class Fusion:
     key: str                          # LigerConfig field and YAML key; the flag is --liger_<key>
@@ -31,6 +34,8 @@ class Fusion:
     counters: Optional[Callable] = None    # counters(part, reset) -> {name: value} for call_counts; part is
                                            # state.parts.get(key) (None when the patch did not run)
     label: Optional[Callable] = None       # label(count, report) -> the report summary's entry (default key x count)
+    swift_default: Any = SAME              # the value under ms-swift's --use_liger where no preset or flag sets it
+                                           # (SAME: `default`); for what is safe only with ms-swift's losses
 
     @property
     def flag(self) -> str:

@@ -20,6 +20,7 @@ from typing import Optional
 from ..config import LigerConfig, closest
 from ..env import backend_from_env
 from ..fusions import BY_KEY, REGISTRY
+from ..fusions.base import SAME
 from ..patching.families import FAMILIES
 from ..versions import require as require_versions
 from .attention import check_arguments as check_attention
@@ -65,11 +66,12 @@ ENV_VARS = {   # every environment variable swift_liger reads, checked in valida
 
 
 def default_text(flag: str) -> str:
-    """The value a flag takes when not given: its LigerConfig default (the default preset), for help and docs."""
+    """The value a flag takes when not given under --use_liger (swift_defaults(), the default preset), for help and
+    docs."""
     if flag == "liger_config":
-        return "none (LigerConfig defaults, the same as the default preset)"
+        return "none (the defaults below, the same as the default preset)"
     if flag in FLAG_TO_KEY:
-        value = LigerConfig().to_dict()[FLAG_TO_KEY[flag]]
+        value = swift_defaults()[FLAG_TO_KEY[flag]]
         text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
         return f"{text} (from the preset)"
     value = next(f[2] for f in FIELDS if f[0] == flag)
@@ -220,13 +222,24 @@ def liger_flags_given(args) -> dict:
     return {flag: getattr(args, flag) for flag in FLAG_TO_KEY if getattr(args, flag, None) is not None}
 
 
+def swift_defaults() -> dict:
+    """LigerConfig's defaults as --use_liger takes them: a fusion's swift_default where it has one (safe with
+    ms-swift's collators and losses only, so off in swift_liger.apply)."""
+    return {**LigerConfig().to_dict(), **{f.key: f.swift_default for f in REGISTRY if f.swift_default is not SAME}}
+
+
 def resolve_config(args) -> LigerConfig:
-    """Preset (or LigerConfig defaults) overridden by the liger_* flags. Errors name the offending key or file."""
-    data = LigerConfig().to_dict()
+    """Preset (or swift_defaults()) overridden by the liger_* flags. A preset sets the keys it lists; the others keep
+    swift_defaults(). Errors name the offending key or file."""
+    data = swift_defaults()
     if args.liger_config:
         path = find_preset(args.liger_config)
         try:
-            data.update(LigerConfig.from_yaml(path).to_dict())
+            preset = LigerConfig.from_yaml(path).to_dict()   # checked: a mapping of known keys
+            import yaml   # lazy: only a preset needs it
+            with open(path) as f:
+                listed = set(yaml.safe_load(f) or {})
+            data.update({k: v for k, v in preset.items() if k in listed})
         except (ValueError, TypeError) as e:
             raise ValueError(f"liger_config {path}: {e}") from None
     given = liger_flags_given(args)
@@ -333,6 +346,7 @@ def check_metrics_environment() -> None:
 
 
 TRAINING_ONLY = ("offload_checkpoints", "save_attention")   # they act on training's gradient checkpoints
+PAD_LOGITS_RLHF = ("cpo", "orpo", "simpo")   # trl's CPO/ORPO trainers average logits over pad positions too
 SMALL_TILE = 1024   # liger_tiled_mlp below this is warned: many small MLP calls per layer
 
 
@@ -378,6 +392,12 @@ def check_takes_effect(args, cfg):
         raise ValueError("swift_liger: liger_qk_norm_rope true runs inside the RoPE kernel and needs liger_rope true "
                          "(it is false here)")
     rlhf_type = getattr(args, "rlhf_type", None)
+    if cfg.drop_pad_mask and getattr(args, "liger_drop_pad_mask", None) is None and (
+            inference or rlhf_type in PAD_LOGITS_RLHF):
+        why = (f"{type(args).__name__} does not train" if inference else f"the {rlhf_type} trainer logs logits/chosen "
+               "and logits/rejected as means over every position, pads included")
+        cfg = dataclasses.replace(cfg, drop_pad_mask=False)
+        notes.append(f"drop_pad_mask off: {why}")
     if cfg.rolling_cache and rlhf_type in ROLLOUT_RLHF and getattr(args, "use_vllm", False):
         raise ValueError("swift_liger: liger_rolling_cache runs the policy's generate calls, and with --use_vllm "
                          f"true the {rlhf_type} rollouts run in vLLM instead: drop liger_rolling_cache, or pass "

@@ -1,7 +1,8 @@
 """The per-instance forward of a patched decoder layer, shared by the fusions that act around a whole layer call:
-graph_layers (`_liger_graphs`: replay the layer from CUDA graphs) and cudnn_attention (`_liger_sdpa`: the SDPA
-priority order the layer's attention runs under). Each fusion sets its attribute; whichever patches first installs
-this forward, the other finds it installed (`attach`)."""
+drop_pad_mask (`_liger_pad_masks`: a right-padded batch's causal mask replaced by SDPA's causal path), graph_layers
+(`_liger_graphs`: replay the layer from CUDA graphs) and cudnn_attention (`_liger_sdpa`: the SDPA priority order the
+layer's attention runs under). Each fusion sets its attribute; whichever patches first installs this forward, the
+others find it installed (`attach`)."""
 from __future__ import annotations
 
 import types
@@ -14,7 +15,11 @@ from .state import PatchState, forward_attr, foreign_forward, set_forward
 
 def forward(self, hidden_states, *args, **kwargs):
     """Replayed from graph_layers' graphs where possible (their captures run in torch's SDPA order), else the class's
-    own forward, under cudnn_attention's order where it chose one."""
+    own forward, under cudnn_attention's order where it chose one; without the mask where drop_pad_mask found it
+    causal + right padding."""
+    masks = self.__dict__.get("_liger_pad_masks")
+    if masks is not None and masks.causal_only(kwargs.get("attention_mask"), hidden_states.shape[-2], kwargs):
+        kwargs["attention_mask"] = None
     graphs = None if torch.compiler.is_compiling() else self.__dict__.get("_liger_graphs")   # torch.compile: eager
     if graphs is not None and not args:
         out = graphs.forward(self, type(self).forward, hidden_states, **kwargs)

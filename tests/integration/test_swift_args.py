@@ -59,7 +59,10 @@ def test_use_liger_is_ours_not_a_prefix_of_use_liger_kernel(swift_mod, base_argv
     args = parse(swift_mod, base_argv + ["--use_liger"])
     assert args.use_liger is True and args.use_liger_kernel is False
     cfg, notes = liger_args.resolved(args)
-    assert cfg == LigerConfig() and notes == []
+    assert cfg == LigerConfig(drop_pad_mask=True) and notes == []   # on under ms-swift only (its losses drop pads)
+    assert cfg.to_dict() == liger_args.swift_defaults()
+    preset = liger_args.resolved(parse(swift_mod, base_argv + ["--use_liger", "--liger_config", "default"]))[0]
+    assert preset == cfg   # the default preset is what --use_liger takes
     assert args.liger_metrics is True
     plain = parse(swift_mod, base_argv)
     assert plain.use_liger is False and liger_args.resolved(plain) is None
@@ -102,7 +105,7 @@ def test_yaml_preset_and_cli_flags_agree(swift_mod, base_argv, tmp_path):
         "--liger_swiglu", "--liger_cross_entropy", "off", "--liger_rolling_cache", "64,4"]))[0]
     from_flags = liger_args.resolved(parse(swift_mod, base_argv + [
         "--use_liger", "--liger_swiglu", "true", "--liger_qk_norm_rope", "false", "--liger_cross_entropy", "off",
-        "--liger_lora_fusion", "false", "--liger_graph_layers", "false",
+        "--liger_lora_fusion", "false", "--liger_graph_layers", "false", "--liger_drop_pad_mask", "false",
         "--liger_rolling_cache", '{"window": 64, "sinks": 4}']))[0]
     expected = LigerConfig(rms_norm=True, rope=True, swiglu=True, cross_entropy="off", qk_norm_rope=False,
                            lora_fusion=False, graph_layers=False, rolling_cache={"window": 64, "sinks": 4})
@@ -559,3 +562,16 @@ def test_fp8_bases_on_an_unpatched_model_warn_and_do_nothing(swift_mod, base_arg
         fp8_bases(args, plain)
     assert "the policy model is not patched, so nothing is stored in FP8" in caplog.text
     assert type(plain[0].weight) is torch.nn.Parameter
+
+
+@pytest.mark.parametrize("rlhf_type", ["cpo", "orpo", "simpo", "dpo"])
+def test_drop_pad_mask_is_off_where_trl_averages_logits_over_pads(swift_mod, base_argv, rlhf_type):
+    """trl's CPO/ORPO trainers log logits/chosen and logits/rejected as means over every position, pads included: the
+    default turns drop_pad_mask off there (said in the notes); an explicit flag is kept; DPO's means are masked."""
+    args = parse(swift_mod, base_argv + ["--rlhf_type", rlhf_type, "--use_liger"], kind="rlhf")
+    cfg, notes = liger_args.resolved(args)
+    assert cfg.drop_pad_mask is (rlhf_type == "dpo")
+    assert any(n.startswith("drop_pad_mask off") for n in notes) is (rlhf_type != "dpo"), notes
+    flag = parse(swift_mod, base_argv + ["--rlhf_type", rlhf_type, "--use_liger", "--liger_drop_pad_mask", "true"],
+                 kind="rlhf")
+    assert liger_args.resolved(flag)[0].drop_pad_mask is True

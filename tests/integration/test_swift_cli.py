@@ -1,5 +1,5 @@
 """End-to-end: the real `swift sft` CLI on the tiny offline models, patched runs executing the real Triton kernels
-in Triton's interpreter. Five CLI runs in all, two at a time, shared by the tests below (`swift rlhf`:
+in Triton's interpreter. Seven CLI runs in all, two at a time, shared by the tests below (`swift rlhf`:
 test_swift_rlhf.py).
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ METRIC_KEYS = ("step_time(s)", "tokens/s", "rss(GiB)")
 STEPS = 10
 # batch 1 x <=64 tokens keeps the interpreter (~1 ms per Triton program) at a few seconds per step
 SMALL = ["--per_device_train_batch_size", "1", "--max_length", "64"]
+PAIRS = ["--per_device_train_batch_size", "2", "--max_steps", "3", "--report_to", "none", "--save_strategy", "no"]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,9 @@ def runs(tiny_qwen3, tmp_path_factory):
                          "--liger_metrics", "false"]),
         "kernel_clash": ("sft", sft + ["--max_steps", "1", "--use_liger", "--use_liger_kernel", "true"]),
         "bad_preset": ("sft", sft + ["--max_steps", "1", "--use_liger", "--liger_config", str(bad_preset)]),
+        # two rows per batch: right padding, which drop_pad_mask (on under --use_liger) runs without the mask
+        "padded": ("sft", sft + [*PAIRS, "--use_liger"]),
+        "padded_base": ("sft", sft + [*PAIRS]),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_swift, cmd, argv, str(root / name)) for name, (cmd, argv) in specs.items()}
@@ -59,7 +63,7 @@ def test_patched_losses_match_unpatched(runs):
 def test_patch_record_log_and_metrics(runs):
     liger = runs["liger"].check()
     record = liger.patch_record()
-    assert record["config"] == LigerConfig().to_dict() and record["notes"] == []
+    assert record["config"] == LigerConfig(drop_pad_mask=True).to_dict() and record["notes"] == []
     assert record["backend"] == {"SWIFT_LIGER_BACKEND": "triton", "TRITON_INTERPRET": "1"}
     report = record["models"]["policy"]["report"]
     assert all(report["patched"][f] > 0 for f in FUSIONS), report
@@ -89,6 +93,17 @@ def test_patch_record_log_and_metrics(runs):
     liger_acc = [r["token_acc"] for r in runs["liger"].steps()]
     assert len(base_acc) == len(liger_acc) == STEPS and any(a > 0 for a in base_acc), base_acc
     assert all(abs(a - b) <= 1e-6 for a, b in zip(base_acc, liger_acc)), (base_acc, liger_acc)
+
+
+def test_right_padded_pairs_match_unpatched_without_their_masks(runs):
+    """Batches of two rows of different lengths: --use_liger drops the right-padding masks (counted) and logs the
+    losses and token accuracy of the stock run, whose layers keep the masks."""
+    base, liger = runs["padded_base"].check().steps(), runs["padded"].check().steps()
+    assert len(base) == len(liger) == 3
+    for a, b in zip(base, liger):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["token_acc"] - b["token_acc"]) <= 1e-6, (a, b)
+    total = runs["padded"].patch_record()["runtime"]["total"]["policy"]
+    assert total["pad_masks"]["dropped"] >= 1 and total["pad_masks"]["kept"] == 0, total["pad_masks"]
 
 
 def test_liger_metrics_false_is_obeyed_under_use_liger(runs):

@@ -69,15 +69,16 @@ def backend(monkeypatch, device):
     return device
 
 
-def models(device, dropout=0.0, family="qwen2", layers=3, dtype=torch.float32, **lora):
-    """The same tiny model eager and under graph_layers, LoRA r4 on every linear (or as `lora` says)."""
+def models(device, dropout=0.0, family="qwen2", layers=3, dtype=torch.float32, pad_masks=False, **lora):
+    """The same tiny model eager and under graph_layers, LoRA r4 on every linear (or as `lora` says); both with
+    drop_pad_mask where pad_masks."""
     from peft import LoraConfig, get_peft_model
     lora = {"target_modules": "all-linear", **lora}
     base = tiny_causal_lm(family, layers=layers, attn="sdpa").to(device, dtype)
     out = []
     for graphs in (False, True):
         m = copy.deepcopy(base)
-        swift_liger.apply(m, graph_layers=graphs)
+        swift_liger.apply(m, graph_layers=graphs, drop_pad_mask=pad_masks)
         m.config.use_cache = False
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         m.enable_input_require_grads()
@@ -259,19 +260,25 @@ def test_autograd_off_passes_replay_their_forward(backend, monkeypatch):
     assert "36 decoder-layer passes replayed from CUDA graphs (15 of them forwards of autograd-off passes)" in line
 
 
+def padded_steps(eager, graphed, device, cuts):
+    """A step of both models per (cut1, cut2): 3 rows of 11 tokens, rows 1 and 2 right-padded from those positions;
+    losses and gradients equal."""
+    g = torch.Generator().manual_seed(3)
+    for i, cut in enumerate(cuts):
+        ids = torch.randint(2, 128, (3, 11), generator=g).to(device)
+        mask = torch.ones(3, 11, dtype=torch.long, device=device)
+        mask[1, cut[0]:] = 0
+        mask[2, cut[1]:] = 0
+        assert_same(step(eager, ids, mask, seed=i), step(graphed, ids, mask, seed=i))
+
+
 def test_masks_change_between_steps_and_gradients_accumulate(backend):
     """Steps of one key with other padding masks (the static mask is reloaded when the mask changes, not per layer),
     and two micro-batches accumulated before the gradients are read (.grad must not alias the static gradient
     buffers the next replay rewrites)."""
     device = backend
     eager, graphed = models(device)
-    g = torch.Generator().manual_seed(3)
-    for i, cut in enumerate([(7, 4), (9, 2), (11, 11)]):
-        ids = torch.randint(2, 128, (3, 11), generator=g).to(device)
-        mask = torch.ones(3, 11, dtype=torch.long, device=device)
-        mask[1, cut[0]:] = 0
-        mask[2, cut[1]:] = 0
-        assert_same(step(eager, ids, mask, seed=i), step(graphed, ids, mask, seed=i))
+    padded_steps(eager, graphed, device, [(7, 4), (9, 2), (11, 11)])
     for model in (eager, graphed):
         torch.manual_seed(0)
         for n in (13, 15):   # one bucket: the same static gradient buffers twice
@@ -283,6 +290,16 @@ def test_masks_change_between_steps_and_gradients_accumulate(backend):
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=2e-5, rtol=1e-4, msg=k)
     s = stats(graphed)
     assert s["captures"] == 3 * 3 and not s["eager"], s   # keys: [3, 16] with a mask, [3, 16] without, [2, 16]
+
+
+def test_right_padded_batches_replay_the_unpadded_key_under_drop_pad_mask(backend):
+    """With drop_pad_mask a right-padded batch reaches the layers without a mask: it replays the key of an unpadded
+    batch of its length (no key with a mask, no capture of its own); loss and gradients as the eager model's."""
+    eager, graphed = models(backend, pad_masks=True)
+    padded_steps(eager, graphed, backend, [(11, 11), (7, 4), (9, 2)])
+    s = stats(graphed)
+    assert s["captures"] == 3 and s["replays"] > 0 and not s["eager"], s   # one key, [3, 16] without a mask
+    assert swift_liger.call_counts(graphed)["pad_masks"] == {"dropped": 2, "kept": 0}
 
 
 def test_seeded_lora_dropout_replays_like_eager(backend, monkeypatch):
