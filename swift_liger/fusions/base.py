@@ -17,7 +17,7 @@ SAME = "same as default"   # Fusion.swift_default: no ms-swift default of its ow
 @dataclasses.dataclass(frozen=True)
 class Fusion:
     key: str                          # LigerConfig field and YAML key; the flag is --liger_<key>
-    default: Any                      # value in LigerConfig() and the default preset
+    default: Any                      # value in LigerConfig() (and the default preset unless swift_default)
     help: str                         # for --help, the README table and LigerConfig's docstring
     applies_to: str                   # which modules of a family it changes
     kind: str = "bool"                # "bool" | "choice" | "mapping" | "int" | "mode" (normalize checks int/mode)
