@@ -24,6 +24,7 @@ from ..fusions.base import SAME
 from ..patching.families import FAMILIES
 from ..versions import require as require_versions
 from .attention import check_arguments as check_attention
+from .first_step_profile import rows_from_env as profile_rows
 
 _BOOL_FLAG = {"nargs": "?", "const": True}  # `--liger_rope` alone means true; default None means "from the preset"
 
@@ -62,6 +63,9 @@ ENV_VARS = {   # every environment variable swift_liger reads, checked in valida
                                            "versions outside the tested ranges (swift_liger/versions.py)",
     "SWIFT_LIGER_FP8_EMULATE": "1 lets liger_fp8_base run without an FP8 GPU, on CPU through torch's reference FP8 "
                                "GEMM (tests and accuracy studies; slow)",
+    "SWIFT_LIGER_PROFILE_FIRST_STEP": "N > 0: a cProfile of the first optimizer step's host time, the N functions "
+                                      "with the most cumulative and own time in liger_patch.json (runtime.first_step."
+                                      "profile) and the log; slows that step",
 }
 
 
@@ -327,6 +331,7 @@ def check_environment() -> None:
     no_grad = os.environ.get("SWIFT_LIGER_GRAPH_NO_GRAD")
     if no_grad is not None and no_grad.strip() not in ("0", "1", ""):
         raise ValueError(f"SWIFT_LIGER_GRAPH_NO_GRAD must be 0 or 1, got {no_grad!r}")
+    profile_rows()   # SWIFT_LIGER_PROFILE_FIRST_STEP: a number of rows
     graphs = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS")
     if graphs is not None and graphs.strip() not in ("measure", "always"):
         raise ValueError(f"SWIFT_LIGER_GRAPH_LAYERS must be measure or always, got {graphs!r}")

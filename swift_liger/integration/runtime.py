@@ -9,7 +9,8 @@ The patch report says what was installed; this says what ran. Sources:
 * the policy's attention implementation and, for ``swift_liger``, its calls since training began: through the
   packed-row kernel (``varlen``), handed to SDPA or the softcap-aware eager softmax, document bounds computed.
 * Triton's kernel builds (compiles on a cold cache, loads from disk on a warm one) until the first optimizer step
-  ends (compile_watch.py): the part of the first step's time that later steps do not pay.
+  ends (compile_watch.py): the part of the first step's time that later steps do not pay;
+* with SWIFT_LIGER_PROFILE_FIRST_STEP=N, a cProfile of the first step's host time (first_step_profile.py).
 "liger_patch.json" gets ``runtime: {"first_step": {...}, "total": {...}}``; "total" is written at the end of training.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ..fusions import varlen_attention
 from ..patcher import call_counts
 from .compile_watch import CompileWatch
 from .compile_watch import describe as describe_compiles
+from .first_step_profile import FirstStepProfile, rows_from_env
+from .first_step_profile import describe as describe_profile
 from .preference import fallback_reasons, teacher_api_scored
 from .record import update_record
 
@@ -208,6 +211,7 @@ class RuntimeRecord(TrainerCallback):
         self.first = None
         self.attention_since = {}
         self.compiles = CompileWatch()
+        self.profile = FirstStepProfile(rows_from_env())
 
     def _master(self):
         from swift.utils import is_master
@@ -218,11 +222,13 @@ class RuntimeRecord(TrainerCallback):
             call_counts(model, reset=True)
         self.attention_since = dict(varlen_attention.COUNTS)
         self.compiles.start()
+        self.profile.start()
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step != 1 or self.first is not None:
             return
         self.compiles.stop()
+        profile = self.profile.stop()
         if not self._master():
             return
         from swift.utils import get_logger
@@ -231,13 +237,17 @@ class RuntimeRecord(TrainerCallback):
         compiles = self.compiles.summary()
         if compiles:
             self.first["triton_compiles"] = compiles
+        if profile:
+            self.first["profile"] = profile
         logger = get_logger()
-        for line in describe(self.first) + [describe_compiles(compiles)] * bool(compiles):
+        for line in describe(self.first) + [describe_compiles(compiles)] * bool(compiles) + [
+                describe_profile(profile)] * bool(profile):
             logger.info(f"swift_liger: {line}")
         update_record(self.args, "runtime", {"first_step": self.first})
 
     def on_train_end(self, args, state, control, **kwargs):
         self.compiles.stop()   # a run that ended before its first optimizer step
+        self.profile.stop()
         if not self._master():
             return
         total = snapshot(self.trainer, self.attention_since)

@@ -14,7 +14,7 @@ import pytest
 
 from swift_liger.config import LigerConfig
 
-from swift_runner import CPU_FLAGS, run_swift
+from swift_runner import CPU_FLAGS, run_swift, swift_env
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +44,12 @@ def runs(tiny_qwen3, tmp_path_factory):
         "kernel_clash": ("sft", sft + ["--max_steps", "1", "--use_liger", "--use_liger_kernel", "true"]),
         "bad_preset": ("sft", sft + ["--max_steps", "1", "--use_liger", "--liger_config", str(bad_preset)]),
         # two rows per batch: right padding, which drop_pad_mask (on under --use_liger) runs without the mask
-        "padded": ("sft", sft + [*PAIRS, "--use_liger"]),
+        "padded": ("sft", sft + [*PAIRS, "--use_liger"], swift_env(SWIFT_LIGER_PROFILE_FIRST_STEP="6")),
         "padded_base": ("sft", sft + [*PAIRS]),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run_swift, cmd, argv, str(root / name)) for name, (cmd, argv) in specs.items()}
+        futures = {name: pool.submit(run_swift, spec[0], spec[1], str(root / name), *spec[2:])
+                   for name, spec in specs.items()}
         return {name: f.result() for name, f in futures.items()}
 
 
@@ -97,13 +98,18 @@ def test_patch_record_log_and_metrics(runs):
 
 def test_right_padded_pairs_match_unpatched_without_their_masks(runs):
     """Batches of two rows of different lengths: --use_liger drops the right-padding masks (counted) and logs the
-    losses and token accuracy of the stock run, whose layers keep the masks."""
+    losses and token accuracy of the stock run, whose layers keep the masks. The run also profiles its first step."""
     base, liger = runs["padded_base"].check().steps(), runs["padded"].check().steps()
     assert len(base) == len(liger) == 3
     for a, b in zip(base, liger):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["token_acc"] - b["token_acc"]) <= 1e-6, (a, b)
-    total = runs["padded"].patch_record()["runtime"]["total"]["policy"]
+    runtime = runs["padded"].patch_record()["runtime"]
+    total = runtime["total"]["policy"]
     assert total["pad_masks"]["dropped"] >= 1 and total["pad_masks"]["kept"] == 0, total["pad_masks"]
+    # SWIFT_LIGER_PROFILE_FIRST_STEP=6 on this run: the first step's cProfile, in the record and the log
+    profile = runtime["first_step"]["profile"]
+    assert len(profile["cumulative"]) == len(profile["own"]) == 6 and profile["total_s"] > 0, profile
+    assert "swift_liger: first-step profile (SWIFT_LIGER_PROFILE_FIRST_STEP" in runs["padded"].log
 
 
 def test_liger_metrics_false_is_obeyed_under_use_liger(runs):
