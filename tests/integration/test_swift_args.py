@@ -418,6 +418,7 @@ def test_training_only_fusions_are_not_patched_into_inference(tiny_qwen3, tmp_pa
     cfg, notes = liger_args.resolved(args)
     assert cfg.graph_layers is False and "graph_layers off: it replays training's gradient checkpoints " \
         "(InferArguments does not train)" in notes, notes
+    assert cfg.drop_pad_mask is False and "drop_pad_mask off: InferArguments does not train" in notes, notes
     with pytest.raises(ValueError, match="liger_graph_layers replays training's reentrant gradient checkpoints"):
         parse_args(InferArguments, argv + ["--liger_graph_layers", "true"])
 
