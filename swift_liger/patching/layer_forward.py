@@ -18,7 +18,8 @@ def forward(self, hidden_states, *args, **kwargs):
     own forward, under cudnn_attention's order where it chose one; without the mask where drop_pad_mask found it
     causal + right padding."""
     masks = self.__dict__.get("_liger_pad_masks")
-    if masks is not None and masks.causal_only(kwargs.get("attention_mask"), hidden_states.shape[-2], kwargs):
+    mask = kwargs.get("attention_mask")
+    if masks is not None and mask is not None and masks.causal_only(mask, hidden_states.shape[-2], kwargs):
         kwargs["attention_mask"] = None
     graphs = None if torch.compiler.is_compiling() else self.__dict__.get("_liger_graphs")   # torch.compile: eager
     if graphs is not None and not args:

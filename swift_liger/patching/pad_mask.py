@@ -64,13 +64,14 @@ class PadMasks:
             return False
         if kwargs and (kwargs.get("past_key_values") is not None or kwargs.get("past_key_value") is not None):
             return False
-        if not self.applies() or mask.is_inference() or torch.compiler.is_compiling() or (
-                mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not self.applies() or torch.compiler.is_compiling() or mask.is_inference():
             return False
-        version = mask._version
+        version = mask._version   # every layer and the recompute pass the same tensor: a verdict needs no sync
         for ref, ver, verdict in self.seen:
             if ref() is mask and ver == version:
                 return verdict
+        if mask.is_cuda and torch.cuda.is_current_stream_capturing():   # no sync inside a capture
+            return False
         verdict = right_padded_causal(mask)
         self.stats["dropped" if verdict else "kept"] += 1
         self.seen = [s for s in self.seen if s[0]() is not None][-(CACHED - 1):] + [(weakref.ref(mask), version,
