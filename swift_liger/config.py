@@ -45,7 +45,8 @@ def _from_dict(cls, data: Mapping[str, Any]):
     return cls(**dict(data))
 
 
-def _from_yaml(cls, path: str):
+def read_yaml(path: str) -> dict:
+    """The mapping a config file holds (keys not yet checked); errors name the file."""
     import yaml
     if not os.path.isfile(path):
         raise FileNotFoundError(f"liger_config: no such file {path!r}")
@@ -56,7 +57,11 @@ def _from_yaml(cls, path: str):
             raise ValueError(f"liger_config {path!r} is not valid YAML: {e}") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"liger_config {path!r} must hold a mapping of keys, got {type(data).__name__}")
-    return cls.from_dict(data)
+    return dict(data)
+
+
+def _from_yaml(cls, path: str):
+    return cls.from_dict(read_yaml(path))
 
 
 def _to_dict(self) -> dict:

@@ -17,7 +17,7 @@ import warnings
 import weakref
 from typing import Optional
 
-from ..config import LigerConfig, closest
+from ..config import LigerConfig, closest, read_yaml
 from ..env import backend_from_env
 from ..fusions import BY_KEY, REGISTRY
 from ..fusions.base import SAME
@@ -239,10 +239,8 @@ def resolve_config(args) -> LigerConfig:
     if args.liger_config:
         path = find_preset(args.liger_config)
         try:
-            preset = LigerConfig.from_yaml(path).to_dict()   # checked: a mapping of known keys
-            import yaml   # lazy: only a preset needs it
-            with open(path) as f:
-                listed = set(yaml.safe_load(f) or {})
+            listed = read_yaml(path)
+            preset = LigerConfig.from_dict(listed).to_dict()   # checked: known keys, valid values
             data.update({k: v for k, v in preset.items() if k in listed})
         except (ValueError, TypeError) as e:
             raise ValueError(f"liger_config {path}: {e}") from None
