@@ -75,7 +75,10 @@ MAX_KEYS = 48           # keys kept per model and per layer (graphs), least rece
                         # length meet up to ~40 buckets (log-uniform 64-2048 tokens at batch 1: 37)
 MEASURE_REPS = 3        # a new key: its first layer timed eagerly and replayed in this many interleaved rounds
 MEASURE_CALLS = 3       # of this many calls each
-SPIN_CYCLES = 50_000_000  # GPU clock cycles (~25 ms) the timed calls queue behind
+SPIN_CYCLES = 50_000_000  # GPU clock cycles (~25 ms at ~2 GHz) a timing's calls queue behind, at most: where the host
+SPIN_S = 0.025            # time of the same calls is known (an earlier round), 2x that (SPIN_HOST_X), at least
+SPIN_HOST_X = 2.0         # SPIN_FLOOR_S: six full spins were ~0.15 s of the ~0.17 s a key's recheck took (H200)
+SPIN_FLOOR_S = 0.002
 MARGIN = 0.05           # replays must be this much faster than eager calls to be kept (they cost memory)
 GPU_BOUND = 0.5         # a new key whose eager host time is below this share of its GPU time is not captured
 RETIME_BELOW = 0.8      # a host time between GPU_BOUND and this share of the GPU time is timed once more
@@ -88,6 +91,14 @@ INFERENCE_MODE = "inference mode (its tensors keep no version counter to check a
 MOVED = "parameters moved again since a capture (a model offloaded between calls)"
 
 _BACKENDS: dict = {}    # device index -> the one capture stream and memory pool of every layer's graphs
+
+
+def spin_cycles(host_hint: Optional[float]) -> int:
+    """The timer's spin: SPIN_CYCLES without a hint, else SPIN_HOST_X x the hinted host seconds (at least
+    SPIN_FLOOR_S, at most SPIN_S), in cycles at SPIN_CYCLES / SPIN_S."""
+    if host_hint is None:
+        return SPIN_CYCLES
+    return int(SPIN_CYCLES * min(1.0, max(SPIN_FLOOR_S, SPIN_HOST_X * host_hint) / SPIN_S))
 
 
 def bucket(n: int) -> int:
@@ -140,12 +151,14 @@ class _Backend:
         torch.cuda.empty_cache()   # cached blocks nothing will reuse (another stream's, a dropped graph's)
 
     @staticmethod
-    def timer(fn: Callable) -> tuple:
+    def timer(fn: Callable, host_hint: Optional[float] = None) -> tuple:
         """(host, device) seconds of fn: the host's to issue its work, the GPU's to run it without waiting for the
-        host (issued behind a ~25 ms spin kernel, so its kernels queue up before the GPU reaches them)."""
+        host (issued behind a spin kernel, so its kernels queue up before the GPU reaches them; spin_cycles says how
+        long from host_hint, the host seconds fn took before). A spin shorter than the host's issuing would add the
+        host's gaps to the GPU time; a pass costs max(host, GPU) per call, so the choices would still hold."""
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(SPIN_CYCLES)
+        torch.cuda._sleep(spin_cycles(host_hint))
         start.record()
         t0 = time.perf_counter()
         fn()
@@ -184,7 +197,8 @@ class _Slot:
 
 class _Entry:
     """One layer's graphs for one key (fonly: the forward alone, of an autograd-off pass)."""
-    __slots__ = ("fwd", "bwd", "gbufs", "params", "keep", "slot", "recheck", "pidx", "plist", "pnone", "fonly")
+    __slots__ = ("fwd", "bwd", "gbufs", "params", "keep", "slot", "recheck", "pidx", "plist", "pnone", "fonly",
+                 "hints")
 
 
 def _replay_forward(stats, slot, entry, n, hidden, cos, sin, mask, pos) -> torch.Tensor:
@@ -509,7 +523,7 @@ class LayerGraphs:
         with torch.no_grad():
             _load(slot, n, hidden_states, cos, sin, mask, pos)
         e = _Entry()
-        e.slot, e.recheck, e.fonly = slot, None, fonly
+        e.slot, e.recheck, e.fonly, e.hints = slot, None, fonly, {}
         e.params = () if fonly else tuple(p for p in layer.parameters() if p.requires_grad)
         # the parameters' gradients land in one buffer per parameter, shared by every key of this layer (the
         # captured backward copies them there; autograd's own outputs go back to the pool at the capture's end)
@@ -604,10 +618,12 @@ class LayerGraphs:
         eager = _eager_calls(layer, call, hidden, cos, sin, mask, pos, grad=grad)
         try:
             with torch.no_grad():
+                t0 = time.perf_counter()
                 _eager_calls(layer, call, hidden, cos, sin, mask, pos, 1, grad)()
-                host, gpu = (t / MEASURE_CALLS for t in be.timer(eager))
+                once = time.perf_counter() - t0   # builds and lazy state included: at least one call's host time
+                host, gpu = (t / MEASURE_CALLS for t in be.timer(eager, MEASURE_CALLS * once))
                 if GPU_BOUND * gpu <= host < RETIME_BELOW * gpu:   # near the line: once more, the lower host time
-                    host = min(host, be.timer(eager)[0] / MEASURE_CALLS)
+                    host = min(host, be.timer(eager, MEASURE_CALLS * host)[0] / MEASURE_CALLS)
         finally:
             be.set_rng_state(rng, dev)
         if not host < GPU_BOUND * gpu:
@@ -640,8 +656,9 @@ class LayerGraphs:
         try:
             with torch.no_grad():
                 for _ in range(MEASURE_REPS):
-                    for fn in (eager, replay):
-                        host, dev_s = be.timer(fn)
+                    for fn in (eager, replay):   # the spin from this key's last round (the recheck: the capture's)
+                        host, dev_s = be.timer(fn, e.hints.get(fn.__name__))
+                        e.hints[fn.__name__] = host
                         b = best[fn.__name__]
                         best[fn.__name__] = (min(b[0], host / MEASURE_CALLS), min(b[1], dev_s / MEASURE_CALLS))
         finally:

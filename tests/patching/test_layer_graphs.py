@@ -331,7 +331,8 @@ def test_measured_choice_runs_slower_graphs_eagerly(backend, monkeypatch):
     eager, graphed = models(device)
     timings = []
 
-    def timer(fn):   # (host, GPU) s of 3 calls: replays 0.1 / 3 ms, eager 2 / 2.4 ms at 32 tokens, 6 / 2.4 ms else
+    def timer(fn, host_hint=None):   # (host, GPU) s of 3 calls: replays 0.1 / 3 ms, eager 2 / 2.4 ms at 32 tokens,
+        # 6 / 2.4 ms else
         t = (0.1e-3, 3e-3) if fn.__name__ == "replay" else (2e-3 if calls["tokens"] == 32 else 6e-3, 2.4e-3)
         timings.append((fn.__name__, t))
         fn()
@@ -377,7 +378,7 @@ def test_gpu_bound_key_is_never_captured(backend, monkeypatch):
     eager, graphed = models(device)
     timings = []
 
-    def timer(fn):   # (host, GPU) s of 3 calls: the host at 0.3x the GPU
+    def timer(fn, host_hint=None):   # (host, GPU) s of 3 calls: the host at 0.3x the GPU
         timings.append(fn.__name__)
         fn()
         return (0.9e-3, 3e-3)
@@ -414,7 +415,7 @@ def test_gpu_bound_check_times_again_near_the_line(backend, monkeypatch):
     answers = iter([(1.8e-3, 3e-3), (0.9e-3, 3e-3)])
     timings = []
 
-    def timer(fn):
+    def timer(fn, host_hint=None):
         timings.append(fn.__name__)
         fn()
         return next(answers)
@@ -436,7 +437,7 @@ def test_recheck_turns_a_key_eager_in_every_layer(backend, monkeypatch):
     eager, graphed = models(device)
     timings = []
 
-    def timer(fn):   # the capture's rounds favour the replay, the recheck's the eager layer
+    def timer(fn, host_hint=None):   # the capture's rounds favour the replay, the recheck's the eager layer
         first = len(timings) < 2 * layer_graphs.MEASURE_REPS
         t = ((0.1e-3, 1e-3) if fn.__name__ == "replay" else (6e-3, 1e-3)) if first else \
             ((0.1e-3, 3e-3) if fn.__name__ == "replay" else (1e-3, 2e-3))
@@ -461,6 +462,41 @@ def test_recheck_turns_a_key_eager_in_every_layer(backend, monkeypatch):
     shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
     assert not shared.slots and all(not any(isinstance(v, layer_graphs._Entry) for v in m.entries.values())
                                     for m in shared.members), shared.members
+
+
+def test_timer_spins_from_the_last_rounds_host_time(backend, monkeypatch):
+    """The timer's spin: a full one where no host time of the same calls is known (the capture's first round), else
+    from the host time of the key's last round (the capture's later rounds, the recheck's every round) or, before a
+    capture, from the untimed first call's."""
+    device = backend
+    eager, graphed = models(device)
+    hints = []
+
+    def timer(fn, host_hint=None):   # graphs win at the capture and at the recheck
+        hints.append((fn.__name__, host_hint))
+        fn()
+        return (0.1e-3, 1e-3) if fn.__name__ == "replay" else (6e-3, 1e-3)
+    if device.type == "cpu":
+        monkeypatch.setattr(RerunBackend, "timer", staticmethod(timer), raising=False)
+    else:
+        monkeypatch.setattr(layer_graphs._Backend, "timer", staticmethod(timer))
+    g = torch.Generator().manual_seed(8)
+    for i in range(layer_graphs.RECHECK_AT + 1):
+        ids = torch.randint(2, 128, (2, 14), generator=g).to(device)
+        assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i))
+    assert [m["when"] for m in stats(graphed)["measured"]] == ["capture", f"first pass {layer_graphs.RECHECK_AT}"]
+    reps = layer_graphs.MEASURE_REPS
+    assert hints[0][0] == "eager" and hints[0][1] > 0, hints   # before the capture: the untimed call's
+    assert hints[1:3] == [("eager", None), ("replay", None)], hints
+    assert hints[3:] == [("eager", 6e-3), ("replay", 0.1e-3)] * (2 * reps - 1), hints
+
+
+def test_spin_cycles():
+    full = layer_graphs.SPIN_CYCLES
+    assert layer_graphs.spin_cycles(None) == full
+    assert layer_graphs.spin_cycles(1.0) == full   # at most the full spin
+    assert abs(layer_graphs.spin_cycles(0.0) - full * layer_graphs.SPIN_FLOOR_S / layer_graphs.SPIN_S) <= 1
+    assert abs(layer_graphs.spin_cycles(0.005) - full * 0.01 / layer_graphs.SPIN_S) <= 1   # 2x the host time
 
 
 def test_layers_without_adapters_replay(backend):
@@ -615,7 +651,8 @@ def test_measured_shape_decides_smaller_and_larger_ones(backend, monkeypatch):
     timings = []
     verdict = {}
 
-    def timer(fn):   # replays 0.1 / 1 ms; eager 6 / 1 ms (host-bound) or 0.3 / 3 ms (GPU-bound), as verdict says
+    def timer(fn, host_hint=None):   # replays 0.1 / 1 ms; eager 6 / 1 ms (host-bound) or 0.3 / 3 ms (GPU-bound),
+        # as verdict says
         timings.append(fn.__name__)
         fn()
         if fn.__name__ == "replay":
