@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swift_liger_installed
-# --no-compile: no bytecode for modules nothing imports (0.45 of the 2.3 GB venv); Python writes it for those that are
+# --no-compile: no bytecode for modules nothing imports (0.44 of a 2.8 GB venv); Python writes it for those imported
 PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile -c requirements/constraints-cpu.txt
 # The 30 slowest tests listed at the end of each leg: CI (both legs, 2 cores) must stay within 90 minutes.
 PYTEST_ARGS ?= --durations=30
