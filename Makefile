@@ -4,8 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.swift_liger_installed
-# --no-compile: no bytecode for modules nothing imports (0.44 of a 2.8 GB venv); Python writes it for those imported
-PIP := $(PY) -m pip install -q --disable-pip-version-check --no-compile -c requirements/constraints-cpu.txt
+PIP := $(PY) -m pip install -q --disable-pip-version-check -c requirements/constraints-cpu.txt
 # The 30 slowest tests listed at the end of each leg: CI (both legs, 2 cores) must stay within 90 minutes.
 PYTEST_ARGS ?= --durations=30
 
@@ -42,9 +41,9 @@ test-newest: $(STAMP)
 	$(PY) -m venv --without-pip $(VENV_NEWEST)
 	$(PY) -c "import site; print(*site.getsitepackages(), sep='\n')" \
 	  > "$$($(VENV_NEWEST)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_pinned.pth"
-	$(PY) -m pip --python $(VENV_NEWEST)/bin/python install -q --disable-pip-version-check --no-compile --no-deps \
+	$(PY) -m pip --python $(VENV_NEWEST)/bin/python install -q --disable-pip-version-check --no-deps \
 	  triton==$(TRITON_NEWEST)
-	$(PY) -m pip --python $(VENV_NEWEST)/bin/python install -q --disable-pip-version-check --no-compile --no-deps -e .
+	$(PY) -m pip --python $(VENV_NEWEST)/bin/python install -q --disable-pip-version-check --no-deps -e .
 	$(VENV_NEWEST)/bin/python -c "import triton, torch; print('test-newest: triton', triton.__version__, 'torch', torch.__version__)"
 	$(VENV_NEWEST)/bin/python -m pytest $(NEWEST_TESTS) $(PYTEST_ARGS)
 
