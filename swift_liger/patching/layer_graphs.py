@@ -25,9 +25,9 @@ eagerly and replayed (host and GPU time of MEASURE_CALLS calls, best of MEASURE_
 max(host, GPU) per call). A key kept for
 graphs is timed once more at that layer's RECHECK_AT-th replayed first pass, away from the first step's other work
 (at 1.5B, 4 x 2k the first step timed 5.05 ms of host time per eager layer forward, more than the 0.259 s eager step
-allows: docs/benchmarks/train_graph_choice_h200.md). Where the replay is not MARGIN faster (GPU-bound layers:
-7B-8B at 4k-8k tokens, where the graphs only add the input copies and padding) the key runs eagerly in every layer,
-its graphs and buffers dropped; counters record the times (call_counts()["graph_layers"]["measured"]). A new key
+allows: docs/benchmarks/train_graph_choice_h200.md). Where the replay is not MARGIN faster at the capture, or not
+faster at all at the recheck (GPU-bound layers: 7B-8B at 4k-8k tokens, where the graphs only add the input copies and
+padding) the key runs eagerly in every layer, its graphs and buffers dropped; counters record the times (call_counts()["graph_layers"]["measured"]). A new key
 of a family already timed (the same but for rows and padded length) is not timed where a measured one decides it
 (Shared.infer: a smaller shape that ran faster eagerly, or a larger one that ran faster replayed); "inferred" counts
 those. SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
@@ -80,6 +80,9 @@ SPIN_S = 0.025            # time of the same calls is known (an earlier round), 
 SPIN_HOST_X = 2.0         # SPIN_FLOOR_S: six full spins were ~0.15 s of the ~0.17 s a key's recheck took (H200)
 SPIN_FLOOR_S = 0.002
 MARGIN = 0.05           # replays must be this much faster than eager calls to be kept (they cost memory)
+RECHECK_MARGIN = 0.0    # at the recheck, any gain keeps them: their memory is already in the run's peak, and a drop
+                        # costs the eager path's first calls (1.5B, 1 x 8k on the H200: 4.7% faster replayed, dropped
+                        # at MARGIN: a 0.53 s longer step 5, then 0.261 s steps against 0.252)
 GPU_BOUND = 0.5         # a new key whose eager host time is below this share of its GPU time is not captured
 RETIME_BELOW = 0.8      # a host time between GPU_BOUND and this share of the GPU time is timed once more
 RECHECK_AT = 5          # a key kept for graphs is timed again at its timing layer's 5th replayed first pass
@@ -439,7 +442,8 @@ class LayerGraphs:
             if entry.recheck <= 0:   # again, away from the first step (whose host times can run high)
                 entry.recheck = None
                 if not self._graphs_faster(self.backend, layer, call, entry, entry.slot, n, hidden_states, cos, sin,
-                                           mask, position_ids, key, when=f"first pass {RECHECK_AT}"):
+                                           mask, position_ids, key, when=f"first pass {RECHECK_AT}",
+                                           margin=RECHECK_MARGIN):
                     self.entries[key] = self.shared.choice[key]
                     return self._eager(self.entries[key])
         self.entries.move_to_end(key)
@@ -636,12 +640,13 @@ class LayerGraphs:
         self.shared.record(key, False)
         return True
 
-    def _graphs_faster(self, be, layer, call, e, slot, n, hidden, cos, sin, mask, pos, key, when) -> bool:
+    def _graphs_faster(self, be, layer, call, e, slot, n, hidden, cos, sin, mask, pos, key, when,
+                       margin: float = MARGIN) -> bool:
         """Time this layer's forward eagerly (the recompute's mode, autograd on) and replayed (with the input
         copies): host and GPU seconds of MEASURE_CALLS calls, best of MEASURE_REPS interleaved rounds. A pass over
-        the layers costs max(host, GPU) per call; keep the graphs only if theirs is MARGIN below eager's: where the
-        GPU is the bound the replay only adds the copies and the padding. The decision holds for the key in every
-        layer."""
+        the layers costs max(host, GPU) per call; keep the graphs only if theirs is `margin` below eager's (MARGIN at
+        the capture, RECHECK_MARGIN at the recheck): where the GPU is the bound the replay only adds the copies and
+        the padding. The decision holds for the key in every layer."""
         dev = hidden.device
         rng = be.rng_state(dev)
         eager = _eager_calls(layer, call, hidden, cos, sin, mask, pos, grad=not e.fonly)
@@ -665,7 +670,7 @@ class LayerGraphs:
             be.set_rng_state(rng, dev)
         # a pass over the layers keeps the GPU fed only as fast as the host issues: per call max(host, device)
         t_eager, t_graph = max(best["eager"]), max(best["replay"])
-        faster = t_graph < (1.0 - MARGIN) * t_eager
+        faster = t_graph < (1.0 - margin) * t_eager
         rows, padded = slot.inputs[0].shape[:2]
         self.stats["measured"].append({
             "rows": rows, "tokens": padded, "eager_ms": round(1e3 * t_eager, 3), "graph_ms": round(1e3 * t_graph, 3),
