@@ -25,6 +25,7 @@ require("transformers")   # the family tables and patches follow transformers' m
 
 from .config import LigerConfig
 from .fusions import PATCHES, REGISTRY, PatchContext, enabled
+from .ops import _launch
 from .patching.families import FAMILIES, family_for
 from .patching.state import STATE_ATTR, PatchState, class_in, find_states
 from .report import PatchReport
@@ -115,6 +116,9 @@ def apply(model: torch.nn.Module, config=None, **overrides) -> PatchReport:
         warnings.warn(message, stacklevel=2)
     if st.saved or st.undo:
         root.__dict__[STATE_ATTR] = st  # after `_modules` in __dict__ order: deepcopy copies modules first
+        first = next(root.parameters(), None)
+        if first is not None and first.is_cuda:   # Triton's cache key, hashed while the trainer is set up
+            _launch.warm_cache_key()
     logger.info("%s", report.summary())
     return report
 

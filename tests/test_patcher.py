@@ -805,3 +805,16 @@ def test_rolling_cache_installed_and_reverted(torch_backend):
                        ({"sinks": 4}, "keys window, sinks")):
         with pytest.raises(ValueError, match=match):
             swift_liger.apply(build("llama"), rolling_cache=bad)
+
+
+def test_triton_key_warmed_only_for_a_cuda_model(torch_backend, monkeypatch):
+    """apply starts ops._launch.warm_cache_key (Triton's cache key, hashed beside the trainer's set-up) for a model on
+    CUDA only."""
+    from swift_liger.ops import _launch
+    started = []
+    monkeypatch.setattr(_launch, "warm_cache_key", lambda: started.append(1))
+    swift_liger.apply(build("qwen2"))
+    assert not started
+    if torch.cuda.is_available():
+        swift_liger.apply(build("qwen2").cuda())
+        assert started == [1]

@@ -153,6 +153,37 @@ def compile_ahead(workers: int = 8) -> Iterator[_Ahead]:
         ahead.pool.shutdown(wait=True)
 
 
+_KEY_THREAD = None   # the thread warm_cache_key started (one per process)
+
+
+def warm_cache_key() -> Optional[Any]:
+    """Start, once per process, a daemon thread computing Triton's cache key of its own installation
+    (``triton.runtime.cache.triton_key``, cached for the process: a sha256 of libtriton and of the compiler's and
+    language's sources). Every kernel's first launch needs it, loaded from the disk cache or not; unwarmed it was
+    0.37 s of the first training step at Qwen2.5-0.5B, 1 x 2k on the H200 host (0.31 s in hashlib, 0.07 s reading
+    files, cProfile of `SWIFT_LIGER_PROFILE_FIRST_STEP`: docs/benchmarks/NOTES.md, session 40). Started when a model
+    is patched, it runs beside the adapter wrapping, the dataset's encoding and the trainer's set-up; hashlib and
+    file reads release the GIL. Should a launch come first, it computes the key itself (the cache takes either
+    result: same value). Returns the thread, or None under the interpreter or where Triton has no such function."""
+    global _KEY_THREAD
+    if _KEY_THREAD is not None or _common.INTERPRET:
+        return _KEY_THREAD
+    try:
+        from triton.runtime.cache import triton_key   # lazy: Triton's internals, read only to warm them
+    except Exception:   # another Triton layout: its first launch pays as before
+        return None
+    import threading   # lazy: only where a model is patched for CUDA
+
+    def warm():
+        try:
+            triton_key()
+        except Exception:   # noqa: BLE001 - the first launch computes it again and raises what it raises
+            pass
+    _KEY_THREAD = threading.Thread(target=warm, name="swift_liger_triton_key", daemon=True)
+    _KEY_THREAD.start()
+    return _KEY_THREAD
+
+
 @contextlib.contextmanager
 def plain_launches() -> Iterator[None]:
     """Every FastLaunch goes through ``kernel[grid]`` inside the block (A/B timing of the launch path)."""

@@ -384,3 +384,32 @@ def test_compile_ahead_is_a_no_op_under_the_interpreter():
         pytest.skip("the interpreter is off")
     with _launch.compile_ahead() as ahead:
         assert ahead is None and _launch._AHEAD is None
+
+
+def test_warm_cache_key_hashes_once_on_a_thread(monkeypatch):
+    """warm_cache_key computes Triton's installation key (triton.runtime.cache.triton_key) once per process on a
+    daemon thread; under the interpreter it starts nothing."""
+    import triton.runtime.cache as cache
+    calls = []
+    monkeypatch.setattr(cache, "triton_key", lambda: calls.append(1) or "key")
+    monkeypatch.setattr(_launch, "_KEY_THREAD", None)
+    monkeypatch.setattr(_launch._common, "INTERPRET", True)
+    assert _launch.warm_cache_key() is None and not calls
+    monkeypatch.setattr(_launch._common, "INTERPRET", False)
+    thread = _launch.warm_cache_key()
+    thread.join(timeout=30)
+    assert thread.daemon and not thread.is_alive() and calls == [1]
+    assert _launch.warm_cache_key() is thread and calls == [1]
+
+
+def test_warm_cache_key_swallows_a_failing_key(monkeypatch):
+    import triton.runtime.cache as cache
+
+    def broken():
+        raise OSError("libtriton missing")
+    monkeypatch.setattr(cache, "triton_key", broken)
+    monkeypatch.setattr(_launch, "_KEY_THREAD", None)
+    monkeypatch.setattr(_launch._common, "INTERPRET", False)
+    thread = _launch.warm_cache_key()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
