@@ -22,15 +22,15 @@ keeps their gradients in static buffers, copied out per call in one multi-tensor
 Chosen by measurement: at a new key the first layer's forward is timed eagerly; where the host issues it in under
 GPU_BOUND of its GPU time nothing is captured (a replay runs the same kernels). Otherwise it is captured and timed
 eagerly and replayed (host and GPU time of MEASURE_CALLS calls, best of MEASURE_REPS interleaved rounds; a pass costs
-max(host, GPU) per call). A key kept for
-graphs is timed once more at that layer's RECHECK_AT-th replayed first pass, away from the first step's other work
-(at 1.5B, 4 x 2k the first step timed 5.05 ms of host time per eager layer forward, more than the 0.259 s eager step
-allows: docs/benchmarks/train_graph_choice_h200.md). Where the replay is not MARGIN faster at the capture, or not
-faster at all at the recheck (GPU-bound layers: 7B-8B at 4k-8k tokens, where the graphs only add the input copies and
-padding) the key runs eagerly in every layer, its graphs and buffers dropped; counters record the times (call_counts()["graph_layers"]["measured"]). A new key
-of a family already timed (the same but for rows and padded length) is not timed where a measured one decides it
-(Shared.infer: a smaller shape that ran faster eagerly, or a larger one that ran faster replayed); "inferred" counts
-those. SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
+max(host, GPU) per call). A key kept for graphs is timed once more at that layer's RECHECK_AT-th replayed first pass,
+away from the first step's other work (at 1.5B, 4 x 2k the first step timed 5.05 ms of host time per eager layer
+forward, more than the 0.259 s eager step allows: docs/benchmarks/train_graph_choice_h200.md). Where the replay is
+not MARGIN faster at the capture, or not faster at all at the recheck (GPU-bound layers: 7B-8B at 4k-8k tokens, where
+the graphs only add the input copies and padding) the key runs eagerly in every layer, its graphs and buffers
+dropped; counters record the times (call_counts()["graph_layers"]["measured"]). A new key of a family already timed
+(the same but for rows and padded length) is not timed where a measured one decides it (Shared.infer: a smaller shape
+that ran faster eagerly, or a larger one that ran faster replayed); "inferred" counts those.
+SWIFT_LIGER_GRAPH_LAYERS=always skips the timing and replays every replayable key.
 
 Autograd-off passes other than a checkpoint's first pass (a DPO/GRPO reference or old-policy forward, an evaluation,
 a frozen reference or teacher model's forward) replay their forward alone, from graphs captured and timed under keys
