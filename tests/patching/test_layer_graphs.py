@@ -430,29 +430,35 @@ def test_gpu_bound_check_times_again_near_the_line(backend, monkeypatch):
     assert s["captures"] == 0 and s["measured"][0]["eager_host_ms"] == 0.3, s
 
 
-def test_recheck_turns_a_key_eager_in_every_layer(backend, monkeypatch):
-    """A key kept for graphs at its capture is timed again at its timing layer's RECHECK_AT-th first pass; when eager
-    wins then, every layer drops its graphs for the key and runs it eagerly from that call on."""
-    device = backend
+def run_recheck(device, monkeypatch, recheck: dict, steps: int, seed: int):
+    """Trains `steps` steps of the graphed model beside the eager one (outputs and gradients equal) under a fake
+    timer: the capture's rounds favour the replay clearly, later rounds (the recheck's) answer `recheck`
+    ({"eager" | "replay": (host, GPU) seconds per call}). Returns the graphed model."""
     eager, graphed = models(device)
-    timings = []
+    capture = {"replay": (0.1e-3, 1e-3), "eager": (6e-3, 1e-3)}
+    rounds = []
 
-    def timer(fn, host_hint=None):   # the capture's rounds favour the replay, the recheck's the eager layer
-        first = len(timings) < 2 * layer_graphs.MEASURE_REPS
-        t = ((0.1e-3, 1e-3) if fn.__name__ == "replay" else (6e-3, 1e-3)) if first else \
-            ((0.1e-3, 3e-3) if fn.__name__ == "replay" else (1e-3, 2e-3))
-        timings.append(fn.__name__)
+    def timer(fn, host_hint=None):
+        times = capture if len(rounds) < 2 * layer_graphs.MEASURE_REPS else recheck
+        rounds.append(fn.__name__)
         fn()
-        return t
+        return tuple(x * layer_graphs.MEASURE_CALLS for x in times[fn.__name__])
     if device.type == "cpu":
         monkeypatch.setattr(RerunBackend, "timer", staticmethod(timer), raising=False)
     else:
         monkeypatch.setattr(layer_graphs._Backend, "timer", staticmethod(timer))
-    g = torch.Generator().manual_seed(6)
-    steps = layer_graphs.RECHECK_AT + 1
+    g = torch.Generator().manual_seed(seed)
     for i in range(steps):
         ids = torch.randint(2, 128, (2, 14), generator=g).to(device)
         assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i))
+    return graphed
+
+
+def test_recheck_turns_a_key_eager_in_every_layer(backend, monkeypatch):
+    """A key kept for graphs at its capture is timed again at its timing layer's RECHECK_AT-th first pass; when eager
+    wins then, every layer drops its graphs for the key and runs it eagerly from that call on."""
+    steps = layer_graphs.RECHECK_AT + 1
+    graphed = run_recheck(backend, monkeypatch, {"replay": (0.1e-3, 3e-3), "eager": (1e-3, 2e-3)}, steps, seed=6)
     s = stats(graphed)
     assert [(m["graphs"], m["when"]) for m in s["measured"]] == [
         (True, "capture"), (False, f"first pass {layer_graphs.RECHECK_AT}")], s
@@ -469,26 +475,9 @@ def test_recheck_keeps_graphs_that_are_faster_by_less_than_the_margin(backend, m
     (1.5B, 1 x 8k on the H200: 2.186 vs 2.083 ms) keep a kept key's graphs at the recheck, and the steps after it
     replay. At the capture the same times would have left the key eager (2.083 is not MARGIN under 2.186)."""
     assert layer_graphs.RECHECK_MARGIN < 1 - 2.083 / 2.186 < layer_graphs.MARGIN
-    device = backend
-    eager, graphed = models(device)
-    timings = []
-
-    def timer(fn, host_hint=None):   # the capture's rounds favour the replay clearly, the recheck's by 4.7%
-        first = len(timings) < 2 * layer_graphs.MEASURE_REPS
-        t = ((0.1e-3, 1e-3) if fn.__name__ == "replay" else (6e-3, 1e-3)) if first else \
-            ((0.1e-3, 2.083e-3) if fn.__name__ == "replay" else (2.186e-3, 2.07e-3))
-        timings.append(fn.__name__)
-        fn()
-        return tuple(x * layer_graphs.MEASURE_CALLS for x in t)
-    if device.type == "cpu":
-        monkeypatch.setattr(RerunBackend, "timer", staticmethod(timer), raising=False)
-    else:
-        monkeypatch.setattr(layer_graphs._Backend, "timer", staticmethod(timer))
-    g = torch.Generator().manual_seed(9)
     steps = layer_graphs.RECHECK_AT + 2
-    for i in range(steps):
-        ids = torch.randint(2, 128, (2, 14), generator=g).to(device)
-        assert_same(step(eager, ids, seed=i), step(graphed, ids, seed=i))
+    graphed = run_recheck(backend, monkeypatch, {"replay": (0.1e-3, 2.083e-3), "eager": (2.186e-3, 2.07e-3)}, steps,
+                          seed=9)
     s = stats(graphed)
     assert [(m["graphs"], m["when"]) for m in s["measured"]] == [
         (True, "capture"), (True, f"first pass {layer_graphs.RECHECK_AT}")], s
