@@ -164,7 +164,9 @@ def warm_cache_key() -> Optional[Any]:
     files, cProfile of `SWIFT_LIGER_PROFILE_FIRST_STEP`: docs/benchmarks/NOTES.md, session 40). Started when a model
     is patched, it runs beside the adapter wrapping, the dataset's encoding and the trainer's set-up; hashlib and
     file reads release the GIL. Should a launch come first, it computes the key itself (the cache takes either
-    result: same value). Returns the thread, or None under the interpreter or where Triton has no such function."""
+    result: same value). A fork waits for the thread first (the thread may hold an import lock while it walks
+    Triton's packages; a child forked then would inherit it held). Returns the thread, or None under the interpreter
+    or where Triton has no such function."""
     global _KEY_THREAD
     if _KEY_THREAD is not None or _common.INTERPRET:
         return _KEY_THREAD
@@ -181,6 +183,8 @@ def warm_cache_key() -> Optional[Any]:
             pass
     _KEY_THREAD = threading.Thread(target=warm, name="swift_liger_triton_key", daemon=True)
     _KEY_THREAD.start()
+    if hasattr(os, "register_at_fork"):   # dataset workers and DataLoader workers fork
+        os.register_at_fork(before=_KEY_THREAD.join)
     return _KEY_THREAD
 
 

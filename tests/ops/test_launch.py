@@ -402,6 +402,25 @@ def test_warm_cache_key_hashes_once_on_a_thread(monkeypatch):
     assert _launch.warm_cache_key() is thread and calls == [1]
 
 
+def test_a_fork_waits_for_the_key_thread(monkeypatch):
+    """os.fork() runs only after the key thread has finished (a child must not inherit an import lock it holds)."""
+    import threading
+    import time
+    import triton.runtime.cache as cache
+    release = threading.Event()
+    monkeypatch.setattr(cache, "triton_key", lambda: release.wait(5) and time.sleep(0.2))
+    monkeypatch.setattr(_launch, "_KEY_THREAD", None)
+    monkeypatch.setattr(_launch._common, "INTERPRET", False)
+    thread = _launch.warm_cache_key()
+    release.set()
+    pid = os.fork()
+    if pid == 0:   # the child: exit at once, without pytest's teardown
+        os._exit(0)
+    alive_at_fork = thread.is_alive()
+    os.waitpid(pid, 0)
+    assert not alive_at_fork
+
+
 def test_warm_cache_key_swallows_a_failing_key(monkeypatch):
     import triton.runtime.cache as cache
 
