@@ -161,7 +161,7 @@ def warm_cache_key() -> Optional[Any]:
     (``triton.runtime.cache.triton_key``, cached for the process: a sha256 of libtriton and of the compiler's and
     language's sources). Every kernel's first launch needs it, loaded from the disk cache or not; unwarmed it was
     0.37 s of the first training step at Qwen2.5-0.5B, 1 x 2k on the H200 host (0.31 s in hashlib, 0.07 s reading
-    files, cProfile of `SWIFT_LIGER_PROFILE_FIRST_STEP`: docs/benchmarks/NOTES.md, session 40). Started when a model
+    files; SWIFT_LIGER_PROFILE_FIRST_STEP's cProfile in docs/benchmarks/train_cli_grid_h200.md). Started when a model
     is patched, it runs beside the adapter wrapping, the dataset's encoding and the trainer's set-up; hashlib and
     file reads release the GIL. Should a launch come first, it computes the key itself (the cache takes either
     result: same value). A fork waits for the thread first (the thread may hold an import lock while it walks
