@@ -23,6 +23,7 @@ call site that passes a runtime argument by keyword.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import weakref
@@ -154,6 +155,7 @@ def compile_ahead(workers: int = 8) -> Iterator[_Ahead]:
 
 
 _KEY_THREAD = None   # the thread warm_cache_key started (one per process)
+KEY_FORK_WAIT_S = 10.0   # a fork waits this long at most for it (it takes ~0.4 s)
 
 
 def warm_cache_key() -> Optional[Any]:
@@ -164,9 +166,10 @@ def warm_cache_key() -> Optional[Any]:
     files; SWIFT_LIGER_PROFILE_FIRST_STEP's cProfile in docs/benchmarks/train_cli_grid_h200.md). Started when a model
     is patched, it runs beside the adapter wrapping, the dataset's encoding and the trainer's set-up; hashlib and
     file reads release the GIL. Should a launch come first, it computes the key itself (the cache takes either
-    result: same value). A fork waits for the thread first (the thread may hold an import lock while it walks
-    Triton's packages; a child forked then would inherit it held). Returns the thread, or None under the interpreter
-    or where Triton has no such function."""
+    result: same value). A fork waits for the thread first, up to KEY_FORK_WAIT_S (the thread may hold an import
+    lock while it walks Triton's packages, and a child forked then would inherit it held; the bound keeps a fork made
+    while the forking thread holds a lock the key thread waits for from waiting forever). Returns the thread, or None
+    under the interpreter or where Triton has no such function."""
     global _KEY_THREAD
     if _KEY_THREAD is not None or _common.INTERPRET:
         return _KEY_THREAD
@@ -184,7 +187,7 @@ def warm_cache_key() -> Optional[Any]:
     _KEY_THREAD = threading.Thread(target=warm, name="swift_liger_triton_key", daemon=True)
     _KEY_THREAD.start()
     if hasattr(os, "register_at_fork"):   # dataset workers and DataLoader workers fork
-        os.register_at_fork(before=_KEY_THREAD.join)
+        os.register_at_fork(before=functools.partial(_KEY_THREAD.join, KEY_FORK_WAIT_S))
     return _KEY_THREAD
 
 
