@@ -59,6 +59,9 @@ ENV_VARS = {   # every environment variable swift_liger reads, checked in valida
                                  "first call (graph_layers; off by default until measured on a GPU)",
     "SWIFT_LIGER_GRAPH_NO_GRAD": "0 runs autograd-off forwards (reference, old-policy and evaluation passes) eagerly "
                                  "(default 1: graph_layers replays them too, under batch shapes of their own)",
+    "SWIFT_LIGER_LORA_BASE_EPILOGUE": "1 lets the base GEMM of a fused LoRA projection add into the LoRA output "
+                                      "(cuBLAS beta=1) instead of a rank-r GEMM after it (off by default until "
+                                      "measured through the CLI)",
     "SWIFT_LIGER_ALLOW_UNTESTED_VERSIONS": "1 warns instead of refusing torch, triton, transformers or ms-swift "
                                            "versions outside the tested ranges (swift_liger/versions.py)",
     "SWIFT_LIGER_FP8_EMULATE": "1 lets liger_fp8_base run without an FP8 GPU, on CPU through torch's reference FP8 "
@@ -329,6 +332,9 @@ def check_environment() -> None:
     no_grad = os.environ.get("SWIFT_LIGER_GRAPH_NO_GRAD")
     if no_grad is not None and no_grad.strip() not in ("0", "1", ""):
         raise ValueError(f"SWIFT_LIGER_GRAPH_NO_GRAD must be 0 or 1, got {no_grad!r}")
+    epilogue = os.environ.get("SWIFT_LIGER_LORA_BASE_EPILOGUE")
+    if epilogue is not None and epilogue.strip() not in ("0", "1", ""):
+        raise ValueError(f"SWIFT_LIGER_LORA_BASE_EPILOGUE must be 0 or 1, got {epilogue!r}")
     profile_rows()   # SWIFT_LIGER_PROFILE_FIRST_STEP: a number of rows
     graphs = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS")
     if graphs is not None and graphs.strip() not in ("measure", "always"):

@@ -40,6 +40,7 @@ bitsandbytes import.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -108,13 +109,14 @@ def _compute_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, param.dtype)
 
 
-# A/B switch, off until measured (tools/train_lab.py's ours_base_epilogue variant): True writes the LoRA output (and
-# the bias) first and lets the base GEMM add into it in its epilogue (cuBLAS beta=1), instead of a K=r GEMM after the
-# base one that reads and writes the [N, out] output again. Counted at Qwen2.5-7B, 8k tokens: ~0.8 GB less traffic per
-# layer pass, ~15-20 ms of a ~800 ms step if the epilogue's read hides behind the GEMM's maths. Measured on the H200
+# A/B switch, off until measured (SWIFT_LIGER_LORA_BASE_EPILOGUE=1; tools/train_lab.py's ours_base_epilogue and the
+# CLI bench's swift_liger_base_epilogue variants): True writes the LoRA output (and the bias) first and lets the base
+# GEMM add into it in its epilogue (cuBLAS beta=1), instead of a K=r GEMM after the base one that reads and writes the
+# [N, out] output again. Counted at Qwen2.5-7B, 8k tokens: ~0.8 GB less traffic per layer pass, ~15-20 ms of a ~800 ms
+# step if the epilogue's read hides behind the GEMM's maths. Measured on the H200
 # (docs/benchmarks/train_lab_h200_base_epilogue.md, 8 layers): 2.0% less wall per step, but the profiled step's GEMM
 # time unchanged (156.9 vs 156.5 ms), so the gain is not yet explained; off until a CLI A/B.
-BASE_EPILOGUE = False
+BASE_EPILOGUE = os.environ.get("SWIFT_LIGER_LORA_BASE_EPILOGUE", "0").strip() == "1"
 
 
 def _lora_then_base(x: torch.Tensor, weight, bias, a: torch.Tensor, lora_b: torch.Tensor,

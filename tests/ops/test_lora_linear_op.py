@@ -1,5 +1,6 @@
 """lora_linear: same values and gradients as the autograd composition (PEFT's maths), fewer saved bytes than
 PEFT's fp32-adapter path under autocast."""
+import os
 import subprocess
 import sys
 
@@ -403,3 +404,15 @@ def test_base_epilogue_under_autocast_with_an_fp32_base(monkeypatch):
             out[on] = lora_linear(xb, None, w, b, a.detach().bfloat16(), bb.detach().bfloat16(), 2.0)
     assert out[True].dtype == torch.bfloat16
     assert_close(out[True], out[False], torch.bfloat16, slack=2)
+
+
+@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("1", True), (" 1 ", True)])
+def test_base_epilogue_follows_its_environment_variable(value, on):
+    """SWIFT_LIGER_LORA_BASE_EPILOGUE=1 turns BASE_EPILOGUE on at import (the CLI bench's A/B variant); unset or 0
+    keeps the default order."""
+    env = {k: v for k, v in os.environ.items() if k != "SWIFT_LIGER_LORA_BASE_EPILOGUE"}
+    if value is not None:
+        env["SWIFT_LIGER_LORA_BASE_EPILOGUE"] = value
+    out = subprocess.run([sys.executable, "-c", "from swift_liger.ops import lora_linear_op as m; "
+                          "print(m.BASE_EPILOGUE)"], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(on)
