@@ -14,8 +14,8 @@ shortens the stack (per-layer numbers do not change; the head stays). Variants, 
 - ours_eager: the same with graph_layers off;
 - ours_mask_bits: the same with LoRA dropout drawn by torch.native_dropout and kept as bits (the path before
   ops/lora_dropout_kernel.py's seeded products);
-- ours_base_epilogue: the same with ops.lora_linear_op.BASE_EPILOGUE on (the LoRA output first, the base GEMM
-  adding into it in its epilogue);
+- ours_no_base_epilogue / ours_base_epilogue: the same with ops.lora_linear_op.BASE_EPILOGUE off / on (on, the
+  default: the LoRA output first, the base GEMM adding into it in its epilogue);
 - ours_no_lora: the same with lora_fusion off;
 - ours_compiled: compile_layers on (first step reported apart);
 - ours_compiled_aot, ours_compiled_dynamo: compile_layers through torch.compile's "aot_eager" backend (dynamo and
@@ -102,12 +102,15 @@ def make_variant(base, name: str):
     return model, opt
 
 
+DEFAULT_BASE_EPILOGUE = lora_linear_op.BASE_EPILOGUE   # the module's (its env var's) choice
+
+
 class Runner:
-    def __init__(self, model, opt, batches, dev, seeded_dropout=True, base_epilogue=False):
+    def __init__(self, model, opt, batches, dev, seeded_dropout=True, base_epilogue=DEFAULT_BASE_EPILOGUE):
         self.model, self.opt, self.batches, self.dev = model, opt, batches, dev
         self.losses = []
         self.seeded_dropout = seeded_dropout   # False: LoRA dropout masks kept as bits (ours_mask_bits)
-        self.base_epilogue = base_epilogue     # True: lora_linear_op.BASE_EPILOGUE (ours_base_epilogue)
+        self.base_epilogue = base_epilogue     # lora_linear_op.BASE_EPILOGUE during this runner's steps
 
     def step(self, i: int):
         lora_dropout_kernel.ENABLED = self.seeded_dropout
@@ -116,7 +119,7 @@ class Runner:
             return self._step(i)
         finally:
             lora_dropout_kernel.ENABLED = True
-            lora_linear_op.BASE_EPILOGUE = False
+            lora_linear_op.BASE_EPILOGUE = DEFAULT_BASE_EPILOGUE
 
     def _step(self, i: int):
         ids = self.batches[i % len(self.batches)]
@@ -288,7 +291,8 @@ def run_shape(shape, tokens, args, dev):
     runners = {}
     for v in phase1:
         runners[v] = Runner(*make_variant(base, v), batches, dev, seeded_dropout=v != "ours_mask_bits",
-                            base_epilogue=v == "ours_base_epilogue")
+                            base_epilogue={"ours_base_epilogue": True, "ours_no_base_epilogue": False}.get(
+                                v, DEFAULT_BASE_EPILOGUE))
     res = _measure(runners, args, dev, rows, "phase1")
     if "liger" in variants:
         for v in list(runners):

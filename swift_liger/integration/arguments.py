@@ -59,9 +59,9 @@ ENV_VARS = {   # every environment variable swift_liger reads, checked in valida
                                  "first call (graph_layers; off by default until measured on a GPU)",
     "SWIFT_LIGER_GRAPH_NO_GRAD": "0 runs autograd-off forwards (reference, old-policy and evaluation passes) eagerly "
                                  "(default 1: graph_layers replays them too, under batch shapes of their own)",
-    "SWIFT_LIGER_LORA_BASE_EPILOGUE": "1 lets the base GEMM of a fused LoRA projection add into the LoRA output "
-                                      "(cuBLAS beta=1) instead of a rank-r GEMM after it (off by default until "
-                                      "measured through the CLI)",
+    "SWIFT_LIGER_LORA_BASE_EPILOGUE": "0 adds a fused LoRA projection's LoRA output after its base GEMM (a rank-r "
+                                      "GEMM that reads and writes the output again); default 1: the base GEMM adds "
+                                      "into the LoRA output (cuBLAS beta=1), 1.6-1.7% faster at 7B-8B, 8k tokens",
     "SWIFT_LIGER_ALLOW_UNTESTED_VERSIONS": "1 warns instead of refusing torch, triton, transformers or ms-swift "
                                            "versions outside the tested ranges (swift_liger/versions.py)",
     "SWIFT_LIGER_FP8_EMULATE": "1 lets liger_fp8_base run without an FP8 GPU, on CPU through torch's reference FP8 "
