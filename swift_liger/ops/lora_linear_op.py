@@ -23,9 +23,10 @@ What it saves, compared with PEFT's ``lora.Linear`` (fp32 adapters on a bf16 mod
   mask to x.
 
 - Launches: the rank-r product writes the LoRA output and the base GEMM adds into it in its epilogue (``addmm_``,
-  beta=1; BASE_EPILOGUE below), the backward scales the rank-r products rather than a [N, out] copy of the
-  gradient, and the adapter casts the forward made are kept for the backward. With autograd off (the first pass of a reentrant checkpoint, ms-swift's set-up on one GPU) the op
-  is a plain function: same values and same dropout draws, no mask bits, no autograd record.
+  beta=1; BASE_EPILOGUE below), the backward scales the rank-r products rather than a [N, out] copy of the gradient,
+  and the adapter casts the forward made are kept for the backward. With autograd off (the first pass of a reentrant
+  checkpoint, ms-swift's set-up on one GPU) the op is a plain function: same values and same dropout draws, no mask
+  bits, no autograd record.
 
 - QLoRA: the base weight may be a :class:`DequantizedWeight` (4-bit NF4 from bitsandbytes, wrapped by the patcher).
   It is dequantized for the forward matmul and again for the input gradient, as bitsandbytes' own matmul does for
@@ -114,7 +115,7 @@ def _compute_dtype(x: torch.Tensor, param: torch.Tensor) -> torch.dtype:
 # traffic per layer pass at Qwen2.5-7B, 8k tokens, the epilogue's read hidden behind the GEMM's maths. Measured
 # through the `swift sft` CLI on an H100 (docs/benchmarks/train_cli_grid_h100.md, LoRA r16, 1 x 8192 tokens, same
 # call): Qwen2.5-7B 10549 vs 10379 tok/s (+1.6%; a layer's forward 6.82 vs 7.24 ms GPU), Llama-3-8B 9552 vs 9395
-# (+1.7%). The launch count is the same, so host-bound shapes do not change. SWIFT_LIGER_LORA_BASE_EPILOGUE=0 adds
+# (+1.7%). The launch count is the same (host-bound shapes not timed with it). SWIFT_LIGER_LORA_BASE_EPILOGUE=0 adds
 # the LoRA output after the base GEMM instead (the A/B switch; the two orders round differently, both once per GEMM).
 BASE_EPILOGUE = os.environ.get("SWIFT_LIGER_LORA_BASE_EPILOGUE", "1").strip() != "0"
 
