@@ -81,6 +81,7 @@ LigerConfig = dataclasses.make_dataclass(
                "check_keys": classmethod(_check_keys),
                "from_dict": classmethod(_from_dict), "from_yaml": classmethod(_from_yaml), "to_dict": _to_dict,
                "__module__": __name__})
-LigerConfig.__doc__ = "Which fusions the patcher applies (one switch per fusion; swift_liger/fusions/).\n\n" + "\n".join(
-    f"    {f.key}: {f.help} Default {f.default!r}." for f in REGISTRY) + (
-    "\n    strict: an unsupported model type, or a fusion that cannot apply, is an error instead of a warning.")
+LigerConfig.__doc__ = (
+    "Which fusions the patcher applies (one switch per fusion; swift_liger/fusions/).\n\n"
+    + "\n".join(f"    {f.key}: {f.help} Default {f.default!r}." for f in REGISTRY)
+    + "\n    strict: an unsupported model type, or a fusion that cannot apply, is an error instead of a warning.")

@@ -71,5 +71,5 @@ def column_sums(part: torch.Tensor, out0: torch.Tensor, out1: torch.Tensor = Non
         return
     cfg = launch_config(P, N, part.device)
     _COLUMN_SUM.launch(
-        (_common.cdiv(N, cfg.block_n), G), part3, out0, out0 if out1 is None else out1, P, N, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps)
+        (_common.cdiv(N, cfg.block_n), G), part3, out0, out0 if out1 is None else out1, P, N, BLOCK_P=cfg.block_p,
+        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)

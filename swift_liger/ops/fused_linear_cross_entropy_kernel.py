@@ -259,7 +259,8 @@ def _launch_slice(z, labels, lse, scale, v0, V, ignore_index, eps, cap, z_loss, 
     n, vs = z.shape
     cfg = launch_config("slice", vs, z.device)
     _SLICE.launch(
-        (n, _common.cdiv(vs, cfg.block_v)), z, z.stride(0), labels, lse, scale, 0 if scale.dim() == 0 else 1, v0, vs, V, ignore_index,
+        (n, _common.cdiv(vs, cfg.block_v)), z, z.stride(0), labels, lse, scale, 0 if scale.dim() == 0 else 1, v0, vs,
+        V, ignore_index,
         float(eps), float(cap or 1.0), float(z_loss), 1.0 / float(temperature),
         HAS_CAP=cap is not None and cap > 0, HAS_EPS=eps > 0, HAS_ZLOSS=z_loss > 0, HAS_TEMP=temperature != 1.0,
         BLOCK_V=cfg.block_v, num_warps=cfg.num_warps)

@@ -71,7 +71,8 @@ def shared_estimate(kind: str, cfg: AttnConfig, block_d: int, elt_bytes: int, cc
         rows = cfg.block_m + 2 * cfg.block_n * cfg.num_stages
     elif kind == "dkdv":
         rows = 2 * cfg.block_n + 2 * cfg.block_m * cfg.num_stages
-        if cc < 80:   # pre-Ampere: operand layout changes go through shared memory (98304 B real, sm_75 bf16 D=256 16x32)
+        # pre-Ampere: operand layout changes go through shared memory (98304 B real, sm_75 bf16 D=256 16x32)
+        if cc < 80:
             rows *= 2
     else:
         rows = 2 * cfg.block_m + 2 * cfg.block_n * cfg.num_stages

@@ -303,7 +303,8 @@ def _eager_calls(layer, call, hidden, cos, sin, mask, pos, calls: int = MEASURE_
 
 
 def _pad_mask(mask: torch.Tensor, n: int, padded: int) -> torch.Tensor:
-    """[B, 1, n, n] bool -> [B, 1, padded, padded]: real rows see no padded key; padded rows are causal (never empty)."""
+    """[B, 1, n, n] bool -> [B, 1, padded, padded]: real rows see no padded key; padded rows are causal (never
+    empty)."""
     out = torch.ones(padded, padded, dtype=torch.bool, device=mask.device).tril_()
     out = out.expand(mask.shape[0], mask.shape[1], padded, padded).clone()
     out[:, :, :n, :n] = mask

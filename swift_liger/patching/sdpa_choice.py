@@ -12,8 +12,9 @@ of tools/sdpa_probe.py (`sdpa_probe_h200.json`), so there every call keeps torch
   passes one; cuDNN's backward has returned NaN with explicit masks, pytorch#196678), no KV cache, CUDA, bf16/fp16;
 * per key (rows, tokens rounded up to a power of two, dtype, training or not) the first call times FlashAttention
   against cuDNN on random tensors of the layer's head shape (forward, plus backward for a training layer or with
-  autograd on; median of 3 timed runs after a first one, which is recorded apart) and keeps cuDNN only if it is at least 3% faster; nothing is
-  timed while a CUDA graph is being captured or torch.compile traces (those calls keep torch's order);
+  autograd on; median of 3 timed runs after a first one, which is recorded apart) and keeps cuDNN only if it is at
+  least 3% faster; nothing is timed while a CUDA graph is being captured or torch.compile traces (those calls keep
+  torch's order);
 * the order only moves cuDNN to the front: torch still checks each call and falls back to the next backend it
   supports, and a backend the user switched off (torch.backends.cuda.enable_cudnn_sdp(False)) stays off.
 
