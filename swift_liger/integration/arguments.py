@@ -307,6 +307,13 @@ def check_argv(class_type, argv) -> None:
                              f"(also YAML keys): {', '.join('--' + n for n in FIELD_NAMES)}")
 
 
+def _check_zero_one(name: str, empty_ok: bool = True) -> None:
+    """An on/off environment variable: unset, 0 or 1 (or empty, which means its default, where empty_ok)."""
+    value = os.environ.get(name)
+    if value is not None and value.strip() not in (("0", "1", "") if empty_ok else ("0", "1")):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+
+
 def check_environment() -> None:
     """Every environment variable swift_liger reads (ENV_VARS), checked when the arguments are built, and the
     installed dependency versions (before ms-swift loads the model)."""
@@ -320,21 +327,10 @@ def check_environment() -> None:
     preset_dir = os.environ.get(PRESET_DIR_ENV)
     if preset_dir and not os.path.isdir(preset_dir):
         raise ValueError(f"{PRESET_DIR_ENV}={preset_dir!r} is not a directory")
-    fast = os.environ.get("SWIFT_LIGER_FAST_LAUNCH")
-    if fast is not None and fast.strip() not in ("0", "1"):
-        raise ValueError(f"SWIFT_LIGER_FAST_LAUNCH must be 0 or 1, got {fast!r}")
-    emulate = os.environ.get("SWIFT_LIGER_FP8_EMULATE")
-    if emulate is not None and emulate.strip() not in ("0", "1", ""):
-        raise ValueError(f"SWIFT_LIGER_FP8_EMULATE must be 0 or 1, got {emulate!r}")
-    ahead = os.environ.get("SWIFT_LIGER_COMPILE_AHEAD")
-    if ahead is not None and ahead.strip() not in ("0", "1", ""):
-        raise ValueError(f"SWIFT_LIGER_COMPILE_AHEAD must be 0 or 1, got {ahead!r}")
-    no_grad = os.environ.get("SWIFT_LIGER_GRAPH_NO_GRAD")
-    if no_grad is not None and no_grad.strip() not in ("0", "1", ""):
-        raise ValueError(f"SWIFT_LIGER_GRAPH_NO_GRAD must be 0 or 1, got {no_grad!r}")
-    epilogue = os.environ.get("SWIFT_LIGER_LORA_BASE_EPILOGUE")
-    if epilogue is not None and epilogue.strip() not in ("0", "1", ""):
-        raise ValueError(f"SWIFT_LIGER_LORA_BASE_EPILOGUE must be 0 or 1, got {epilogue!r}")
+    _check_zero_one("SWIFT_LIGER_FAST_LAUNCH", empty_ok=False)
+    for name in ("SWIFT_LIGER_FP8_EMULATE", "SWIFT_LIGER_COMPILE_AHEAD", "SWIFT_LIGER_GRAPH_NO_GRAD",
+                 "SWIFT_LIGER_LORA_BASE_EPILOGUE"):
+        _check_zero_one(name)
     profile_rows()   # SWIFT_LIGER_PROFILE_FIRST_STEP: a number of rows
     graphs = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS")
     if graphs is not None and graphs.strip() not in ("measure", "always"):
