@@ -324,7 +324,8 @@ def profile_steps(model, cache, tok, steps, device, padding=None) -> dict:
     # the most launched kernels and the host ops with the most self time, per step: what to fuse or skip next
     return dict(wall_ms=wall, device_ms=sum(groups.values()), launches=launches / steps,
                 groups={k: groups[k] for k in sorted(groups, key=groups.get, reverse=True)},
-                top_kernels=sorted(kernels, key=lambda k: -k[1])[:TOP], top_host_ops=sorted(host, key=lambda h: -h[2])[:TOP])
+                top_kernels=sorted(kernels, key=lambda k: -k[1])[:TOP],
+                top_host_ops=sorted(host, key=lambda h: -h[2])[:TOP])
 
 
 def profile_context(args) -> int:
@@ -388,7 +389,8 @@ def summary_markdown(rows, args) -> list:
         cells = []
         for b in batches:
             v = got.get((k, b))
-            cells.append("—" if not v else f"{min(v):.2f}" if max(v) - min(v) < 0.005 else f"{min(v):.2f}-{max(v):.2f}")
+            cells.append("—" if not v else f"{min(v):.2f}" if max(v) - min(v) < 0.005
+                         else f"{min(v):.2f}-{max(v):.2f}")
         out.append(f"| {k} | " + " | ".join(cells) + " |")
     return out + [""]
 
@@ -430,8 +432,9 @@ def long_run(model, args, device, batch, tokens, log, kind="rolling_streaming+gr
         sync(device)
         ms = (time.perf_counter() - t0) * 1e3 / n
         done += n
-        buckets.append(dict(tokens=args.prompt + args.warmup + done, ms_per_token=ms, alloc_over_weights=allocated(device) - base,
-                            kv_bytes=cache_bytes(cache), finite=bool(finite.item())))
+        buckets.append(dict(tokens=args.prompt + args.warmup + done, ms_per_token=ms,
+                            alloc_over_weights=allocated(device) - base, kv_bytes=cache_bytes(cache),
+                            finite=bool(finite.item())))
     after = [b for b in buckets if b["tokens"] > capacity + args.bucket]
     allocs = [b["alloc_over_weights"] for b in after]
     result = dict(cache=kind, batch=batch, tokens=tokens, prompt=args.prompt, buckets=buckets,
@@ -569,7 +572,8 @@ def _latency_rows(rows, over_weights: bool = False) -> list:
     out = []
     for r in rows:
         if r.get("error"):
-            out.append(f"| {r['batch']} | {r['cache']} | — | error: {r['error']} | | |" + (" |" if over_weights else ""))
+            out.append(f"| {r['batch']} | {r['cache']} | — | error: {r['error']} | | |"
+                       + (" |" if over_weights else ""))
             continue
         line = (f"| {r['batch']} | {r['cache']} | {r['context']} | {r['ms_per_token']:.3f} | "
                 f"{r['tokens_per_s']:.0f} | {r['kv_bytes'] / GiB:.3f} |")
@@ -622,7 +626,8 @@ def merge_reports(paths, out) -> int:
               "settings": dict(first["settings"]), "long_runs": []}
     merged["environment"]["commands"] = [r["environment"]["command"] for r in reports]
     merged["settings"]["steps"] = " / ".join(   # per command, in order: steps x rounds (median round reported)
-        f"{r['settings']['steps']} x {r['settings'].get('rounds', 1)}" for r in reports) + " (steps x rounds per command)"
+        f"{r['settings']['steps']} x {r['settings'].get('rounds', 1)}" for r in reports
+    ) + " (steps x rounds per command)"
     for key in ("matched_context", "profile"):
         by = {}
         for r in reports:
@@ -723,7 +728,8 @@ def markdown(report) -> str:
         lines.append("")
     lines += ["## Long generation", ""]
     for lr in report["long_runs"]:
-        lines += [f"`{lr.get('cache', 'rolling_streaming')}`, batch {lr['batch']}: {lr['tokens']} tokens after a {lr['prompt']}-token prompt. All logits finite: "
+        lines += [f"`{lr.get('cache', 'rolling_streaming')}`, batch {lr['batch']}: {lr['tokens']} tokens after a "
+                  f"{lr['prompt']}-token prompt. All logits finite: "
                   f"**{lr['all_finite']}**; cache bytes constant: **{lr['kv_bytes_constant']}**; allocated-memory "
                   f"spread after the window filled: **{fmt(lr['alloc_spread_after_fill'], 'd')} B**; mean "
                   f"{fmt(lr['ms_per_token_after_fill'], '.3f')} ms/token after the fill.", "",

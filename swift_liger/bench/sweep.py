@@ -185,7 +185,8 @@ def to_markdown(env, rows, command: str, png: Optional[str], notes: str = "") ->
                          + f" | {fmt(ratio[0] if ratio else None, '.2f')} | {rate} | "
                          f"{peak} / {fmt(got.get('liger', {}).get('peak_extra_gib'), '.3f')} |")
         lines.append("")
-    head = ["## Summary", "", "| op | shapes measured | ours ≤ fastest peer | within 5% | worst ours/best (peer, shape) |",
+    head = ["## Summary", "",
+            "| op | shapes measured | ours ≤ fastest peer | within 5% | worst ours/best (peer, shape) |",
             "|---|---:|---:|---:|---|", *summary, ""] + ([notes.strip(), ""] if notes.strip() else [])
     at = lines.index(f"![ours over the fastest peer]({png})") + 2 if png else 10
     return "\n".join(lines[:at] + head + lines[at:]) + "\n"

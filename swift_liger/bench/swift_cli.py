@@ -16,9 +16,10 @@ short prompts for GRPO, whose completions (exactly --seq tokens, 8 per prompt) c
 rollout (see task_flags).
 
 `run` launches `python -m swift.cli.main sft` (or `rlhf --rlhf_type TASK`; LoRA r=16 on all linears or --tuner
-full, bf16, SDPA, gradient checkpointing, batch 1, one row = one micro-batch) and reads the run's logging.jsonl. The per-step step_time(s) / tokens/s /
-peak_alloc(GiB) / peak_reserved(GiB) columns come from swift_liger's metrics callback, which the import hook attaches
-to every `swift sft` run (--liger_metrics, default true, no --use_liger needed), so all variants log the same fields.
+full, bf16, SDPA, gradient checkpointing, batch 1, one row = one micro-batch) and reads the run's logging.jsonl.
+The per-step step_time(s) / tokens/s / peak_alloc(GiB) / peak_reserved(GiB) columns come from swift_liger's metrics
+callback, which the import hook attaches to every `swift sft` run (--liger_metrics, default true, no --use_liger
+needed), so all variants log the same fields.
 tokens/s of a run = median over the measured steps (after --warmup); peak memory = max over all steps.
 
 `report` merges DIR/<variant>.json into <name>.json and <name>.md.
@@ -529,8 +530,9 @@ def report(args) -> str:
              + ("; counted in the first step: " + " / ".join(r["first_step"]) if r.get("first_step") else "")
              + (f", error: {r['error'][:300]}" if r.get("error") else "")
              for r in results]
-    lines += notes + [""] + ([args.note, ""] if args.note else []) + ["Commands (env HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1; "
-                          "`tools/gpu_swift_cli.sh` runs them all):", "", "```"]
+    lines += notes + [""] + ([args.note, ""] if args.note else [])
+    lines += ["Commands (env HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1; "
+              "`tools/gpu_swift_cli.sh` runs them all):", "", "```"]
     if build_cmd:
         lines.append(build_cmd)
     for r in results:

@@ -46,11 +46,12 @@ def find_decoder(model: torch.nn.Module) -> torch.nn.Module:
 def check_family(model: torch.nn.Module, own_window: bool = False) -> None:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in HYBRID_MODEL_TYPES and not own_window:
-        raise RollingCacheRefused(f"RollingKVCache supports {model_type} with window='model' only (--liger_rolling_cache "
-                         f"model): a ring of its own sliding window on the sliding layers and a full cache on the "
-                         f"full-attention ones, outputs equal to transformers' cache. An explicit window,sinks "
-                         f"ring would also cut the full-attention layers' context, which is not offered for "
-                         f"{model_type}.")
+        raise RollingCacheRefused(
+            f"RollingKVCache supports {model_type} with window='model' only (--liger_rolling_cache "
+            f"model): a ring of its own sliding window on the sliding layers and a full cache on the "
+            f"full-attention ones, outputs equal to transformers' cache. An explicit window,sinks "
+            f"ring would also cut the full-attention layers' context, which is not offered for "
+            f"{model_type}.")
     if model_type not in SUPPORTED_MODEL_TYPES + (HYBRID_MODEL_TYPES if own_window else ()):
         types_ = SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES
         raise ValueError(f"RollingKVCache supports model types {', '.join(types_)} (RoPE attention that calls "
@@ -100,20 +101,24 @@ def model_layer_kinds(config) -> tuple:
     types_, windows = layer_types(config)
     model_type = getattr(config, "model_type", "this")
     if len(types_) != config.num_hidden_layers:
-        raise RollingCacheRefused(f"RollingKVCache(window='model'): {model_type} has {config.num_hidden_layers} layers but "
-                         f"{len(types_)} cache layer types (shared-KV layers are not supported)")
+        raise RollingCacheRefused(
+            f"RollingKVCache(window='model'): {model_type} has {config.num_hidden_layers} layers but "
+            f"{len(types_)} cache layer types (shared-KV layers are not supported)")
     other = sorted({t for t in types_ if t not in ("sliding_attention", "full_attention")})
     if other:
-        raise RollingCacheRefused(f"RollingKVCache(window='model') handles sliding_attention and full_attention layers; "
-                         f"{model_type} has {', '.join(other)}")
+        raise RollingCacheRefused(
+            f"RollingKVCache(window='model') handles sliding_attention and full_attention layers; "
+            f"{model_type} has {', '.join(other)}")
     sliding = {w for t, w in zip(types_, windows) if t == "sliding_attention"}
     if not sliding:
-        raise RollingCacheRefused(f"RollingKVCache(window='model') needs sliding-window layers; this {model_type} config has "
-                         f"none (sliding_window={getattr(config, 'sliding_window', None)!r}, every layer full "
-                         f"attention). Give an explicit window,sinks instead.")
+        raise RollingCacheRefused(
+            f"RollingKVCache(window='model') needs sliding-window layers; this {model_type} config has "
+            f"none (sliding_window={getattr(config, 'sliding_window', None)!r}, every layer full "
+            f"attention). Give an explicit window,sinks instead.")
     if len(sliding) > 1 or not isinstance(next(iter(sliding)), int) or next(iter(sliding)) < 1:
-        raise RollingCacheRefused(f"RollingKVCache(window='model') needs one int sliding window >= 1 for all sliding layers, "
-                         f"{model_type} has {sorted(sliding, key=repr)}")
+        raise RollingCacheRefused(
+            f"RollingKVCache(window='model') needs one int sliding window >= 1 for all sliding layers, "
+            f"{model_type} has {sorted(sliding, key=repr)}")
     kinds = tuple("ring" if t == "sliding_attention" else "full" for t in types_)
     return kinds, next(iter(sliding))
 
@@ -170,7 +175,8 @@ def check_fits(decoder, config, window: int, sinks: int, ring_layers: int) -> No
     need = per_token * (sinks + window)
     if need > total:
         largest = max(0, total // per_token - sinks)
-        raise RollingCacheRefused(f"liger_rolling_cache: window {window} + {sinks} sinks needs {need / 2**30:,.1f} GiB of keys "
-                         f"and values per sequence on this model ({ring_layers} layers x {kv_heads} KV heads x "
-                         f"{head_dim} x 2 x {param.element_size()} bytes per token), more than the {param.device} "
-                         f"device's {total / 2**30:,.1f} GiB; the largest window that fits at all is {largest}")
+        raise RollingCacheRefused(
+            f"liger_rolling_cache: window {window} + {sinks} sinks needs {need / 2**30:,.1f} GiB of keys "
+            f"and values per sequence on this model ({ring_layers} layers x {kv_heads} KV heads x "
+            f"{head_dim} x 2 x {param.element_size()} bytes per token), more than the {param.device} "
+            f"device's {total / 2**30:,.1f} GiB; the largest window that fits at all is {largest}")

@@ -12,8 +12,8 @@ import torch
 from transformers import DynamicCache, LogitsProcessor
 
 from helpers import assert_close, left_padded
-from ring_helpers import (GPU, SINKS, WINDOW, check_chunks, check_generate_against_reference, generate, reference_logits,
-                          run_chunks, tiny_model)
+from ring_helpers import (GPU, SINKS, WINDOW, check_chunks, check_generate_against_reference, generate,
+                          reference_logits, run_chunks, tiny_model)
 from swift_liger.cache import RollingKVCache
 
 

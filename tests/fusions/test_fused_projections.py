@@ -132,7 +132,8 @@ def test_peft_lora_after_the_patch():
     model = tiny_causal_lm("llama", layers=2)
     ref = copy.deepcopy(model)
     swift_liger.apply(model, **ONLY)
-    cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0, init_lora_weights=False)
+    cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0,
+               init_lora_weights=False)
     torch.manual_seed(3)
     model = peft.get_peft_model(model, peft.LoraConfig(**cfg))
     torch.manual_seed(3)

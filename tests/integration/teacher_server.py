@@ -70,11 +70,13 @@ def main(model_dir: str, model_type: str, template_type: str, port_file: str) ->
             results = []
             with lock, torch.no_grad():
                 for req in body["infer_requests"]:
-                    fields = {f: req[f] for f in ("messages", "images", "tools", "chat_template_kwargs") if req.get(f) is not None}
+                    fields = {f: req[f] for f in ("messages", "images", "tools", "chat_template_kwargs")
+                              if req.get(f) is not None}
                     ids = template.encode(InferRequest(**fields))["input_ids"]
                     logits = model(input_ids=torch.tensor([ids])).logits[0]
                     results.append({
-                        "model": model_type, "prompt_token_ids": ids, "prompt_logprobs": prompt_logprobs(logits, ids, k),
+                        "model": model_type, "prompt_token_ids": ids,
+                        "prompt_logprobs": prompt_logprobs(logits, ids, k),
                         "choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
                                      "finish_reason": "length"}],
                         "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}})

@@ -170,7 +170,8 @@ def test_plot_labels_output_name_and_summary(tmp_path, capsys):
 
     out = tmp_path / "cmp_no_extension"
     assert main(["plot", *runs, "-o", str(out), "--labels", "stock", "ours"]) == 0
-    assert out.is_file() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "cmp_no_extension.png").exists()
+    assert out.is_file() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "cmp_no_extension.png").exists()
     assert "stock: 4 logged steps" in capsys.readouterr().out
     assert main(["plot", *runs, "-o", str(out), "--labels", "one"]) == 2
     assert "--labels got 1 names for 2 runs" in capsys.readouterr().err

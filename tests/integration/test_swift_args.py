@@ -227,7 +227,8 @@ def test_readme_flags_table_is_the_generated_one(monkeypatch):
 
 
 @pytest.mark.parametrize("token, hint", [
-    ("--liger_rms_nrom", "--liger_rms_norm"), ("--liger_rms", "--liger_rms_norm"), ("--liger-rms=true", "--liger_rms_norm"),
+    ("--liger_rms_nrom", "--liger_rms_norm"), ("--liger_rms", "--liger_rms_norm"),
+    ("--liger-rms=true", "--liger_rms_norm"),
     ("--use_ligr", "--use_liger"), ("--liger_crossentropy", "--liger_cross_entropy"), ("--liger_xyz", None),
 ])
 def test_argv_check_refuses_unknown_and_abbreviated_flags(swift_mod, token, hint):

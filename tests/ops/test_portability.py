@@ -244,8 +244,9 @@ def _enumerate():
                     for f in _both(["SOFTCAP", "WINDOW"]):
                         extra = dict(HPP=1) if kind == "dkdv" else {}
                         add("varlen_attention_kernel", fn,
-                            dict(f, **extra, G=HQ // HKV, D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                 UPCAST=False, IEEE=ieee), cfg.num_warps, cfg.num_stages, archs=(arch,))
+                            dict(f, **extra, G=HQ // HKV, D=D, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
+                                 BLOCK_N=cfg.block_n, UPCAST=False, IEEE=ieee),
+                            cfg.num_warps, cfg.num_stages, archs=(arch,))
             add("varlen_attention_kernel", "_varlen_delta_kernel",
                 dict(D=D, BLOCK_D=block_d, BLOCK_M=64, UPCAST=False), 4)
 
@@ -446,7 +447,8 @@ def test_kernels_compile_within_limits_on_all_targets():
     assert not failures, f"{len(failures)} compile failures:\n" + "\n".join(failures[:30])
     assert not limit_errors, f"{len(limit_errors)} configs over an architecture limit:\n" + "\n".join(limit_errors[:30])
     if FULL:
-        assert seen_known == KNOWN_OVER_LIMIT, f"KNOWN_OVER_LIMIT entries now within limits: {KNOWN_OVER_LIMIT - seen_known}"
+        assert seen_known == KNOWN_OVER_LIMIT, \
+            f"KNOWN_OVER_LIMIT entries now within limits: {KNOWN_OVER_LIMIT - seen_known}"
     assert not unexpected_ok, "UNSUPPORTED entries that now compile (remove them):\n" + "\n".join(unexpected_ok)
 
 

@@ -124,7 +124,8 @@ def test_take_returns_the_models_own_tensor():
         emitted = model.__dict__[STATE_ATTR].parts["cross_entropy"].emitted
         got = handle.take(transform(out.logits))
         assert got.dtype == emitted.dtype and got.grad_fn is not None
-        assert got.shape == transform(out.logits).shape and torch.equal(got, emitted[:, emitted.shape[1] - got.shape[1]:])
+        assert got.shape == transform(out.logits).shape
+        assert torch.equal(got, emitted[:, emitted.shape[1] - got.shape[1]:])
     for bad in (lambda t: t[:1], lambda t: t[..., :-1], lambda t: t.reshape(-1, t.shape[-1])):
         with handle.emitting_hidden():
             out = model(input_ids=ids)
