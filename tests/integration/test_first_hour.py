@@ -46,6 +46,7 @@ def runs(tiny_qwen3, tmp_path_factory):
         "bad_compile_ahead": (base + ["--use_liger"], {"SWIFT_LIGER_COMPILE_AHEAD": "yes"}),
         "bad_graph_no_grad": (base + ["--use_liger"], {"SWIFT_LIGER_GRAPH_NO_GRAD": "yes"}),
         "bad_base_epilogue": (base + ["--use_liger"], {"SWIFT_LIGER_LORA_BASE_EPILOGUE": "yes"}),
+        "bad_fp8_hw_cvt": (base + ["--use_liger"], {"SWIFT_LIGER_FP8_HW_CVT": "2"}),
         "strict_unsupported": (phi_argv + ["--use_liger", "--liger_strict", "true"], {}),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -66,6 +67,7 @@ def runs(tiny_qwen3, tmp_path_factory):
     ("bad_compile_ahead", "SWIFT_LIGER_COMPILE_AHEAD must be 0 or 1, got 'yes'"),
     ("bad_graph_no_grad", "SWIFT_LIGER_GRAPH_NO_GRAD must be 0 or 1, got 'yes'"),
     ("bad_base_epilogue", "SWIFT_LIGER_LORA_BASE_EPILOGUE must be 0 or 1, got 'yes'"),
+    ("bad_fp8_hw_cvt", "SWIFT_LIGER_FP8_HW_CVT must be 0 or 1, got '2'"),
     ("strict_unsupported", f"model type 'phi' is not supported (swift_liger patches {', '.join(sorted(FAMILIES))})"),
 ])
 def test_refused_before_the_model_loads_and_no_run_directory(runs, name, message):

@@ -254,6 +254,7 @@ def test_argv_check_passes_exact_names_and_other_flags(swift_mod):
     ({"SWIFT_LIGER_COMPILE_AHEAD": "true"}, "SWIFT_LIGER_COMPILE_AHEAD must be 0 or 1, got 'true'"),
     ({"SWIFT_LIGER_GRAPH_NO_GRAD": "on"}, "SWIFT_LIGER_GRAPH_NO_GRAD must be 0 or 1, got 'on'"),
     ({"SWIFT_LIGER_LORA_BASE_EPILOGUE": "yes"}, "SWIFT_LIGER_LORA_BASE_EPILOGUE must be 0 or 1, got 'yes'"),
+    ({"SWIFT_LIGER_FP8_HW_CVT": "on"}, "SWIFT_LIGER_FP8_HW_CVT must be 0 or 1, got 'on'"),
     ({"SWIFT_LIGER_PROFILE_FIRST_STEP": "yes"}, "SWIFT_LIGER_PROFILE_FIRST_STEP must be a number of rows"),
     ({"SWIFT_LIGER_BACKEND": "triton", "TRITON_INTERPRET": "0"}, "needs TRITON_INTERPRET=1"),
 ])
