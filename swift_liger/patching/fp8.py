@@ -19,7 +19,8 @@ from typing import Dict, Optional
 
 import torch
 
-from ..ops.fp8_linear_op import Fp8Weight, fp8_device_problem, fp8_linear, fp8_weight_problem
+from ..ops.fp8_linear_op import Fp8Weight, InputGroup, fp8_device_problem, fp8_linear, fp8_weight_problem
+from .families import SPLIT_MLP
 from .lora import is_peft_lora_linear
 from .state import PatchState, find_states, set_forward
 
@@ -34,6 +35,10 @@ EMULATE_ENV = "SWIFT_LIGER_FP8_EMULATE"   # "1": allow FP8 bases on CPU (torch's
 # [18944, 3584] (3014) 1.4x at 8192 tokens; [1536, 1536] (768) ran 2x slower at 2048 tokens (GPU time) and
 # [512, 3584] (448) lost in the op benchmark.
 MIN_SIZE = 1280
+
+# Projections that read one input tensor, by attribute name under their attention / MLP module: where two or more of
+# them are FP8, x is quantized once for all of them (ops.fp8_linear_op.InputGroup).
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), (SPLIT_MLP.gate, SPLIT_MLP.up))
 
 
 def size_problem(out_features: int, in_features: int, device_type: str, min_size: Optional[int] = None):
@@ -145,6 +150,7 @@ def quantize_lora_bases(model: torch.nn.Module, min_size: Optional[int] = None) 
                     _decide(st, part, child, linear_problem(child) or _size(child, min_size), tied,
                             "frozen linear")
     st.report.patched[PART] = len(part["converted"])
+    _group_inputs(part)
     _ddp_ignore(model, part, st)
     return summary(part)
 
@@ -177,6 +183,25 @@ def _decide(st: PatchState, part: dict, base: torch.nn.Module, reason: Optional[
     part["converted"].append((base, param))
     st.set(base, "_swift_liger_fp8_calls", part["calls"])
     set_forward(st, base, _fp8_base_forward)
+
+
+def _fp8_weight_of(module) -> Optional[Fp8Weight]:
+    base = module.get_base_layer() if is_peft_lora_linear(module) else module
+    weight = base._parameters.get("weight") if isinstance(base, torch.nn.Module) else None
+    return weight if isinstance(weight, Fp8Weight) else None
+
+
+def _group_inputs(part: dict) -> None:
+    """Give the FP8 weights of each SHARED_INPUTS set under one attention / MLP module a common InputGroup (two or
+    more of them; one alone gets none)."""
+    for owner in part.get("owners", ()):
+        for names in SHARED_INPUTS:
+            weights = [_fp8_weight_of(getattr(owner, n)) for n in names if isinstance(getattr(owner, n, None),
+                                                                                   torch.nn.Module)]
+            weights = [w for w in weights if w is not None]
+            group = InputGroup(len(weights)) if len(weights) > 1 else None
+            for w in weights:
+                w.input_group = group
 
 
 def _ddp_ignore(model: torch.nn.Module, part: dict, st: PatchState) -> None:

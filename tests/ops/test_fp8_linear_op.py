@@ -186,6 +186,83 @@ def test_lora_linear_fp8_base_upcast_path():
                  name="dx")
 
 
+def _count_quantizations(monkeypatch):
+    from swift_liger.ops import fp8_linear_op as m
+    calls = []
+    real = m.quantize_rows
+
+    def counted(x2, fold=None):
+        calls.append(fold is None)
+        return real(x2, fold)
+    monkeypatch.setattr(m, "quantize_rows", counted)
+    return calls
+
+
+def test_members_of_an_input_group_quantize_their_input_once(monkeypatch):
+    """Weights of one InputGroup (gate/up, q/k/v) read one quantization of the same x: outputs equal, bit for bit,
+    to each quantizing x itself; a new version of x, another input between members, or a backward in between
+    quantize again; nothing is kept once every member has read it."""
+    from swift_liger.ops import fp8_linear_op as m
+    ws = [Fp8Weight.quantize(weight(48, 32, seed=s)) for s in (1, 2, 3)]
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(7, 32, generator=g).bfloat16().to(DEVICE)
+    other = torch.randn(7, 32, generator=g).bfloat16().to(DEVICE)
+    solo = [m.fp8_matmul(x, w, torch.bfloat16) for w in ws]
+    group = m.InputGroup(3)
+    for w in ws:
+        w.input_group = group
+    assert ws[0].detach().input_group is group and copy.deepcopy(ws[0]).input_group is None
+    calls = _count_quantizations(monkeypatch)
+    with inputs_unchanged(x):
+        ys = [m.fp8_matmul(x, w, torch.bfloat16) for w in ws]
+    assert len(calls) == 1 and m._SHARED[0] is None
+    assert all(torch.equal(y, want) for y, want in zip(ys, solo))
+    m.fp8_matmul(x, ws[0], torch.bfloat16)
+    x.mul_(2)                                            # a new version: the first member's copy is stale
+    y = m.fp8_matmul(x, ws[1], torch.bfloat16)
+    assert torch.equal(y, m.fp8_matmul(x.clone(), ws[1], torch.bfloat16))
+    x.div_(2)
+    assert len(calls) == 4
+    m.fp8_matmul(x, ws[0], torch.bfloat16)
+    m.fp8_matmul(other, ws[1], torch.bfloat16)           # another input drops the shared copy
+    assert torch.equal(m.fp8_matmul(x, ws[2], torch.bfloat16), solo[2]) and len(calls) == 7
+    m.fp8_matmul(x, ws[0], torch.bfloat16)
+    fp8_input_grad(torch.randn(7, 48, generator=g).bfloat16().to(DEVICE), ws[0], torch.bfloat16)
+    assert m._SHARED[0] is None
+    calls.clear()
+    for w in ws:
+        w.input_group = None                              # no group: each quantizes its own
+    assert all(torch.equal(m.fp8_matmul(x, w, torch.bfloat16), want) for w, want in zip(ws, solo))
+    assert len(calls) == 3 and m._SHARED[0] is None
+
+
+def test_lora_linear_members_share_the_quantized_input(monkeypatch):
+    """Two LoRA projections over FP8 bases of one InputGroup, called on the same x (a gated MLP's gate and up):
+    one quantization of x in the forward, values and gradients equal to ungrouped weights'."""
+    from swift_liger.ops import fp8_linear_op as m
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 5, 32, generator=g).bfloat16().to(DEVICE)
+    ab = [((torch.randn(4, 32, generator=g) * 0.3).bfloat16().to(DEVICE),
+           (torch.randn(48, 4, generator=g) * 0.3).bfloat16().to(DEVICE)) for _ in range(2)]
+    dys = [torch.randn(3, 5, 48, generator=g).bfloat16().to(DEVICE) for _ in range(2)]
+    results = []
+    for grouped in (False, True):
+        ws = [Fp8Weight.quantize(weight(48, 32, seed=s)) for s in (1, 2)]
+        group = m.InputGroup(2) if grouped else None
+        for w in ws:
+            w.input_group = group
+        calls = _count_quantizations(monkeypatch)
+        xs = x.clone().requires_grad_()
+        params = [(a.clone().requires_grad_(), b.clone().requires_grad_()) for a, b in ab]
+        ys = [lora_linear(xs, xs, w, None, a, b, 2.0) for w, (a, b) in zip(ws, params)]
+        forward_quantizations = calls.count(True)
+        torch.autograd.backward(ys, dys)
+        results.append((forward_quantizations, ys, xs.grad, [t.grad for p in params for t in p]))
+    (n0, ys0, dx0, g0), (n1, ys1, dx1, g1) = results
+    assert (n0, n1) == (2, 1)
+    assert all(torch.equal(a, b) for a, b in zip(ys0 + [dx0] + g0, ys1 + [dx1] + g1))
+
+
 @pytest.mark.parametrize("r, c", [(5, 48), (33, 70), (64, 128), (130, 16)])
 def test_transpose_kernel_equals_torch(r, c):
     """The FP8 codes' transpose (the input gradient's K-major operand) is torch's, for tiles cut at both edges."""
@@ -337,6 +414,25 @@ def test_quant_hw_cvt_refused_where_it_cannot_run():
         pytest.skip("hw_cvt runs on this device")
     with launch_override(fp8_quant_kernel, None, hw_cvt=True), pytest.raises(ValueError, match="hw_cvt needs"):
         fp8_quant_kernel.quantize_rows_kernel(torch.randn(3, 40, dtype=torch.bfloat16, device=DEVICE))
+
+
+@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("1", True), (" 1 ", True)])
+def test_hw_cvt_follows_its_environment_variable_where_it_runs(value, on):
+    """SWIFT_LIGER_FP8_HW_CVT=1 (read at import) sets hw_cvt in the launch config of every device that can run it
+    (an sm_89+ GPU, compiled); on CPU the switch changes nothing, so the reference backend and the interpreter keep
+    their rounding."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "SWIFT_LIGER_FP8_HW_CVT"}
+    if value is not None:
+        env["SWIFT_LIGER_FP8_HW_CVT"] = value
+    code = ("import torch; from swift_liger.ops import fp8_quant_kernel as m; d = torch.device(%r); "
+            "print(m.HW_CVT, m.launch_config(3584, d).hw_cvt, m.hw_cvt_supported(d))" % DEVICE)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    switch, cfg, supported = out.stdout.split()
+    assert switch == str(on)
+    assert cfg == str(on and supported == "True")
 
 
 def test_quant_fast_reference_is_within_one_code_of_the_division():

@@ -115,6 +115,41 @@ def test_bases_become_fp8_and_train_close_to_16bit(emulate, model_type):
         close(model(ids, labels=labels).loss, base_loss, "base loss", atol=2e-2, rtol=2e-2)
 
 
+def test_projections_reading_one_input_quantize_it_once(emulate, monkeypatch):
+    """q/k/v and gate/up over FP8 bases share one InputGroup per module (o and down none), so a layer's forward
+    quantizes 4 inputs instead of 7; the loss and the adapter gradients are the ungrouped model's, bit for bit."""
+    from swift_liger.ops import fp8_linear_op
+    _, model = pair()
+    swift_liger.quantize_lora_bases(model)
+    layer = model.base_model.model.model.layers[0]
+    weight = {n: getattr(mod, n).get_base_layer().weight for mod in (layer.self_attn, layer.mlp)
+              for n in PROJECTIONS if hasattr(mod, n)}
+    assert weight["q_proj"].input_group is weight["k_proj"].input_group is weight["v_proj"].input_group
+    assert weight["q_proj"].input_group.size == 3 and weight["gate_proj"].input_group.size == 2
+    assert weight["gate_proj"].input_group is weight["up_proj"].input_group is not weight["q_proj"].input_group
+    assert weight["o_proj"].input_group is None and weight["down_proj"].input_group is None
+    calls = []
+    real = fp8_linear_op.quantize_rows
+    monkeypatch.setattr(fp8_linear_op, "quantize_rows", lambda x2, fold=None: calls.append(fold) or real(x2, fold))
+    ids, labels = batch()
+    results = []
+    for grouped in (True, False):
+        if not grouped:
+            for b in bases(model):
+                b.weight.input_group = None
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(ids, labels=labels).loss
+        forward = len(calls)
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        results.append((forward, loss, grads))
+    (n1, loss1, g1), (n0, loss0, g0) = results
+    assert (n1, n0) == (4 * LAYERS, 7 * LAYERS)
+    assert torch.equal(loss1, loss0) and all(torch.equal(a, b) for a, b in zip(g1, g0))
+
+
 def test_saved_adapter_has_the_16bit_runs_keys(emulate, tmp_path):
     ref, model = pair()
     swift_liger.quantize_lora_bases(model)
