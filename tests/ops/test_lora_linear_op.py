@@ -378,7 +378,7 @@ def test_base_epilogue_switch_matches_reference(device, monkeypatch, bias, dtype
         runs[on] = (y0, y, xs.grad, as_.grad, bs.grad)
     if quantized:
         assert len(made) == 6   # per order: the no-grad forward, the forward and the input gradient
-    keep = drawn_mask(x, a, p, seed=3) if p else torch.ones(x.shape, dtype=torch.bool, device=device)
+    keep = drawn_mask(x, a, p, seed=3) if p else torch.ones(x.shape, dtype=torch.bool)   # on the CPU, as drawn_mask
     xr, ar, br = (f64(t).requires_grad_() for t in (x, a, bb))
     yr = lora_linear_reference(xr, xr * keep / (1 - p), f64(w), None if b is None else f64(b), ar, br, 1.5)
     yr.backward(f64(dy))
