@@ -56,7 +56,7 @@ VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_graphs_alw
             "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel",
             "swift_liger_rollout_eager", "swift_liger_fp8", "swift_liger_cudnn", "swift_liger_compile_ahead",
             "swift_liger_no_grad_eager", "swift_liger_pad_masks", "swift_liger_profiled",
-            "swift_liger_no_base_epilogue", "swift_liger_fp8_hw_cvt")
+            "swift_liger_no_base_epilogue", "swift_liger_fp8_no_hw_cvt")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
                  "swift_liger_graphs_always": ["--use_liger"],
@@ -77,7 +77,7 @@ VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_pad_masks": ["--use_liger", "--liger_drop_pad_mask", "false"],
                  "swift_liger_profiled": ["--use_liger"],
                  "swift_liger_no_base_epilogue": ["--use_liger"],
-                 "swift_liger_fp8_hw_cvt": ["--use_liger", "--liger_fp8_base", "true"]}
+                 "swift_liger_fp8_no_hw_cvt": ["--use_liger", "--liger_fp8_base", "true"]}
 VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (swift_liger)",
                   "swift_liger_eager": "`--use_liger --liger_graph_layers false`",
                   "swift_liger_graphs_always": "`--use_liger`, graphs at every shape (SWIFT_LIGER_GRAPH_LAYERS=always)",
@@ -102,14 +102,14 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                                           "cProfile: its time is not comparable)",
                   "swift_liger_no_base_epilogue": "`--use_liger`, SWIFT_LIGER_LORA_BASE_EPILOGUE=0 (the LoRA "
                                                   "output added after the base GEMM)",
-                  "swift_liger_fp8_hw_cvt": "`--use_liger --liger_fp8_base true`, SWIFT_LIGER_FP8_HW_CVT=1 (one "
-                                            "reciprocal per row, the GPU's e4m3 conversion)"}
+                  "swift_liger_fp8_no_hw_cvt": "`--use_liger --liger_fp8_base true`, SWIFT_LIGER_FP8_HW_CVT=0 (an "
+                                               "IEEE division per element instead of the GPU's e4m3 conversion)"}
 VARIANT_ENV = {"swift_liger_graphs_always": {"SWIFT_LIGER_GRAPH_LAYERS": "always"},
                "swift_liger_compile_ahead": {"SWIFT_LIGER_COMPILE_AHEAD": "1"},
                "swift_liger_no_grad_eager": {"SWIFT_LIGER_GRAPH_NO_GRAD": "0"},
                "swift_liger_profiled": {"SWIFT_LIGER_PROFILE_FIRST_STEP": "40"},
                "swift_liger_no_base_epilogue": {"SWIFT_LIGER_LORA_BASE_EPILOGUE": "0"},
-               "swift_liger_fp8_hw_cvt": {"SWIFT_LIGER_FP8_HW_CVT": "1"}}
+               "swift_liger_fp8_no_hw_cvt": {"SWIFT_LIGER_FP8_HW_CVT": "0"}}
 SWIFT_MODEL_FLAGS = {"llama": ["--model_type", "llama", "--template", "chatml"],
                      "qwen2": ["--model_type", "qwen2", "--template", "qwen"]}
 SHAPES = {name: dims for name, dims in shapes.SHAPES.items() if dims.family in SWIFT_MODEL_FLAGS and name != "tiny"}

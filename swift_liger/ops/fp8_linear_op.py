@@ -4,12 +4,14 @@
     input grad   dx = g W                 W's row scales lie along this GEMM's reduction, so they are folded into g
                                           before g is quantized per row:  dx = s_g * ((g s_W)_q W_q)
 
-The GEMMs are ``torch._scaled_mm`` (cuBLASLt / CUTLASS FP8 on sm_89+; fp32 accumulation, a bf16 result). Hopper's
-FP8 tensor cores take both operands K-major, so the input-gradient GEMM reads a transposed copy of W_q made per
-call (out x in bytes, freed after it): a weight stored twice would cost the bytes FP8 saves. Quantizing an operand
-is one Triton kernel (fp8_quant_kernel: ~5 bytes per bf16 element, one launch) on the Triton backend; the CPU
-reference backend runs the same maths as torch ops, bit for bit. The weight gets no gradient (it is frozen); the
-quantization of x and g is treated as the identity in the backward (straight-through), as in FP8 training recipes.
+The GEMMs are ``torch._scaled_mm`` (cuBLASLt / CUTLASS FP8 on sm_89+; fp32 accumulation, a bf16 result). Hopper's FP8
+tensor cores take both operands K-major, so the input-gradient GEMM reads a transposed copy of W_q made per call (out x
+in bytes, freed after it): a weight stored twice would cost the bytes FP8 saves. Quantizing an operand is one Triton
+kernel (fp8_quant_kernel: ~3 bytes per bf16 element, one launch) on the Triton backend; the CPU reference backend runs
+the same maths as torch ops, bit for bit with the kernel's division (on an sm_89+ GPU the kernel multiplies by each
+row's reciprocal instead: a code may differ by one step where the two round apart). The weight gets no gradient (it is
+frozen); the quantization of x and g is treated as the identity in the backward (straight-through), as in FP8 training
+recipes.
 
 Memory at Qwen2.5-7B: the 7.0 B projection weights under LoRA are 13.1 GiB in bf16, 6.5 GiB in FP8 (+ 0.2 MiB of
 scales). :class:`Fp8Weight` keeps the exact 16-bit original in host memory, so anything that reads the weight
@@ -66,7 +68,7 @@ def quantize_rows(x2: torch.Tensor, fold: Optional[torch.Tensor] = None):
     """(q [N, K] e4m3, scale [N, 1] fp32) with x2[n] * fold ~= scale[n] * q[n]: each row's largest magnitude maps
     to 448. x2: [N, K] any float dtype; fold: [K] fp32 factors applied first (the weight's row scales in the
     input-gradient GEMM), or None. The Triton kernel (fp8_quant_kernel) where the backend is Triton; else torch ops
-    over row chunks of at most CHUNK_BYTES in fp32 (the same bits)."""
+    over row chunks of at most CHUNK_BYTES in fp32 (the bits of the kernel's division path; see hw_cvt there)."""
     if use_triton(x2):
         return quantize_rows_kernel(x2, None if fold is None else fold.contiguous())
     return quantize_rows_torch(x2, fold)

@@ -13,11 +13,10 @@ The rounding to e4m3 is integer arithmetic on the fp32 bits, not a conversion in
 rounds float8 stores wrongly (it is what the CPU tests run), and the same code then runs on every GPU. Counted for
 a bf16 element: ~40 integer and float instructions (the IEEE division, the rounding), which at 29M elements
 (8192 x 3584) is ~50 us of an H200's issue rate: the 68 us measured is instruction-bound more than memory-bound.
-``hw_cvt`` (off until measured on a GPU; CUDA sm_89+ only; ``SWIFT_LIGER_FP8_HW_CVT=1`` turns it on wherever it can
-run, the CLI bench's A/B switch) multiplies by one IEEE reciprocal per row and converts with
-the hardware's round-to-nearest-even conversion (~8 instructions): codes equal to
-``fp8_linear_op.quantize_rows_fast_torch``'s, which may differ from the division's by one code where v / scale and
-v * (1 / scale) round apart.
+``hw_cvt`` (CUDA sm_89+, compiled; on by default there, ``SWIFT_LIGER_FP8_HW_CVT=0`` turns it off) multiplies by one
+IEEE reciprocal per row and converts with the hardware's round-to-nearest-even conversion (~8 instructions): codes
+equal to ``fp8_linear_op.quantize_rows_fast_torch``'s, which may differ from the division's by one code where v / scale
+and v * (1 / scale) round apart.
 """
 from __future__ import annotations
 
@@ -43,14 +42,16 @@ class Fp8QuantConfig:
 
 LAUNCH_CONFIGS = {None: Fp8QuantConfig}
 
-# SWIFT_LIGER_FP8_HW_CVT=1: hw_cvt on every device where hw_cvt_supported (elsewhere the default rounding runs). Read
-# at import; the answer per device is kept (launch_config runs at every quantization).
-HW_CVT = os.environ.get("SWIFT_LIGER_FP8_HW_CVT", "0").strip() == "1"
+# hw_cvt on every device where hw_cvt_supported (elsewhere the division runs); SWIFT_LIGER_FP8_HW_CVT=0 turns it off.
+# Measured on an H200 (docs/benchmarks/fp8_lora.md): 8192 x 3584 bf16 quantized in 27 us against 65-69 us; `swift sft`
+# LoRA over FP8 bases, 8k tokens, Qwen2.5-7B 13022 vs 12790 tok/s, Llama-3-8B 12088 vs 11575. Read at import; the
+# answer per device is kept (launch_config runs at every quantization).
+HW_CVT = os.environ.get("SWIFT_LIGER_FP8_HW_CVT", "1").strip() != "0"
 _HW_CVT_AT: dict = {}
 
 
 def _hw_cvt_default(device) -> bool:
-    if not HW_CVT or not isinstance(device, torch.device):   # a Target (compile-only checks): the default rounding
+    if not HW_CVT or not isinstance(device, torch.device):   # a Target (compile-only checks): the division
         return False
     key = (device.type, device.index)
     if key not in _HW_CVT_AT:
@@ -60,11 +61,10 @@ def _hw_cvt_default(device) -> bool:
 
 def launch_config(k: int, device) -> Fp8QuantConfig:
     """BLOCK = next power of two of K up to 4096 (Qwen2.5-7B rows of 3584 take one step, 18944 five a pass);
-    4 warps up to 2048 elements, 8 above; one row per program. Every device. H200: 68 us for 8192 x 3584 bf16
-    (1.3 TB/s of its minimum bytes, a third of the copy speed; `hw_cvt` and `rows` > 1 are the levers to measure:
-    tools/fp8_profile.py times both; SWIFT_LIGER_FP8_HW_CVT=1 sets hw_cvt where it runs). Under the interpreter (CPU) 32 rows per program: the interpreter's cost is per
-    program (128 x 64 bf16: 560 ms with one row per program, 18 ms with 32), and the CPU end-to-end FP8 tests
-    quantize hundreds of times."""
+    4 warps up to 2048 elements, 8 above; one row per program (2-8 rows measured no faster on an H200); hw_cvt where
+    it runs (HW_CVT). H200, 8192 x 3584 bf16: 27 us with hw_cvt (3.3 TB/s of its minimum bytes), 65-69 us dividing.
+    Under the interpreter (CPU) 32 rows per program: the interpreter's cost is per program (128 x 64 bf16: 560 ms
+    with one row per program, 18 ms with 32), and the CPU end-to-end FP8 tests quantize hundreds of times."""
     block = min(4096, max(16, triton.next_power_of_2(max(1, k))))
     rows = 1 if _common.target(device).type == "cuda" else 32
     return _common.apply_override(__name__, None, Fp8QuantConfig(block, 4 if block <= 2048 else 8, rows,

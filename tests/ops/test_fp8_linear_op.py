@@ -305,9 +305,9 @@ def test_quantize_rows_in_chunks_equals_whole(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k,rows", [(5, 48, 1), (3, 4100, 1), (7, 33, 1), (1, 16, 1), (7, 33, 4), (5, 48, 2)])
 def test_quant_kernel_equals_torch_bit_for_bit(dtype, n, k, rows):
-    """The Triton kernel (run here: the interpreter on CPU, compiled on a GPU) against the torch ops: the same scales
-    and the same e4m3 codes, zeros, signed zeros, subnormals and ties included; strided rows too; several rows per
-    program with the last program's rows cut short."""
+    """The Triton kernel's division path (run here: the interpreter on CPU, compiled on a GPU, where hw_cvt is the
+    default) against the torch ops: the same scales and the same e4m3 codes, zeros, signed zeros, subnormals and ties
+    included; strided rows too; several rows per program with the last program's rows cut short."""
     from swift_liger.ops import fp8_quant_kernel
     from swift_liger.ops._common import launch_override
     from swift_liger.ops.fp8_linear_op import quantize_rows_torch
@@ -316,7 +316,7 @@ def test_quant_kernel_equals_torch_bit_for_bit(dtype, n, k, rows):
     x[0, :4] = torch.tensor([0.0, -0.0, 1e-30, 3.0])
     f = (torch.rand(k, generator=g) + 0.5).to(DEVICE)
     for fold in (None, f):
-        with inputs_unchanged(x), launch_override(fp8_quant_kernel, None, rows=rows):
+        with inputs_unchanged(x), launch_override(fp8_quant_kernel, None, rows=rows, hw_cvt=False):
             q, s = fp8_quant_kernel.quantize_rows_kernel(x, fold)
         q_ref, s_ref = quantize_rows_torch(x, fold)
         assert q.dtype == FP8 and q.shape == (n, k) and s.shape == (n, 1)
@@ -327,13 +327,15 @@ def test_quant_kernel_equals_torch_bit_for_bit(dtype, n, k, rows):
 def test_quant_kernel_rounds_every_e4m3_boundary_like_torch():
     """Every finite e4m3 value, every midpoint between neighbours (ties to even) and the floats just beside each
     midpoint, as one row whose max is 448 (scale 1): the kernel's codes are torch's conversion's."""
-    from swift_liger.ops.fp8_quant_kernel import quantize_rows_kernel
+    from swift_liger.ops import fp8_quant_kernel
+    from swift_liger.ops._common import launch_override
     vals = torch.arange(256, dtype=torch.uint8).view(FP8).float()
     vals = vals[torch.isfinite(vals)].sort().values
     mids = (vals[1:] + vals[:-1]) / 2
     y = torch.cat([vals, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9))])
     y = torch.cat([y[y.abs() <= FP8_MAX], torch.tensor([FP8_MAX])]).to(DEVICE)
-    q, s = quantize_rows_kernel(y[None, :])
+    with launch_override(fp8_quant_kernel, None, hw_cvt=False):   # the division path (hw_cvt has its own test)
+        q, s = fp8_quant_kernel.quantize_rows_kernel(y[None, :])
     assert s.item() == 1.0
     assert torch.equal(q.view(torch.uint8)[0], y.to(FP8).view(torch.uint8))
 
@@ -416,11 +418,11 @@ def test_quant_hw_cvt_refused_where_it_cannot_run():
         fp8_quant_kernel.quantize_rows_kernel(torch.randn(3, 40, dtype=torch.bfloat16, device=DEVICE))
 
 
-@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("1", True), (" 1 ", True)])
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False), (" 0 ", False)])
 def test_hw_cvt_follows_its_environment_variable_where_it_runs(value, on):
-    """SWIFT_LIGER_FP8_HW_CVT=1 (read at import) sets hw_cvt in the launch config of every device that can run it
-    (an sm_89+ GPU, compiled); on CPU the switch changes nothing, so the reference backend and the interpreter keep
-    their rounding."""
+    """hw_cvt is on by default in the launch config of every device that can run it (an sm_89+ GPU, compiled);
+    SWIFT_LIGER_FP8_HW_CVT=0 (read at import) turns it off. On CPU it is off either way: the reference backend and the
+    interpreter keep the division."""
     import os
     import subprocess
     import sys
