@@ -43,7 +43,7 @@ class Fp8QuantConfig:
 LAUNCH_CONFIGS = {None: Fp8QuantConfig}
 
 # hw_cvt on every device where hw_cvt_supported (elsewhere the division runs); SWIFT_LIGER_FP8_HW_CVT=0 turns it off.
-# Measured on an H200 (docs/benchmarks/fp8_lora.md): 8192 x 3584 bf16 quantized in 27 us against 65-69 us; `swift sft`
+# Measured on an H200 (docs/benchmarks/fp8_lora.md): 8192 x 3584 bf16 quantized in 27-52 us against 59-69; `swift sft`
 # LoRA over FP8 bases, 8k tokens, Qwen2.5-7B 13022 vs 12790 tok/s, Llama-3-8B 12088 vs 11575. Read at import; the
 # answer per device is kept (launch_config runs at every quantization).
 HW_CVT = os.environ.get("SWIFT_LIGER_FP8_HW_CVT", "1").strip() != "0"
@@ -62,7 +62,8 @@ def _hw_cvt_default(device) -> bool:
 def launch_config(k: int, device) -> Fp8QuantConfig:
     """BLOCK = next power of two of K up to 4096 (Qwen2.5-7B rows of 3584 take one step, 18944 five a pass);
     4 warps up to 2048 elements, 8 above; one row per program (2-8 rows measured no faster on an H200); hw_cvt where
-    it runs (HW_CVT). H200, 8192 x 3584 bf16: 27 us with hw_cvt (3.3 TB/s of its minimum bytes), 65-69 us dividing.
+    it runs (HW_CVT). H200, 8192 x 3584 bf16: 27-52 us with hw_cvt (3.3-1.7 TB/s of its minimum bytes), 59-69 us
+    dividing (two rounds in one process).
     Under the interpreter (CPU) 32 rows per program: the interpreter's cost is per program (128 x 64 bf16: 560 ms
     with one row per program, 18 ms with 32), and the CPU end-to-end FP8 tests quantize hundreds of times."""
     block = min(4096, max(16, triton.next_power_of_2(max(1, k))))
