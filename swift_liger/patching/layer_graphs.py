@@ -613,13 +613,14 @@ class LayerGraphs:
         return b
 
     def _gpu_bound(self, be, layer, call, padded, hidden, cos, sin, mask, pos, key, grad: bool = True) -> bool:
-        """Before a new key's capture: the layer's forward eagerly, once untimed (compiles, lazy state), then one
-        timed round. Where the host issues it in under GPU_BOUND of the GPU's time to run it, a replay (the same
-        kernels plus the input copies) cannot come out MARGIN faster: the key runs eagerly in every layer and nothing
-        is captured (at Qwen2.5-7B, 8k tokens, host 2.2 vs GPU 7.4 ms per layer, the capture and its timing cost
-        1.1-1.8 s of the first step; over FP8 bases, host 3.4 vs GPU 5.3 ms, ~4 GiB of reserved memory). Otherwise the capture and the interleaved timing decide, as before. A host time
-        between GPU_BOUND and RETIME_BELOW of the GPU's is timed once more and the lower one counts: the first step's
-        host times run high (7B 8k on an H100: 3.11 ms host against 7.18 GPU at the later timing, yet captured)."""
+        """Before a new key's capture: the layer's forward eagerly, once untimed (compiles, lazy state), then one timed
+        round. Where the host issues it in under GPU_BOUND of the GPU's time to run it, a replay (the same kernels plus
+        the input copies) cannot come out MARGIN faster: the key runs eagerly in every layer and nothing is captured (at
+        Qwen2.5-7B, 8k tokens, host 2.2 vs GPU 7.4 ms per layer, the capture and its timing cost 1.1-1.8 s of the first
+        step; over FP8 bases, host 3.4 vs GPU 5.3 ms, ~4 GiB of reserved memory). Otherwise the capture and the
+        interleaved timing decide. A host time between GPU_BOUND and RETIME_BELOW of the GPU's is timed once more and
+        the lower one counts: the first step's host times run high (7B 8k on an H100: 3.11 ms host against 7.18 GPU at
+        the later timing, yet captured)."""
         if not self.shared.measure or be.timer is None:
             return False
         dev = hidden.device
