@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from ..patching.families import ATTENTION_INPUTS as ATTENTION_GROUP
 from .base import Fusion
-
-ATTENTION_GROUP = ("q_proj", "k_proj", "v_proj")
 
 
 class Group:

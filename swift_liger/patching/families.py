@@ -36,6 +36,10 @@ class Mlp:
 SPLIT_MLP = Mlp()
 PACKED_MLP = Mlp(gate=None, up="gate_up_proj", act="activation_fn")   # Phi-3, GLM-4
 
+# The attention projections that read the same input (the normed hidden states), by attribute name: one GEMM for
+# decode (fusions/fused_projections.py), one quantization of x over FP8 bases (patching/fp8.py).
+ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj")
+
 
 @dataclass(frozen=True)
 class Family:

@@ -20,7 +20,7 @@ from typing import Dict, Optional
 import torch
 
 from ..ops.fp8_linear_op import Fp8Weight, InputGroup, fp8_device_problem, fp8_linear, fp8_weight_problem
-from .families import SPLIT_MLP
+from .families import ATTENTION_INPUTS, SPLIT_MLP
 from .lora import is_peft_lora_linear
 from .state import PatchState, find_states, set_forward
 
@@ -38,7 +38,7 @@ MIN_SIZE = 1280
 
 # Projections that read one input tensor, by attribute name under their attention / MLP module: where two or more of
 # them are FP8, x is quantized once for all of them (ops.fp8_linear_op.InputGroup).
-SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), (SPLIT_MLP.gate, SPLIT_MLP.up))
+SHARED_INPUTS = (ATTENTION_INPUTS, (SPLIT_MLP.gate, SPLIT_MLP.up))
 
 
 def size_problem(out_features: int, in_features: int, device_type: str, min_size: Optional[int] = None):
@@ -186,6 +186,7 @@ def _decide(st: PatchState, part: dict, base: torch.nn.Module, reason: Optional[
 
 
 def _fp8_weight_of(module) -> Optional[Fp8Weight]:
+    """The Fp8Weight of a converted nn.Linear or of a PEFT LoRA layer's base; None for anything else."""
     base = module.get_base_layer() if is_peft_lora_linear(module) else module
     weight = base._parameters.get("weight") if isinstance(base, torch.nn.Module) else None
     return weight if isinstance(weight, Fp8Weight) else None
@@ -196,9 +197,7 @@ def _group_inputs(part: dict) -> None:
     more of them; one alone gets none)."""
     for owner in part.get("owners", ()):
         for names in SHARED_INPUTS:
-            weights = [_fp8_weight_of(getattr(owner, n)) for n in names if isinstance(getattr(owner, n, None),
-                                                                                   torch.nn.Module)]
-            weights = [w for w in weights if w is not None]
+            weights = [w for w in (_fp8_weight_of(getattr(owner, n, None)) for n in names) if w is not None]
             group = InputGroup(len(weights)) if len(weights) > 1 else None
             for w in weights:
                 w.input_group = group

@@ -3,6 +3,9 @@ quantized operands, the Fp8Weight tensor's behaviour as a frozen Parameter, and 
 On CPU torch._scaled_mm is torch's reference FP8 GEMM; the same tests run on an sm_89+ GPU (cuBLASLt)."""
 import copy
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -423,9 +426,6 @@ def test_hw_cvt_follows_its_environment_variable_where_it_runs(value, on):
     """hw_cvt is on by default in the launch config of every device that can run it (an sm_89+ GPU, compiled);
     SWIFT_LIGER_FP8_HW_CVT=0 (read at import) turns it off. On CPU it is off either way: the reference backend and the
     interpreter keep the division."""
-    import os
-    import subprocess
-    import sys
     env = {k: v for k, v in os.environ.items() if k != "SWIFT_LIGER_FP8_HW_CVT"}
     if value is not None:
         env["SWIFT_LIGER_FP8_HW_CVT"] = value

@@ -273,7 +273,7 @@ def _enumerate():
     # FP8 row quantization (fp8_linear's only kernel): launched on sm_89+ only (FP8 tensor cores).
     for K in (1536, 3584, 18944):
         c = fq.launch_config(K, cuda)
-        for fold, hw_cvt in itertools.product((True, False), (False, True)):   # hw_cvt: SWIFT_LIGER_FP8_HW_CVT=1
+        for fold, hw_cvt in itertools.product((True, False), (False, True)):   # hw_cvt: sm_89+'s default
             add("fp8_quant_kernel", "_fp8_quant_rows_kernel",
                 dict(HAS_FOLD=fold, BLOCK=c.block, ONE_PASS=K <= c.block, ROWS=c.rows if K <= c.block else 1,
                      HW_CVT=hw_cvt),
