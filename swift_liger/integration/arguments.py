@@ -546,9 +546,9 @@ def validate(args) -> None:
 
 
 # rlhf types whose trainer takes its log-probs from hidden states with cross_entropy=fused_linear (preference.py);
-# simpo is in the list as written on the command line, ms-swift runs it as cpo. GRPO's per-token log-probs come from
-# hidden states unless it asks for entropies (--log_entropy, --top_entropy_quantile < 1). GKD's divergence comes from
-# the student's and the teacher's hidden states (preference.GKDSeam).
+# simpo is in the list as written on the command line, ms-swift runs it as cpo. GRPO's per-token log-probs, and the
+# entropies --log_entropy / --top_entropy_quantile < 1 ask for, come from hidden states in one pass of the head
+# (preference.GRPOSeam). GKD's divergence comes from the student's and the teacher's hidden states (preference.GKDSeam).
 PREFERENCE_RLHF = ("dpo", "orpo", "cpo", "simpo", "kto", "grpo", "gkd")
 
 
