@@ -1,8 +1,9 @@
 """End-to-end: `swift rlhf --rlhf_type gkd` (distillation from a teacher model) on the tiny offline models: the
-qwen3-shaped student learns from the llama-shaped teacher (the same tokenizer), 3 optimizer steps of 2 micro-batches.
+qwen3-shaped student learns from the llama-shaped teacher (the same tokenizer), 4 optimizer steps of 2 micro-batches.
 With --use_liger the generalized JSD comes from both models' hidden states (preference.GKDSeam,
-ops.fused_linear_jsd): every logged metric must equal the unpatched run's, and, without on-policy generation, no
-lm_head materialises [rows, V] logits (the probe of test_swift_rlhf.py counts them in every process).
+ops.fused_linear_jsd): every logged metric must equal the unpatched run's, and no lm_head materialises [rows,
+positions, V] logits in training (the probe of test_swift_rlhf.py counts them in every process; the one-position
+heads of on-policy generation's decode steps are left out).
 
 Cases: LoRA JSD (beta 0.5, temperature 0.9) through the real Triton kernels in the interpreter; full fine-tuning
 with forward KL (beta 0) plus the student's own loss (sft_alpha 0.5); reverse KL (beta 1) on the student's own
@@ -10,9 +11,13 @@ generations (lmbda 1: ms-swift's pt engine generates on CPU, logits there are th
 backend (SWIFT_LIGER_BACKEND=torch); top-k distillation (--gkd_logits_topk 8: the divergence over the teacher's 8
 largest logits per token) on the reference backend; a teacher served by API (--teacher_model_server: the same
 tiny teacher behind teacher_server.py's HTTP routes, the top-k log-probs of every position arriving with the batch)
-through the real kernels.
+through the real kernels; self-distillation without a teacher model (the student with its adapter disabled scores
+each row's teacher_prompt in place of the user turn, OPSD) and rows on-policy with probability 0.5 (--lmbda 0.5) on
+the reference backend.
 """
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -20,7 +25,7 @@ from swift_runner import CPU_FLAGS, compare_metrics, model_vocab, paired_specs, 
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
+STEPS = 4
 NOT_COMPARED = {"step_time(s)", "tokens/s", "rss(GiB)", "elapsed_time", "remaining_time", "train_speed(s/it)",
                 "memory(GiB)", "global_step/max_steps", "peak_alloc(GiB)", "peak_reserved(GiB)", "step_time"}
 # name: (flags, backend of the patched run)
@@ -31,6 +36,12 @@ CASES = {
                       "torch"),
     "topk_lora": (["--tuner_type", "lora", "--beta", "0.5", "--gkd_logits_topk", "8", "--lmbda", "0"], "torch"),
     "api_topk_lora": (["--tuner_type", "lora", "--beta", "0.5", "--gkd_logits_topk", "8", "--lmbda", "0"], "triton"),
+    # no teacher: ms-swift distils from the student itself with its adapter disabled, shown each row's
+    # teacher_prompt in place of the user turn (self-distillation with a privileged prompt, OPSD)
+    "self_opsd_lora": (["--tuner_type", "lora", "--beta", "0.5", "--lmbda", "0"], "torch"),
+    # each step on the student's own generations with probability 0.5, else on the dataset's responses
+    "mixed_on_policy": (["--tuner_type", "lora", "--beta", "0.5", "--lmbda", "0.5", "--max_completion_length", "8"],
+                        "torch"),
 }
 @pytest.fixture(scope="module")
 def runs(tiny_qwen3, tiny_llama, teacher_server, tmp_path_factory):
@@ -41,10 +52,21 @@ def runs(tiny_qwen3, tiny_llama, teacher_server, tmp_path_factory):
             "--use_vllm", "false"]
     url, plugin, _ = teacher_server
     teacher = {"local": ["--teacher_model", tiny_llama["model"], "--teacher_model_type", "llama"],
-               "api": ["--teacher_model_server", url, "--external_plugins", plugin]}
-    cases = {name: (base + teacher["api" if name.startswith("api") else "local"] + flags, backend)
-             for name, (flags, backend) in CASES.items()}
-    return run_probed("rlhf", paired_specs(cases, root, model_vocab(tiny_qwen3["model"])), root)
+               "api": ["--teacher_model_server", url, "--external_plugins", plugin], "self": []}
+    cases = {name: (base + teacher[name.split("_")[0] if name.startswith(("api", "self")) else "local"] + flags,
+                    backend) for name, (flags, backend) in CASES.items()}
+    opsd = root / "opsd.jsonl"   # the same rows, each with a longer prompt for the teacher
+    with open(tiny_qwen3["sft"]) as src, open(opsd, "w") as dst:
+        for line in src:
+            row = json.loads(line)
+            user = next(m["content"] for m in row["messages"] if m["role"] == "user")
+            dst.write(json.dumps({**row, "teacher_prompt": "Answer as an expert would. " + user}) + "\n")
+    argv = cases["self_opsd_lora"][0]
+    argv[argv.index(tiny_qwen3["sft"])] = str(opsd)
+    specs = paired_specs(cases, root, model_vocab(tiny_qwen3["model"]))
+    for _, env in specs.values():   # heads over completions count; one-position decode steps of on-policy rows do not
+        env["SWIFT_LIGER_PROBE_MIN_POSITIONS"] = "2"
+    return run_probed("rlhf", specs, root)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -67,7 +89,9 @@ def test_divergence_from_hidden_states_and_the_record_says_so(runs, case):
     assert "in the first step GKDTrainer computed 2 distillation losses (generalized JSD) from hidden states (the " \
            "student's; the teacher's, or its top-k log-probs when served by API; no [tokens, vocab] logits) and 0 " \
            "from materialised logits" in liger.log
-    if case.startswith("api"):   # no teacher model in the process: its top-k log-probs came over HTTP
+    if case.startswith("self"):   # the student is its own teacher (adapter disabled): no second model
+        assert "teacher model:" not in liger.log
+    elif case.startswith("api"):   # no teacher model in the process: its top-k log-probs came over HTTP
         assert "the top-k log-probs its teacher server returns" in liger.log
         assert "teacher model:" not in liger.log
         api = total["trainer"]["teacher_api_positions"]   # the server scores all but each row's closing tokens
@@ -76,12 +100,12 @@ def test_divergence_from_hidden_states_and_the_record_says_so(runs, case):
         assert "under half" not in liger.log
     else:
         assert "teacher model: cross_entropy=fused_linear for GKD's divergence from its hidden states" in liger.log
-    if "on_policy" not in case:   # generation decodes through logits; the training passes do not
-        assert base.probe["lm_head_logits"] > 0 and liger.probe["lm_head_logits"] == 0, (base.probe, liger.probe)
+    # every case, on-policy ones included: generation samples from one position per row, which the probe leaves out
+    assert base.probe["lm_head_logits"] > 0 and liger.probe["lm_head_logits"] == 0, (base.probe, liger.probe)
 
 
 def test_the_api_teacher_scored_every_micro_batch(runs, teacher_server):
-    """Both API runs posted each micro-batch's rows to the server (3 steps x 2 micro-batches x 1 row each)."""
+    """Both API runs posted each micro-batch's rows to the server (STEPS steps x 2 micro-batches x 1 row each)."""
     runs["api_topk_lora_base"].check(), runs["api_topk_lora_liger"].check()
     with open(teacher_server[2]) as f:
         assert sum(int(n) for n in f.read().split()) == 2 * STEPS * 2

@@ -10,7 +10,11 @@ sequence-level importance sampling), and a pair per other loss_type (bnpo, dapo 
 metric equal again, since only the log-probs come from us; with a teacher model (OPD-RL) its log-probs come from
 its hidden states too. And `--padding_free true --use_liger` (no flash-attn: our packed-row attention) logs the
 padded run's metrics, and rollouts that generate on a RollingKVCache sized per call (--liger_rolling_cache exact)
-log the plain run's.
+log the plain run's. With --num_iterations 2 (4 steps) the old policy's log-probs differ from the current ones, so the
+importance ratio is off 1 and clipping acts: dr_grpo with a narrow clip range, the rloo and reinforce_plus_plus
+advantage estimators (sequence_token importance sampling with rloo), beta 0, and two-turn rollouts from a
+multi-turn scheduler; every metric equal again, and the logits probe (heads over two or more positions per row)
+counts none in the patched runs.
 """
 from __future__ import annotations
 
@@ -18,12 +22,13 @@ import pytest
 
 from concurrent.futures import ThreadPoolExecutor
 
-from swift_runner import CPU_FLAGS, compare_metrics, run_swift, swift_env
+from swift_runner import CPU_FLAGS, compare_metrics, model_vocab, paired_specs, run_probed, run_swift, swift_env
 
 pytestmark = pytest.mark.slow
 
 REWARD = '''
 from swift.rewards import ORM, orms
+from swift.rollout import MultiTurnScheduler, multi_turns
 
 
 class LengthReward(ORM):
@@ -32,6 +37,20 @@ class LengthReward(ORM):
 
 
 orms["length_reward"] = LengthReward
+
+
+class TwoTurns(MultiTurnScheduler):
+    """Multi-turn rollouts: after each first answer the user asks again, and the model answers a second time."""
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return current_turn >= 2
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({"role": "user", "content": "Go on."})
+        return {"infer_request": infer_request}
+
+
+multi_turns["two_turns"] = TwoTurns
 '''
 GENERATIONS, COMPLETION, BATCH, ACCUM = 2, 8, 2, 2
 
@@ -42,14 +61,14 @@ NOT_COMPARED = {"step_time(s)", "tokens/s", "completion_tokens/s", "rss(GiB)", "
                 "train_speed(s/it)", "memory(GiB)", "global_step/max_steps", "step_time"}
 
 
-def grpo_argv(tiny_qwen3, root) -> list:
+def grpo_argv(tiny_qwen3, root, steps: int = 2) -> list:
     plugin = root / "reward.py"
     plugin.write_text(REWARD)
     return [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *CPU_FLAGS, "--rlhf_type", "grpo",
             "--tuner_type", "lora", "--use_vllm", "false", "--external_plugins", str(plugin),
             "--reward_funcs", "length_reward", "--num_generations", str(GENERATIONS),
             "--per_device_train_batch_size", str(BATCH), "--gradient_accumulation_steps", str(ACCUM),
-            "--max_completion_length", str(COMPLETION), "--max_length", "64", "--max_steps", "2",
+            "--max_completion_length", str(COMPLETION), "--max_length", "64", "--max_steps", str(steps),
             "--report_to", "none", "--save_strategy", "no"]
 
 
@@ -217,3 +236,75 @@ def test_rollouts_on_an_exact_rolling_cache_match_unpatched(runs):
         liger = runs["liger"].check()
         assert "rolling_cache off: the grpo rollouts (pt engine) keep transformers' cache (no CUDA GPU)" in liger.log
         assert "rolling_cache" not in liger.patch_record()["runtime"]["total"]
+
+
+# --num_iterations 2: each generated batch trains twice, so at steps 2 and 4 the old policy's log-probs (taken
+# through our seam when the batch was generated) differ from the current policy's: the importance ratio leaves 1 and
+# the clipping (epsilon, epsilon_high), delta and the importance-sampling level act on the loss and its gradient. With
+# ms-swift's defaults (one iteration, steps_per_generation = gradient accumulation) the old log-probs are the current
+# ones detached and the ratio is exactly 1, so the cases above cannot see a wrong old-policy pass. 4 steps each.
+RATIO_STEPS = 4
+RATIO_CASES = {
+    # dr_grpo, delta, sequence IS, and a clip range narrow enough for the ratio to leave it
+    "clipped": SETTINGS + ["--epsilon", "0.003", "--epsilon_high", "0.006"],
+    "rloo": ["--advantage_estimator", "rloo", "--importance_sampling_level", "sequence_token"],
+    "reinforce_pp": ["--advantage_estimator", "reinforce_plus_plus"],
+    "beta0": ["--beta", "0"],                                        # loss_type grpo without the reference pass
+    # two turns per rollout (the plugin's scheduler): the completion holds both answers and the user turn between
+    # them, which the loss mask leaves out
+    "multi_turn": ["--multi_turn_scheduler", "two_turns", "--max_turns", "2"],
+}
+
+# Where our head cannot apply: a trained copy of lm_head (PEFT's modules_to_save wrapper) replaces the patched head.
+FALLBACK_CASES = {"head_wrapped": ["--modules_to_save", "lm_head"]}
+
+
+@pytest.fixture(scope="module")
+def ratio_runs(tiny_qwen3, tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo_ratio_runs")
+    argv = grpo_argv(tiny_qwen3, root, steps=RATIO_STEPS) + ["--num_iterations", "2"]
+    cases = {**RATIO_CASES, **FALLBACK_CASES}
+    specs = paired_specs({name: (argv + extra, "torch") for name, extra in cases.items()}, root,
+                         model_vocab(tiny_qwen3["model"]))
+    for _, env in specs.values():   # heads over completions count; one-position decode steps of the rollouts do not
+        env["SWIFT_LIGER_PROBE_MIN_POSITIONS"] = "2"
+    return run_probed("rlhf", specs, root)
+
+
+@pytest.mark.parametrize("case", sorted(RATIO_CASES))
+def test_importance_ratio_off_one_matches_unpatched(ratio_runs, case):
+    """Every metric (loss, grad_norm: the Liger-Kernel #1082 failure mode, kl, clip ratios) equals the unpatched run's
+    at every one of the 4 steps while the ratio is off 1, with gradient accumulation; the probe counts no [rows,
+    positions, V] logits in the patched run's training passes (the unpatched one's are counted, so it sees them)."""
+    base, liger = ratio_runs[f"{case}_base"].check(), ratio_runs[f"{case}_liger"].check()
+    assert [s["step"] for s in base.steps()] == [s["step"] for s in liger.steps()] == list(range(1, RATIO_STEPS + 1))
+    compared = compare_metrics(base.steps(), liger.steps(), NOT_COMPARED)
+    assert {"loss", "grad_norm", "reward", "clip_ratio/region_mean"} <= compared, compared
+    assert ("kl" in compared) == (case != "beta0"), compared
+    if case == "clipped":   # the ratio left [1 - epsilon, 1 + epsilon_high] at some tokens: it is not 1
+        assert any(s["clip_ratio/region_mean"] > 0 for s in base.steps()), base.steps()
+    if case == "multi_turn":   # the generating steps (1 and 3) log their rollouts' turns
+        assert [s["num_turns"] for s in liger.steps() if "num_turns" in s] == [2.0, 2.0], liger.steps()
+    passes = liger.patch_record()["runtime"]["total"]["trainer"]["log_prob_passes"]
+    assert passes["fused_linear_logprobs"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
+    assert base.probe["lm_head_logits"] > 0, base.probe
+    assert liger.probe["lm_head_logits"] == 0, liger.probe
+
+
+def test_a_wrapped_head_runs_ms_swifts_own_path_and_says_why(ratio_runs):
+    """--modules_to_save lm_head: PEFT puts a trained copy of the head in place of the patched one, so GRPO's
+    log-probs come from the trainer's own code on real logits; every metric equals the unpatched run's, the record
+    counts those passes as logits (none as fused) and the first-step log says why."""
+    base, liger = ratio_runs["head_wrapped_base"].check(), ratio_runs["head_wrapped_liger"].check()
+    compared = compare_metrics(base.steps(), liger.steps(), NOT_COMPARED)
+    assert {"loss", "grad_norm", "reward", "kl"} <= compared, compared
+    trainer = liger.patch_record()["runtime"]["total"]["trainer"]
+    passes = trainer["log_prob_passes"]
+    assert passes["logits"] > 0 and passes["fused_linear_logprobs"] == passes["fused_linear_logprobs_no_grad"] == 0, \
+        passes
+    assert liger.probe["lm_head_logits"] > 0, liger.probe
+    assert any("modules_to_save" in r for r in trainer["logits_fallback_reasons"]), trainer
+    assert "--modules_to_save covers lm_head, so the tuner wraps it and the fused linear loss head stands aside" \
+        in liger.log
+    assert "took 0 log-prob passes from hidden states" in liger.log and "because lm_head was replaced after " \
+        "patching (LoRA or modules_to_save on lm_head?)" in liger.log
