@@ -1,5 +1,5 @@
 """End-to-end: `swift rlhf --rlhf_type grpo` on the tiny offline model, generating through ms-swift's pt engine on CPU
-(no vLLM) with a length reward, 2 optimizer steps of 2 micro-batches; the CPU reference backend runs the patched
+(no vLLM) with a length reward, 4 optimizer steps of 2 micro-batches; the CPU reference backend runs the patched
 runs (SWIFT_LIGER_BACKEND=torch). With --use_liger the per-token log-probs of policy, old policy and reference come
 from hidden states (preference.GRPOSeam): every logged metric must equal the unpatched run's. The step metrics count
 the tokens of the generated rows the loss trained on (GRPO's training_step gets prompts only) and the completion
@@ -10,7 +10,7 @@ sequence-level importance sampling), and a pair per other loss_type (bnpo, dapo 
 metric equal again, since only the log-probs come from us; with a teacher model (OPD-RL) its log-probs come from
 its hidden states too. And `--padding_free true --use_liger` (no flash-attn: our packed-row attention) logs the
 padded run's metrics, and rollouts that generate on a RollingKVCache sized per call (--liger_rolling_cache exact)
-log the plain run's. With --num_iterations 2 (4 steps) the old policy's log-probs differ from the current ones, so the
+log the plain run's. With --num_iterations 2 the old policy's log-probs differ from the current ones, so the
 importance ratio is off 1 and clipping acts: dr_grpo with a narrow clip range, the rloo and reinforce_plus_plus
 advantage estimators (sequence_token importance sampling with rloo), beta 0, and two-turn rollouts from a
 multi-turn scheduler; every metric equal again, and the logits probe (heads over two or more positions per row)
@@ -52,7 +52,7 @@ class TwoTurns(MultiTurnScheduler):
 
 multi_turns["two_turns"] = TwoTurns
 '''
-GENERATIONS, COMPLETION, BATCH, ACCUM = 2, 8, 2, 2
+GENERATIONS, COMPLETION, BATCH, ACCUM, STEPS = 2, 8, 2, 2, 4
 
 
 SETTINGS = ["--loss_type", "dr_grpo", "--epsilon_high", "0.28", "--delta", "3.0", "--importance_sampling_level",
@@ -61,7 +61,7 @@ NOT_COMPARED = {"step_time(s)", "tokens/s", "completion_tokens/s", "rss(GiB)", "
                 "train_speed(s/it)", "memory(GiB)", "global_step/max_steps", "step_time"}
 
 
-def grpo_argv(tiny_qwen3, root, steps: int = 2) -> list:
+def grpo_argv(tiny_qwen3, root, steps: int = STEPS) -> list:
     plugin = root / "reward.py"
     plugin.write_text(REWARD)
     return [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *CPU_FLAGS, "--rlhf_type", "grpo",
@@ -100,7 +100,7 @@ def runs(tiny_qwen3, tmp_path_factory):
 
 def test_every_metric_matches_unpatched(runs):
     base, liger = runs["base"].check().steps(), runs["liger"].check().steps()
-    assert [s["step"] for s in base] == [s["step"] for s in liger] == [1, 2]
+    assert [s["step"] for s in base] == [s["step"] for s in liger] == list(range(1, STEPS + 1))
     compared = compare_metrics(base, liger, NOT_COMPARED)
     assert {"loss", "grad_norm", "reward", "kl", "completions/mean_length"} <= compared, compared
 
@@ -209,7 +209,7 @@ def test_teacher_served_by_api(loss_runs, teacher_server):
 
 def test_grpo_logs_tokens_and_completion_tokens_per_second(runs):
     steps = runs["liger"].check().steps()
-    assert [s["step"] for s in steps] == [1, 2]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     for s in steps:
         seconds, tokens, completion = s["step_time(s)"], s["tokens/s"], s["completion_tokens/s"]
         # every step trains BATCH * ACCUM generated rows of at most COMPLETION completion tokens, after a prompt
@@ -226,7 +226,7 @@ def test_rollouts_on_an_exact_rolling_cache_match_unpatched(runs):
     compared = compare_metrics(base.steps(), run.steps(), NOT_COMPARED)
     assert {"loss", "grad_norm", "reward", "kl", "completions/mean_length"} <= compared, compared
     ring = run.patch_record()["runtime"]["total"]["rolling_cache"]
-    # 2 steps x 2 micro-batches: each generates its prompts' GENERATIONS completions in one call
+    # STEPS steps x 2 micro-batches: each generates its prompts' GENERATIONS completions in one call
     assert ring["generate"] >= 2 and ring["own_cache"] == ring["unsized"] == ring["graph_steps"] == 0, ring
     assert ring["generate"] < ring["forwards"] <= ring["generate"] * COMPLETION, ring
     assert "generate on a ring of each call's prompt + new tokens: exact attention" in run.log
@@ -242,8 +242,7 @@ def test_rollouts_on_an_exact_rolling_cache_match_unpatched(runs):
 # through our seam when the batch was generated) differ from the current policy's: the importance ratio leaves 1 and
 # the clipping (epsilon, epsilon_high), delta and the importance-sampling level act on the loss and its gradient. With
 # ms-swift's defaults (one iteration, steps_per_generation = gradient accumulation) the old log-probs are the current
-# ones detached and the ratio is exactly 1, so the cases above cannot see a wrong old-policy pass. 4 steps each.
-RATIO_STEPS = 4
+# ones detached and the ratio is exactly 1, so the cases above cannot see a wrong old-policy pass.
 RATIO_CASES = {
     # dr_grpo, delta, sequence IS, and a clip range narrow enough for the ratio to leave it
     "clipped": SETTINGS + ["--epsilon", "0.003", "--epsilon_high", "0.006"],
@@ -262,7 +261,7 @@ FALLBACK_CASES = {"head_wrapped": ["--modules_to_save", "lm_head"]}
 @pytest.fixture(scope="module")
 def ratio_runs(tiny_qwen3, tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_ratio_runs")
-    argv = grpo_argv(tiny_qwen3, root, steps=RATIO_STEPS) + ["--num_iterations", "2"]
+    argv = grpo_argv(tiny_qwen3, root) + ["--num_iterations", "2"]
     cases = {**RATIO_CASES, **FALLBACK_CASES}
     specs = paired_specs({name: (argv + extra, "torch") for name, extra in cases.items()}, root,
                          model_vocab(tiny_qwen3["model"]))
@@ -277,7 +276,7 @@ def test_importance_ratio_off_one_matches_unpatched(ratio_runs, case):
     at every one of the 4 steps while the ratio is off 1, with gradient accumulation; the probe counts no [rows,
     positions, V] logits in the patched run's training passes (the unpatched one's are counted, so it sees them)."""
     base, liger = ratio_runs[f"{case}_base"].check(), ratio_runs[f"{case}_liger"].check()
-    assert [s["step"] for s in base.steps()] == [s["step"] for s in liger.steps()] == list(range(1, RATIO_STEPS + 1))
+    assert [s["step"] for s in base.steps()] == [s["step"] for s in liger.steps()] == list(range(1, STEPS + 1))
     compared = compare_metrics(base.steps(), liger.steps(), NOT_COMPARED)
     assert {"loss", "grad_norm", "reward", "clip_ratio/region_mean"} <= compared, compared
     assert ("kl" in compared) == (case != "beta0"), compared
