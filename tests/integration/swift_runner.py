@@ -126,21 +126,32 @@ def model_vocab(model_dir: str) -> int:
         return json.load(f)["vocab_size"]
 
 
-def paired_specs(cases: dict, root, vocab: int) -> dict:
+def probed(specs: dict, root, vocab: int, min_positions: int = 0) -> dict:
+    """{name: (argv, env)} with the logits probe (probe/sitecustomize.py) on in every env, its counts written under
+    root; min_positions > 0 counts only heads over that many positions per row (see the probe)."""
+    out = {}
+    for name, (argv, env) in specs.items():
+        env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (PROBE, env.get("PYTHONPATH")) if p),
+                   SWIFT_LIGER_PROBE_VOCAB=str(vocab), SWIFT_LIGER_PROBE_OUT=str(root / f"{name}.probe"))
+        if min_positions:
+            env["SWIFT_LIGER_PROBE_MIN_POSITIONS"] = str(min_positions)
+        out[name] = (argv, env)
+    return out
+
+
+def paired_specs(cases: dict, root, vocab: int, min_positions: int = 0) -> dict:
     """{name: (argv, backend)} -> {name_base / name_liger: (argv, env)}: each case unpatched and with --use_liger,
-    both with the logits probe (probe/sitecustomize.py) on; backend "torch" runs the patched one on the CPU reference
+    both with the logits probe on (see probed); backend "torch" runs the patched one on the CPU reference
     (SWIFT_LIGER_BACKEND=torch), "triton" on the real kernels in the interpreter."""
     specs = {}
     for name, (argv, backend) in cases.items():
         for patched in (False, True):
-            run_name = f"{name}_{'liger' if patched else 'base'}"
-            env = swift_env(PYTHONPATH=os.pathsep.join(p for p in (PROBE, os.environ.get("PYTHONPATH")) if p),
-                            SWIFT_LIGER_PROBE_VOCAB=vocab, SWIFT_LIGER_PROBE_OUT=str(root / f"{run_name}.probe"))
+            env = swift_env()
             if patched and backend == "torch":
                 env["SWIFT_LIGER_BACKEND"] = "torch"
                 env.pop("TRITON_INTERPRET", None)
-            specs[run_name] = (argv + (["--use_liger"] if patched else []), env)
-    return specs
+            specs[f"{name}_{'liger' if patched else 'base'}"] = (argv + (["--use_liger"] if patched else []), env)
+    return probed(specs, root, vocab, min_positions)
 
 
 def run_probed(subcommand: str, specs: dict, root) -> dict:

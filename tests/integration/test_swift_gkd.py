@@ -63,10 +63,8 @@ def runs(tiny_qwen3, tiny_llama, teacher_server, tmp_path_factory):
             dst.write(json.dumps({**row, "teacher_prompt": "Answer as an expert would. " + user}) + "\n")
     argv = cases["self_opsd_lora"][0]
     argv[argv.index(tiny_qwen3["sft"])] = str(opsd)
-    specs = paired_specs(cases, root, model_vocab(tiny_qwen3["model"]))
-    for _, env in specs.values():   # heads over completions count; one-position decode steps of on-policy rows do not
-        env["SWIFT_LIGER_PROBE_MIN_POSITIONS"] = "2"
-    return run_probed("rlhf", specs, root)
+    # heads over completions count; the one-position decode steps of on-policy rows do not
+    return run_probed("rlhf", paired_specs(cases, root, model_vocab(tiny_qwen3["model"]), min_positions=2), root)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

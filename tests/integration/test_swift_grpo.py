@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from concurrent.futures import ThreadPoolExecutor
-
-from swift_runner import CPU_FLAGS, compare_metrics, model_vocab, paired_specs, run_probed, run_swift, swift_env
+from swift_runner import CPU_FLAGS, compare_metrics, model_vocab, paired_specs, probed, run_probed, swift_env
 
 pytestmark = pytest.mark.slow
 
@@ -93,9 +91,7 @@ def runs(tiny_qwen3, tmp_path_factory):
              "padding_free_liger": (argv + ["--padding_free", "true", "--use_liger"], env),
              # rollouts generate on a RollingKVCache of each call's prompt + new tokens: exact attention
              "rolling_liger": (argv + ["--use_liger", "--liger_rolling_cache", "exact"], env)}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
-        return {n: f.result() for n, f in futures.items()}
+    return run_probed("rlhf", probed(specs, root, model_vocab(tiny_qwen3["model"]), min_positions=2), root)
 
 
 def test_every_metric_matches_unpatched(runs):
@@ -103,6 +99,9 @@ def test_every_metric_matches_unpatched(runs):
     assert [s["step"] for s in base] == [s["step"] for s in liger] == list(range(1, STEPS + 1))
     compared = compare_metrics(base, liger, NOT_COMPARED)
     assert {"loss", "grad_norm", "reward", "kl", "completions/mean_length"} <= compared, compared
+    # the probe: no [rows, positions, V] logits in the patched run's training passes, the unpatched run's counted
+    assert runs["base"].probe["lm_head_logits"] > 0 and runs["liger"].probe["lm_head_logits"] == 0, \
+        (runs["base"].probe, runs["liger"].probe)
 
 
 def test_log_probs_from_hidden_states_and_the_record_says_so(runs):
@@ -166,9 +165,7 @@ def loss_runs(tiny_qwen3, tiny_llama, teacher_server, tmp_path_factory):
             run_argv[at:at] = [teacher_server[1]]
         specs[f"{name}_base"] = (run_argv + extra, swift_env())
         specs[f"{name}_liger"] = (run_argv + extra + ["--use_liger"], liger_env())
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {n: pool.submit(run_swift, "rlhf", a, str(root / n), e) for n, (a, e) in specs.items()}
-        return {n: f.result() for n, f in futures.items()}
+    return run_probed("rlhf", probed(specs, root, model_vocab(tiny_qwen3["model"]), min_positions=2), root)
 
 
 @pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
@@ -179,6 +176,7 @@ def test_every_loss_type_matches_unpatched(loss_runs, loss_type):
     assert ("kl" in compared) == (loss_type != "dapo"), compared   # beta 0: no KL term, no reference pass
     passes = liger.patch_record()["runtime"]["total"]["trainer"]["log_prob_passes"]
     assert passes["fused_linear_logprobs"] > 0 and passes["logits"] == passes["logits_no_grad"] == 0, passes
+    assert base.probe["lm_head_logits"] > 0 and liger.probe["lm_head_logits"] == 0, (base.probe, liger.probe)
 
 
 def test_teacher_log_probs_from_hidden_states(loss_runs):
@@ -263,11 +261,9 @@ def ratio_runs(tiny_qwen3, tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_ratio_runs")
     argv = grpo_argv(tiny_qwen3, root) + ["--num_iterations", "2"]
     cases = {**RATIO_CASES, **FALLBACK_CASES}
-    specs = paired_specs({name: (argv + extra, "torch") for name, extra in cases.items()}, root,
-                         model_vocab(tiny_qwen3["model"]))
-    for _, env in specs.values():   # heads over completions count; one-position decode steps of the rollouts do not
-        env["SWIFT_LIGER_PROBE_MIN_POSITIONS"] = "2"
-    return run_probed("rlhf", specs, root)
+    # heads over completions count; the one-position decode steps of the rollouts do not
+    return run_probed("rlhf", paired_specs({name: (argv + extra, "torch") for name, extra in cases.items()}, root,
+                                           model_vocab(tiny_qwen3["model"]), min_positions=2), root)
 
 
 @pytest.mark.parametrize("case", sorted(RATIO_CASES))
