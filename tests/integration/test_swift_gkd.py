@@ -11,9 +11,9 @@ generations (lmbda 1: ms-swift's pt engine generates on CPU, logits there are th
 backend (SWIFT_LIGER_BACKEND=torch); top-k distillation (--gkd_logits_topk 8: the divergence over the teacher's 8
 largest logits per token) on the reference backend; a teacher served by API (--teacher_model_server: the same
 tiny teacher behind teacher_server.py's HTTP routes, the top-k log-probs of every position arriving with the batch)
-through the real kernels; self-distillation without a teacher model (the student with its adapter disabled scores
-each row's teacher_prompt in place of the user turn, OPSD) and rows on-policy with probability 0.5 (--lmbda 0.5) on
-the reference backend.
+through the real kernels; self-distillation without a teacher model (the student itself, detached, scores each
+row's teacher_prompt in place of the user turn: OPSD) and rows on-policy with probability 0.5 (--lmbda 0.5) on the
+reference backend.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ CASES = {
                       "torch"),
     "topk_lora": (["--tuner_type", "lora", "--beta", "0.5", "--gkd_logits_topk", "8", "--lmbda", "0"], "torch"),
     "api_topk_lora": (["--tuner_type", "lora", "--beta", "0.5", "--gkd_logits_topk", "8", "--lmbda", "0"], "triton"),
-    # no teacher: ms-swift distils from the student itself with its adapter disabled, shown each row's
-    # teacher_prompt in place of the user turn (self-distillation with a privileged prompt, OPSD)
+    # no teacher: ms-swift distils from the student itself (teacher = student), which sees each row's teacher_prompt
+    # in place of the user turn (OPSD); on the same prompt the two would be equal, the divergence and its gradient 0
     "self_opsd_lora": (["--tuner_type", "lora", "--beta", "0.5", "--lmbda", "0"], "torch"),
     # each step on the student's own generations with probability 0.5, else on the dataset's responses
     "mixed_on_policy": (["--tuner_type", "lora", "--beta", "0.5", "--lmbda", "0.5", "--max_completion_length", "8"],
@@ -87,7 +87,7 @@ def test_divergence_from_hidden_states_and_the_record_says_so(runs, case):
     assert "in the first step GKDTrainer computed 2 distillation losses (generalized JSD) from hidden states (the " \
            "student's; the teacher's, or its top-k log-probs when served by API; no [tokens, vocab] logits) and 0 " \
            "from materialised logits" in liger.log
-    if case.startswith("self"):   # the student is its own teacher (adapter disabled): no second model
+    if case.startswith("self"):   # the student is its own teacher: no second model
         assert "teacher model:" not in liger.log
     elif case.startswith("api"):   # no teacher model in the process: its top-k log-probs came over HTTP
         assert "the top-k log-probs its teacher server returns" in liger.log
