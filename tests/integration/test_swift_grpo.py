@@ -59,14 +59,14 @@ NOT_COMPARED = {"step_time(s)", "tokens/s", "completion_tokens/s", "rss(GiB)", "
                 "train_speed(s/it)", "memory(GiB)", "global_step/max_steps", "step_time"}
 
 
-def grpo_argv(tiny_qwen3, root, steps: int = STEPS) -> list:
+def grpo_argv(tiny_qwen3, root) -> list:
     plugin = root / "reward.py"
     plugin.write_text(REWARD)
     return [*tiny_qwen3["swift_flags"], "--dataset", tiny_qwen3["sft"], *CPU_FLAGS, "--rlhf_type", "grpo",
             "--tuner_type", "lora", "--use_vllm", "false", "--external_plugins", str(plugin),
             "--reward_funcs", "length_reward", "--num_generations", str(GENERATIONS),
             "--per_device_train_batch_size", str(BATCH), "--gradient_accumulation_steps", str(ACCUM),
-            "--max_completion_length", str(COMPLETION), "--max_length", "64", "--max_steps", str(steps),
+            "--max_completion_length", str(COMPLETION), "--max_length", "64", "--max_steps", str(STEPS),
             "--report_to", "none", "--save_strategy", "no"]
 
 
@@ -269,7 +269,7 @@ def ratio_runs(tiny_qwen3, tmp_path_factory):
 @pytest.mark.parametrize("case", sorted(RATIO_CASES))
 def test_importance_ratio_off_one_matches_unpatched(ratio_runs, case):
     """Every metric (loss, grad_norm: the Liger-Kernel #1082 failure mode, kl, clip ratios) equals the unpatched run's
-    at every one of the 4 steps while the ratio is off 1, with gradient accumulation; the probe counts no [rows,
+    at every one of the STEPS steps while the ratio is off 1, with gradient accumulation; the probe counts no [rows,
     positions, V] logits in the patched run's training passes (the unpatched one's are counted, so it sees them)."""
     base, liger = ratio_runs[f"{case}_base"].check(), ratio_runs[f"{case}_liger"].check()
     assert [s["step"] for s in base.steps()] == [s["step"] for s in liger.steps()] == list(range(1, STEPS + 1))

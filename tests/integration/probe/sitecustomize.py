@@ -22,7 +22,7 @@ if _VOCAB and _OUT:
     _forward = torch.nn.Linear.forward
 
     def forward(self, x):
-        if self.out_features == _VOCAB and (not _MIN_POSITIONS or x.dim() >= 3 and x.shape[-2] >= _MIN_POSITIONS):
+        if self.out_features == _VOCAB and (not _MIN_POSITIONS or (x.dim() >= 3 and x.shape[-2] >= _MIN_POSITIONS)):
             _seen["lm_head_logits"] += 1
             _seen["max_rows"] = max(_seen["max_rows"], x.numel() // max(1, x.shape[-1]))
         return _forward(self, x)
