@@ -6,24 +6,13 @@ dense SDPA cuDNN, the first-call (graph build) time for a new number of document
 padding the document count with empty documents and rounding the longest length up keep the results."""
 import argparse
 import json
-import math
 import time
 
 import torch
+from attn_lab import doc_lengths   # tools/ is the script's directory
 from triton.testing import do_bench
 
 A = torch.ops.aten
-
-
-def doc_lengths(total, seed, lo=64, hi=8192):
-    g = torch.Generator().manual_seed(seed)
-    out, left = [], total
-    while left > 0:
-        u = torch.rand((), generator=g).item()
-        n = max(1, min(int(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))), left))
-        out.append(n)
-        left -= n
-    return out
 
 
 def _call(op, named):
@@ -49,8 +38,7 @@ def cudnn_fwd(q, k, v, cu, max_s, scale):
 def cudnn_bwd(go, q, k, v, out, lse, seed, offset, cu, max_s, scale):
     named = dict(grad_out=go, query=q, key=k, value=v, out=out, logsumexp=lse, philox_seed=seed,
                  philox_offset=offset, attn_bias=None, cum_seq_q=cu, cum_seq_k=cu,
-                 max_q=max_s, max_k=max_s, dropout_p=0.0, is_causal=True, scale=scale,
-                 rng_state=seed, unused=offset)
+                 max_q=max_s, max_k=max_s, dropout_p=0.0, is_causal=True, scale=scale)
     return _call(A._cudnn_attention_backward, named)[:3]
 
 
