@@ -15,11 +15,13 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     ${GPU_TESTS:-tests/patching/test_layer_graphs.py} >"$OUT/c/gpu_tests.txt" 2>&1
   echo "-- tests rc $? at ${SECONDS}s"; tail -3 "$OUT/c/gpu_tests.txt"
 fi
+declare -A SEEN   # a point named again (a repeat, interleaved with others) reports apart as <tag>_r2, _r3, ...
 for point in ${POINTS:-qwen2.5-0.5b:512:8 qwen2.5-1.5b:2048:1}; do
   IFS=: read -r shape seq batch deadline variants tuner <<<"$point"
   echo "== $shape $seq x $batch at ${SECONDS}s"
   [ -n "$variants" ] || variants=${VARIANTS:-swift_liger,swift_liger_eager}
   tag=${shape}_${seq}_$batch${tuner:+_$tuner}${LENGTHS:+_$LENGTHS}   # LENGTHS=longtail: rows of varying length
+  SEEN[$tag]=$(( ${SEEN[$tag]:-0} + 1 )); [ "${SEEN[$tag]}" -gt 1 ] && tag=${tag}_r${SEEN[$tag]}
   rm -rf "/tmp/runs_$tag"
   SHAPE=$shape SEQ=$seq BATCH=$batch STEPS=${STEPS:-10} WARMUP=3 VARIANTS="${variants:+${variants//,/ }}" \
     TUNER=${tuner:-lora} DEADLINE=${deadline:-200} R=/tmp/runs_$tag OUT=$OUT/c/$tag \

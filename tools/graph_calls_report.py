@@ -55,14 +55,14 @@ def load(call_dir: str) -> dict:
 
 
 def _label(point: str) -> str:
-    """qwen2.5-0.5b_512_8[_full][_longtail] -> "Qwen2.5-0.5B, 8 x 512[ (full)][, varying lengths]" (rows x row
-    length; varying: rows of log-uniform 64..length-64 tokens)."""
-    m = re.match(r"(.+?)_(\d+)_(\d+)(_full)?(_longtail)?$", point)
+    """qwen2.5-0.5b_512_8[_full][_longtail][_r2] -> "Qwen2.5-0.5B, 8 x 512[ (full)][, varying lengths][, run 2]"
+    (rows x row length; varying: rows of log-uniform 64..length-64 tokens; _rN: the call's Nth visit of the point)."""
+    m = re.match(r"(.+?)_(\d+)_(\d+)(_full)?(_longtail)?(?:_r(\d+))?$", point)
     if not m:
         return point
     name = {"llama3-8b": "Llama-3-8B"}.get(m.group(1), m.group(1).replace("qwen", "Qwen").replace("b", "B"))
     return (f"{name}, {m.group(3)} x {m.group(2)}{' (full)' if m.group(4) else ''}"
-            f"{', varying lengths' if m.group(5) else ''}")
+            f"{', varying lengths' if m.group(5) else ''}{f', run {m.group(6)}' if m.group(6) else ''}")
 
 
 def rate(point: str, run: dict):
