@@ -55,7 +55,7 @@ VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_graphs_alw
             "swift_liger_compiled", "swift_liger_long_context",
             "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel",
             "swift_liger_rollout_eager", "swift_liger_fp8", "swift_liger_cudnn", "swift_liger_compile_ahead",
-            "swift_liger_no_grad_eager", "swift_liger_pad_masks", "swift_liger_profiled",
+            "swift_liger_no_compile_ahead", "swift_liger_no_grad_eager", "swift_liger_pad_masks", "swift_liger_profiled",
             "swift_liger_no_base_epilogue", "swift_liger_fp8_no_hw_cvt")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
@@ -73,6 +73,7 @@ VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_fp8": ["--use_liger", "--liger_fp8_base", "true"],
                  "swift_liger_cudnn": ["--use_liger", "--liger_cudnn_attention", "true"],
                  "swift_liger_compile_ahead": ["--use_liger"],
+                 "swift_liger_no_compile_ahead": ["--use_liger"],
                  "swift_liger_no_grad_eager": ["--use_liger"],
                  "swift_liger_pad_masks": ["--use_liger", "--liger_drop_pad_mask", "false"],
                  "swift_liger_profiled": ["--use_liger"],
@@ -96,6 +97,8 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                   "swift_liger_cudnn": "`--use_liger --liger_cudnn_attention true` (SDPA cuDNN-first where it times "
                                        "faster)",
                   "swift_liger_compile_ahead": "`--use_liger`, SWIFT_LIGER_COMPILE_AHEAD=1",
+                  "swift_liger_no_compile_ahead": "`--use_liger`, SWIFT_LIGER_COMPILE_AHEAD=0 (kernels compile at "
+                                                  "their first launch)",
                   "swift_liger_no_grad_eager": "`--use_liger`, SWIFT_LIGER_GRAPH_NO_GRAD=0 (autograd-off passes eager)",
                   "swift_liger_pad_masks": "`--use_liger --liger_drop_pad_mask false` (right-padding masks kept)",
                   "swift_liger_profiled": "`--use_liger`, SWIFT_LIGER_PROFILE_FIRST_STEP=40 (first step under "
@@ -106,6 +109,7 @@ VARIANT_LABELS = {"plain": "plain (no kernels)", "swift_liger": "`--use_liger` (
                                                "IEEE division per element instead of the GPU's e4m3 conversion)"}
 VARIANT_ENV = {"swift_liger_graphs_always": {"SWIFT_LIGER_GRAPH_LAYERS": "always"},
                "swift_liger_compile_ahead": {"SWIFT_LIGER_COMPILE_AHEAD": "1"},
+               "swift_liger_no_compile_ahead": {"SWIFT_LIGER_COMPILE_AHEAD": "0"},
                "swift_liger_no_grad_eager": {"SWIFT_LIGER_GRAPH_NO_GRAD": "0"},
                "swift_liger_profiled": {"SWIFT_LIGER_PROFILE_FIRST_STEP": "40"},
                "swift_liger_no_base_epilogue": {"SWIFT_LIGER_LORA_BASE_EPILOGUE": "0"},

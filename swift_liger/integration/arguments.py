@@ -55,8 +55,9 @@ ENV_VARS = {   # every environment variable swift_liger reads, checked in valida
                                "replay their compiled launcher, ~7 us less host time per launch)",
     "SWIFT_LIGER_GRAPH_LAYERS": "measure (default: graph_layers times each batch shape eager vs replayed and keeps the "
                                 "faster) or always (replay every replayable shape untimed, for benchmarks)",
-    "SWIFT_LIGER_COMPILE_AHEAD": "1 compiles a new batch shape's decoder-layer kernels on a thread pool before its "
-                                 "first call (graph_layers; off by default until measured on a GPU)",
+    "SWIFT_LIGER_COMPILE_AHEAD": "0 compiles a decoder layer's kernels one after another at their first launch "
+                                 "(default 1 on CUDA: graph_layers compiles a new batch shape's kernels on a thread "
+                                 "pool before its first call)",
     "SWIFT_LIGER_GRAPH_NO_GRAD": "0 runs autograd-off forwards (reference, old-policy and evaluation passes) eagerly "
                                  "(default 1: graph_layers replays them too, under batch shapes of their own)",
     "SWIFT_LIGER_LORA_BASE_EPILOGUE": "0 adds a fused LoRA projection's LoRA output after its base GEMM (a rank-r "

@@ -69,7 +69,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..ops import _launch
+from ..ops import _common, _launch
 
 MAX_KEYS = 48           # keys kept per model and per layer (graphs), least recently used dropped: rows of varying
                         # length meet up to ~40 buckets (log-uniform 64-2048 tokens at batch 1: 37)
@@ -416,7 +416,9 @@ class LayerGraphs:
             if self.backend is None:
                 self.backend = type(self).backend_for(dev)
             t0 = time.perf_counter()
-            if self.shared.compile_ahead and not fonly and key not in self.shared.ahead_keys:
+            ahead = self.shared.compile_ahead
+            ahead = (dev.type == "cuda" and not _common.INTERPRET) if ahead is None else ahead == "1"
+            if ahead and not fonly and key not in self.shared.ahead_keys:
                 self.shared.ahead_keys.add(key)
                 self._compile_ahead(layer, call, hidden_states, cos, sin, mask, position_ids)
                 t0 = self._spent("compile_ahead", t0)
@@ -468,13 +470,15 @@ class LayerGraphs:
         return now
 
     def _compile_ahead(self, layer, call, hidden, cos, sin, mask, pos) -> None:
-        """SWIFT_LIGER_COMPILE_AHEAD=1 (off until measured on a GPU), before a new key's first eager call: the
-        layer's forward with autograd off (a reentrant checkpoint's first pass) and on, and its backward, inside
+        """Before a new key's first eager call (on CUDA; SWIFT_LIGER_COMPILE_AHEAD=0 turns it off): the layer's
+        forward with autograd off (a reentrant checkpoint's first pass) and on, and its backward, inside
         ops._launch.compile_ahead, so every kernel of ours those passes launch compiles on a thread pool, side by
-        side, instead of one after another at its first launch (13 kernels took 3.3-4.1 s of a cold first step at
-        Qwen2.5-7B 8k: swift_cli_large_lora_h100.md). Our kernels do not run there; torch's ops run on their
-        unwritten outputs, which nothing reads on the host. The RNG state and the parameters' gradients stay as
-        they were; an error leaves the compiles to the real calls."""
+        side, instead of one after another at its first launch. With an empty Triton cache it took Qwen2.5-1.5B,
+        4 x 2k's first step from 7.61-10.08 s to 5.98-6.35 on an H100 (train_cli_grid_h100.md, call 18). Our
+        kernels do not run there; torch's ops run on their unwritten outputs, which nothing reads on the host. The
+        RNG state and the parameters' gradients stay as they were; an error leaves the compiles to the real calls.
+        The pass's cached blocks go back to the device after it (release): kept, they raised that first step's peak
+        reserved memory by 0.69 GiB, a layer's activations the side stream's warm-up could not reuse."""
         be, dev = self.backend, hidden.device
         rng = be.rng_state(dev)
         params = tuple(p for p in layer.parameters() if p.requires_grad)
@@ -495,6 +499,7 @@ class LayerGraphs:
             self.stats["compile_ahead_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
         finally:
             be.set_rng_state(rng, dev)
+            be.release()
 
     @staticmethod
     def _unreplayable(layer) -> Optional[str]:
@@ -741,8 +746,9 @@ class Shared:
         self.members: list = []  # the LayerGraphs of the model's layers
         # SWIFT_LIGER_GRAPH_LAYERS=always replays every replayable key without timing it (benchmarks)
         self.measure = os.environ.get("SWIFT_LIGER_GRAPH_LAYERS", "measure").strip() != "always"
-        # SWIFT_LIGER_COMPILE_AHEAD=1: a new key's kernels compile side by side first (LayerGraphs._compile_ahead)
-        self.compile_ahead = os.environ.get("SWIFT_LIGER_COMPILE_AHEAD", "0").strip() == "1"
+        # a new key's kernels compile side by side first (LayerGraphs._compile_ahead): on CUDA unless
+        # SWIFT_LIGER_COMPILE_AHEAD=0; =1 forces it where nothing compiles (the CPU tests' stand-in)
+        self.compile_ahead = os.environ.get("SWIFT_LIGER_COMPILE_AHEAD", "").strip() or None
         # autograd-off passes (reference, old-policy, evaluation forwards) replay their forward from graphs too, under
         # keys of their own (so twice the keys are kept); SWIFT_LIGER_GRAPH_NO_GRAD=0 runs them eagerly
         self.no_grad = os.environ.get("SWIFT_LIGER_GRAPH_NO_GRAD", "1").strip() != "0"
