@@ -183,6 +183,20 @@ def fwd_tma(q, k, v, lo, scale, cfg):
     return out, lse
 
 
+def fwd_ours(q, k, v, lo, scale, cfg):
+    """The module's forward kernel at the given tiles."""
+    B, HQ, T, D = q.shape
+    out = torch.empty((B, T, HQ, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)
+    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
+    va._varlen_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * HQ)](
+        q, k, v, out, lse, lo, T, HQ, scale, 0.0, 0, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
+        so[0], so[1], so[2], lo.stride(0), G=HQ // k.shape[1], D=D, BLOCK_D=D, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, SOFTCAP=False, WINDOW=False, UPCAST=False, IEEE=False, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out, lse
+
+
 def dkdv_tma(q, k, v, go, lse, delta, lo, hi, scale, cfg):
     """fp32 partials per query head, as the module's launcher makes them for grouped heads."""
     B, HQ, T, D = q.shape
@@ -222,6 +236,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--heads", default="28/4/128")
     ap.add_argument("--layouts", default="dense,packed")
+    ap.add_argument("--fwd_tiles_only", action="store_true", help="only the module's forward at several tiles")
     a = ap.parse_args()
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     import attn_lab   # lazy: tools/ is the script's directory
@@ -260,6 +275,18 @@ def main():
 
             rec("fwd", "ours", fwd_cfg, do_bench(lambda: va._fwd_launch(q, k, v, lo, scale, 0.0, 0), warmup=25,
                                                   rep=200))
+            if a.fwd_tiles_only:
+                for cfg in (fwd_cfg, C(64, 64, 4, 3), C(64, 64, 4, 2), C(64, 32, 4, 3), C(128, 64, 4, 3),
+                            C(64, 128, 4, 3), C(64, 64, 8, 3)):
+                    try:
+                        o, lse = fwd_ours(q, k, v, lo, scale, cfg)
+                        err = (o.float() - ref_o.float()).abs().max().item()
+                        ms = do_bench(lambda: fwd_ours(q, k, v, lo, scale, cfg), warmup=25, rep=200)
+                        rec("fwd", f"ours at tiles (max|do| {err:.2e})", cfg, ms)
+                    except Exception as e:   # noqa: BLE001
+                        rec("fwd", "ours at tiles", cfg, 0, f"{type(e).__name__}: {str(e)[:200]}")
+                dump(a, rows, t0)
+                continue
             if layout == "dense":
                 from torch.nn.attention import SDPBackend, sdpa_kernel   # lazy: GPU lab only
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -295,11 +322,16 @@ def main():
                     rec("dkdv", f"tma (rel dk {e1:.1e}, dv {e2:.1e})", cfg, ms, flops=dflops)
                 except Exception as e:   # noqa: BLE001
                     rec("dkdv", "tma", cfg, 0, f"{type(e).__name__}: {str(e)[:200]}", flops=dflops)
-            with open(a.out, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           "command": "python3 " + " ".join(sys.argv), "tokens": a.tokens,
-                           "seconds": round(time.time() - t0, 1), "rows": rows}, f, indent=1)
+            dump(a, rows, t0)
+
+
+def dump(a, rows, t0):
+    """The rows so far (after every layout: a call cut short keeps what ran)."""
+    with open(a.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   "command": "python3 " + " ".join(sys.argv), "tokens": a.tokens,
+                   "seconds": round(time.time() - t0, 1), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
