@@ -365,7 +365,8 @@ def test_measured_choice_runs_slower_graphs_eagerly(backend, monkeypatch):
     # the 32-token key: 3 layers' first passes in 2 steps (their recomputes follow the eager first pass, uncounted)
     assert s["eager"] == {"measured faster eagerly at this batch shape": 3 * 2}, s
     assert s["captures"] == 1 + 3 and s["replays"] == 2 * 3 * 2, s
-    assert set(s["capture_parts_s"]) == set(layer_graphs.PARTS) and all(v > 0 for v in s["capture_parts_s"].values())
+    parts = s["capture_parts_s"]   # compile_ahead as well on CUDA, where it is the default
+    assert set(parts) - {"compile_ahead"} == set(layer_graphs.PARTS) and all(v > 0 for v in parts.values()), parts
     assert abs(sum(s["capture_parts_s"].values()) - s["capture_s"]) < 0.01, s   # the parts add up (rounded)
     shared = graphed.base_model.model._swift_liger_state.parts["graph_layers"]
     assert [k[0][1] for k in shared.slots] == [16], list(shared.slots)
@@ -394,7 +395,8 @@ def test_gpu_bound_key_is_never_captured(backend, monkeypatch):
     assert timings == ["eager"], timings
     assert s["captures"] == 0 and s["replays"] == 0, s
     parts = s["capture_parts_s"]
-    assert parts["eager_timing"] > 0 and not any(v for k, v in parts.items() if k != "eager_timing"), parts
+    assert parts["eager_timing"] > 0, parts
+    assert not any(v for k, v in parts.items() if k not in ("eager_timing", "compile_ahead")), parts
     assert s["eager"] == {"measured faster eagerly at this batch shape": 2 * 3}, s
     assert s["measured"] == [{"rows": 2, "tokens": 16, "eager_ms": 1.0, "graph_ms": None, "eager_host_ms": 0.3,
                               "eager_gpu_ms": 1.0, "graph_host_ms": None, "graph_gpu_ms": None, "graphs": False,
