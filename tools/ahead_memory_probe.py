@@ -10,11 +10,11 @@ import sys
 
 
 def child():
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import torch   # lazy: the child's imports (the parent only starts processes)
+    from peft import LoraConfig, get_peft_model   # lazy: as above
+    from transformers import Qwen2Config, Qwen2ForCausalLM   # lazy: as above
 
-    import swift_liger
+    import swift_liger   # lazy: as above
     torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=4, num_attention_heads=12,
                       num_key_value_heads=2, vocab_size=32000, max_position_embeddings=4096)

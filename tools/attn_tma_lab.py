@@ -291,9 +291,10 @@ def main():
                 from torch.nn.attention import SDPBackend, sdpa_kernel   # lazy: GPU lab only
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     qs, ks, vs = q.contiguous(), k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+                    sdpa = torch.nn.functional.scaled_dot_product_attention
                     try:
-                        rec("fwd", "sdpa_cudnn", None, do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
-                            qs, ks, vs, is_causal=True), warmup=25, rep=200))
+                        rec("fwd", "sdpa_cudnn", None, do_bench(lambda: sdpa(qs, ks, vs, is_causal=True), warmup=25,
+                                                                rep=200))
                     except Exception as e:   # noqa: BLE001
                         rec("fwd", "sdpa_cudnn", None, 0, f"{type(e).__name__}: {str(e)[:200]}")
             for cfg in (fwd_cfg, C(128, 128, 8, 2), C(128, 64, 8, 2), C(128, 64, 8, 4), C(128, 64, 4, 3),

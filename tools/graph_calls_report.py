@@ -65,10 +65,15 @@ def _label(point: str) -> str:
             f"{', varying lengths' if m.group(5) else ''}{f', run {m.group(6)}' if m.group(6) else ''}")
 
 
+def _longtail(point: str) -> bool:
+    """Rows of varying length (a repeat's _rN suffix aside)."""
+    return re.sub(r"_r\d+$", "", point).endswith("_longtail")
+
+
 def rate(point: str, run: dict):
     """A run's tokens/s: the median step's, or where rows vary in length (a longtail point) all measured tokens
     over all measured seconds (steps differ by shape, and a new shape's first calls count)."""
-    return run.get("tokens_per_s_total" if point.endswith("_longtail") else "tokens_per_s")
+    return run.get("tokens_per_s_total" if _longtail(point) else "tokens_per_s")
 
 
 def tables(calls) -> str:
@@ -100,7 +105,7 @@ def tables(calls) -> str:
                "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for c in calls:
         for point, p in c["points"].items():
-            if not point.endswith("_longtail"):
+            if not _longtail(point):
                 continue
             runs = p["runs"]
             a = {v: runs.get(v, {}).get("tokens_per_s_all_steps") for v in
@@ -144,6 +149,7 @@ def main():
             if ours and plain:
                 label = point.replace("qwen2.5-", "").replace("llama3-", "L").replace("_full", " full").replace(
                     "_longtail", " varying")
+                label = re.sub(r"_r(\d+)$", r" run \1", label)   # a repeat within the call
                 label = re.sub(r"_(\d+)_(\d+)", r" \2x\1", label)   # 0.5b_512_8 -> 0.5b 8x512 (rows x row length)
                 bars.append((f"{label} ({c['call']})", ours / plain, ours / liger if liger else None))
     import matplotlib

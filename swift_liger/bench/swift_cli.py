@@ -55,8 +55,8 @@ VARIANTS = ("plain", "swift_liger", "swift_liger_eager", "swift_liger_graphs_alw
             "swift_liger_compiled", "swift_liger_long_context",
             "swift_liger_save_attention", "swift_liger_packing", "packing_attention_only", "liger_kernel",
             "swift_liger_rollout_eager", "swift_liger_fp8", "swift_liger_cudnn", "swift_liger_compile_ahead",
-            "swift_liger_no_compile_ahead", "swift_liger_no_grad_eager", "swift_liger_pad_masks", "swift_liger_profiled",
-            "swift_liger_no_base_epilogue", "swift_liger_fp8_no_hw_cvt")
+            "swift_liger_no_compile_ahead", "swift_liger_no_grad_eager", "swift_liger_pad_masks",
+            "swift_liger_profiled", "swift_liger_no_base_epilogue", "swift_liger_fp8_no_hw_cvt")
 VARIANT_FLAGS = {"plain": [], "swift_liger": ["--use_liger"],
                  "swift_liger_eager": ["--use_liger", "--liger_graph_layers", "false"],
                  "swift_liger_graphs_always": ["--use_liger"],
