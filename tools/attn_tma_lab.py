@@ -171,33 +171,29 @@ def _dkdv_tma_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, lo_ptr, hi
              mask=kvm)
 
 
-def fwd_tma(q, k, v, lo, scale, cfg):
+def _fwd(kernel, q, k, v, lo, scale, cfg, **flags):
+    """A forward kernel (ours or the TMA one) at cfg's tiles: out [B, T, HQ, D], lse."""
     B, HQ, T, D = q.shape
     out = torch.empty((B, T, HQ, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
-    _fwd_tma_kernel[(triton.cdiv(T, cfg.block_m), B * HQ)](
+    kernel[(triton.cdiv(T, cfg.block_m), B * HQ)](
         q, k, v, out, lse, lo, T, HQ, scale, 0.0, 0, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
         so[0], so[1], so[2], lo.stride(0), G=HQ // k.shape[1], D=D, BLOCK_D=D, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, SOFTCAP=False, WINDOW=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_N=cfg.block_n, SOFTCAP=False, WINDOW=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
     return out, lse
+
+
+def fwd_tma(q, k, v, lo, scale, cfg):
+    return _fwd(_fwd_tma_kernel, q, k, v, lo, scale, cfg)
 
 
 def fwd_ours(q, k, v, lo, scale, cfg):
     """The module's forward kernel at the given tiles."""
-    B, HQ, T, D = q.shape
-    out = torch.empty((B, T, HQ, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, HQ, T), dtype=torch.float32, device=q.device)
-    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
-    va._varlen_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * HQ)](
-        q, k, v, out, lse, lo, T, HQ, scale, 0.0, 0, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2],
-        so[0], so[1], so[2], lo.stride(0), G=HQ // k.shape[1], D=D, BLOCK_D=D, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, SOFTCAP=False, WINDOW=False, UPCAST=False, IEEE=False, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    return out, lse
+    return _fwd(va._varlen_fwd_kernel, q, k, v, lo, scale, cfg, UPCAST=False, IEEE=False)
 
 
-def dkdv_tma(q, k, v, go, lse, delta, lo, hi, scale, cfg):
+def _dkdv(kernel, q, k, v, go, lse, delta, lo, hi, scale, cfg, **flags):
     """fp32 partials per query head, as the module's launcher makes them for grouped heads."""
     B, HQ, T, D = q.shape
     HKV = k.shape[1]
@@ -205,29 +201,21 @@ def dkdv_tma(q, k, v, go, lse, delta, lo, hi, scale, cfg):
     dk = torch.empty((B, HQ, T, D), dtype=torch.float32, device=q.device)
     dv = torch.empty_like(dk)
     sq, sk, sv, sg, sdk, sdv = q.stride(), k.stride(), v.stride(), go.stride(), dk.stride(), dv.stride()
-    _dkdv_tma_kernel[(triton.cdiv(T, cfg.block_n), B * HKV, G)](
+    kernel[(triton.cdiv(T, cfg.block_n), B * HKV, G)](
         q, k, v, go, lse, delta, lo, hi, dk, dv, T, HQ, HKV, scale, 0.0, 0,
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sg[0], sg[1], sg[2],
         sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2], lo.stride(0),
         G=G, HPP=1, D=D, BLOCK_D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SOFTCAP=False, WINDOW=False,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
     return dk, dv
+
+
+def dkdv_tma(q, k, v, go, lse, delta, lo, hi, scale, cfg):
+    return _dkdv(_dkdv_tma_kernel, q, k, v, go, lse, delta, lo, hi, scale, cfg)
 
 
 def dkdv_ours(q, k, v, go, lse, delta, lo, hi, scale, cfg):
-    B, HQ, T, D = q.shape
-    HKV = k.shape[1]
-    G = HQ // HKV
-    dk = torch.empty((B, HQ, T, D), dtype=torch.float32, device=q.device)
-    dv = torch.empty_like(dk)
-    sq, sk, sv, sg, sdk, sdv = q.stride(), k.stride(), v.stride(), go.stride(), dk.stride(), dv.stride()
-    va._varlen_dkdv_kernel[(triton.cdiv(T, cfg.block_n), B * HKV, G)](
-        q, k, v, go, lse, delta, lo, hi, dk, dv, T, HQ, HKV, scale, 0.0, 0,
-        sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sg[0], sg[1], sg[2],
-        sdk[0], sdk[1], sdk[2], sdv[0], sdv[1], sdv[2], lo.stride(0),
-        G=G, HPP=1, D=D, BLOCK_D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SOFTCAP=False, WINDOW=False,
-        UPCAST=False, IEEE=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return dk, dv
+    return _dkdv(va._varlen_dkdv_kernel, q, k, v, go, lse, delta, lo, hi, scale, cfg, UPCAST=False, IEEE=False)
 
 
 def main():
