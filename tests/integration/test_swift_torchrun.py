@@ -115,7 +115,7 @@ def test_two_ranks_against_one_process_with_accumulation(runs):
 
 
 def test_every_rank_patched_before_lora(runs):
-    liger = runs["liger"].check()
+    liger = runs["liger"].check(teardown_abort_ok=True)   # the run the tests above accept (pytorch#179291)
     record = liger.patch_record()
     assert record["world_size"] == NPROC and set(record["models"]) == {"policy"}
     policy = record["models"]["policy"]
