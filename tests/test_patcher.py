@@ -683,6 +683,27 @@ def test_lora_fusion_covers_modules_other_fusions_leave(torch_backend, lora_line
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_lora_calls_in_compile_ahead_pass_not_counted(torch_backend, lora_linear_calls, monkeypatch):
+    """graph_layers' compile-ahead pass runs a layer through our ops with every launch turned into a compile: its
+    LoRA calls go through ops.lora_linear but are not counted as calls; the same forward outside the pass is."""
+    peft = pytest.importorskip("peft")
+    from swift_liger.ops import _launch
+    ref, model = pair("llama")
+    swift_liger.apply(model, lora_fusion=True)
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules="all-linear")
+    ref, model = lora_pair(peft, ref, model, 3, **lora)
+    ids, labels = batch()
+    call_counts(model, reset=True)
+    outside = _launch.compiling_ahead
+    assert not outside()
+    monkeypatch.setattr(_launch, "compiling_ahead", lambda: True)   # inside the pass (never under the interpreter)
+    model(ids, labels=labels)
+    assert len(lora_linear_calls) == 7 * 2 and lora_calls(model) == (0, 0)
+    monkeypatch.setattr(_launch, "compiling_ahead", outside)
+    model(ids, labels=labels)
+    assert len(lora_linear_calls) == 2 * 7 * 2 and lora_calls(model) == (14, 0)
+
+
 def test_lora_fusion_dropout_under_reentrant_checkpointing(torch_backend, lora_linear_calls):
     """ms-swift's set-up: LoRA dropout, use_reentrant=True checkpointing. The recomputed forward draws the same
     dropout masks (checkpoint restores the RNG), so loss and gradients equal PEFT's; the call counter sees only

@@ -126,6 +126,11 @@ class _Ahead:
 _AHEAD: Optional[_Ahead] = None
 
 
+def compiling_ahead() -> bool:
+    """True inside compile_ahead's block, where our kernels compile instead of launching."""
+    return _AHEAD is not None
+
+
 @contextlib.contextmanager
 def compile_ahead(workers: int = 8) -> Iterator[_Ahead]:
     """Inside the block no FastLaunch launches anything, from any thread: the kernel each call would run is compiled

@@ -15,8 +15,15 @@ from typing import Callable, Optional
 
 import torch
 
+from ..ops import _launch
 from ..ops.lora_linear_op import DequantizedWeight, lora_linear_problem, lora_linear_unchecked
-from .state import CALLS_ATTR, count
+from .state import CALLS_ATTR, count as _count_call
+
+
+def count(owner: torch.nn.Module, key: str) -> None:
+    """state.count, except inside compile_ahead's pass: its calls compile our kernels and launch none."""
+    if not _launch.compiling_ahead():
+        _count_call(owner, key)
 
 
 # PEFT's LoRA linears: layer.Linear, bnb.Linear4bit (both fused when plain_lora_parts accepts the call) and
