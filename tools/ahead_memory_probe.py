@@ -1,6 +1,7 @@
 """Where graph_layers' compile-ahead pass leaves memory behind (issue 27; GPU): a Qwen2-shaped model (hidden 1536,
 4 layers, random init) under swift_liger with LoRA r16 and reentrant checkpointing, 3 training steps of 4 x 2048 tokens
-in bf16 autocast; memory allocated / reserved after each step, then after freeing cuBLAS's workspaces.
+in bf16 autocast; memory allocated / reserved after each step, then after freeing cuBLAS's workspaces, and what
+graph_layers chose (captured graphs' private pools count as reserved).
 python3 tools/ahead_memory_probe.py  (runs itself once per SWIFT_LIGER_COMPILE_AHEAD value, each in a process of
 its own, and prints one JSON line per run)."""
 import json
@@ -43,8 +44,11 @@ def child():
     before = torch.cuda.memory_allocated()
     torch._C._cuda_clearCublasWorkspaces()
     freed = (before - torch.cuda.memory_allocated()) / 2 ** 20
+    graphs = (swift_liger.call_counts(model) or {}).get("graph_layers") or {}
     print(json.dumps({"ahead": os.environ.get("SWIFT_LIGER_COMPILE_AHEAD"), "steps": rows,
-                      "cublas_workspaces_freed_mib": round(freed, 1)}), flush=True)
+                      "cublas_workspaces_freed_mib": round(freed, 1),
+                      "graph_layers": {k: graphs.get(k) for k in ("captures", "replays", "eager", "measured")}},
+                     default=str), flush=True)
 
 
 if __name__ == "__main__":
