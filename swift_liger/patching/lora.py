@@ -5,7 +5,8 @@ biases or hooks) and PEFT's lora.Linear4bit over a bitsandbytes 4-bit base (QLoR
 as an ops.lora_linear_op.DequantizedWeight, dequantized the way bitsandbytes' own training matmul does).
 Whether ops.lora_linear can take the call (dtypes, dropout, contiguity) is decided in one place,
 ``ops.lora_linear_op.lora_linear_problem``. Anything else runs PEFT's own forward. Every call is counted in the
-patch state of the model (``lora_fused`` / ``lora_peft``), read back through swift_liger.call_counts.
+patch state of the model (``lora_fused`` / ``lora_peft``), read back through swift_liger.call_counts, except those
+of graph_layers' compile-ahead pass (they compile our kernels and launch none).
 """
 from __future__ import annotations
 
