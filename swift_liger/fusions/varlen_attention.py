@@ -43,13 +43,20 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from ..ops import varlen_attention_kernel as vk
+from ..ops import _launch, varlen_attention_kernel as vk
 
 NAME = "swift_liger"
 MAX_HEAD_DIM = 256
 # varlen: calls through the kernel; bounds: doc_bounds computations (one per forward and mask);
 # sdpa / eager: calls handed to SDPA or to the softcap-aware eager softmax; dense_masks: SDPA masks built
 COUNTS: Counter = Counter()
+
+
+def _count_call(key: str) -> None:
+    """One attention call of `key`'s kind, except inside graph_layers' compile-ahead pass (nothing of ours launches
+    there, and it is not a training call)."""
+    if not _launch.compiling_ahead():
+        COUNTS[key] += 1
 
 
 def reset_counts() -> dict:
@@ -237,9 +244,9 @@ def _fallback(module, query, key, value, attention_mask, scaling, dropout, softc
         pad = attention_mask[:, -kv_len:].to(torch.bool)[:, None, None, :]
         attention_mask = pad & _lower_right_causal(q_len, kv_len, query.device) if is_causal else pad
     if softcap:
-        COUNTS["eager"] += 1
+        _count_call("eager")
         return _eager_softcap(module, query, key, value, attention_mask, scaling, dropout, softcap, is_causal)
-    COUNTS["sdpa"] += 1
+    _count_call("sdpa")
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
 
@@ -289,7 +296,7 @@ def _forward(module, query, key, value, attention_mask, scaling, dropout, slidin
     else:
         seq_ids, bounds = doc_bounds_for(kwargs.get("position_ids"), attention_mask, kwargs.get("cu_seq_lens_q"),
                                          B, T, query.device)
-        COUNTS["varlen"] += 1
+        _count_call("varlen")
     out = vk.varlen_attention_unchecked(query, key, value, bounds, float(scaling), float(softcap or 0.0),
                                         int(sliding_window or 0), seq_ids)
     return out, None

@@ -19,6 +19,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ..ops import _launch
 from ..ops.fp8_linear_op import Fp8Weight, InputGroup, fp8_device_problem, fp8_linear, fp8_weight_problem
 from .families import ATTENTION_INPUTS, SPLIT_MLP
 from .lora import is_peft_lora_linear
@@ -99,7 +100,7 @@ def _fp8_base_forward(self, x, *args, **kwargs):
     if args or kwargs or not isinstance(weight, Fp8Weight):
         return type(self).forward(self, x, *args, **kwargs)
     calls = self.__dict__.get("_swift_liger_fp8_calls")
-    if calls is not None:
+    if calls is not None and not _launch.compiling_ahead():   # the compile-ahead pass is not a training call
         calls["fp8_base_calls"] += 1
     return fp8_linear(x, weight, self.bias)
 

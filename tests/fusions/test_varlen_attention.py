@@ -100,6 +100,23 @@ def test_packed_row_equals_per_document_forwards(name):
     assert_grads_match(ours, ref)
 
 
+def test_compile_ahead_pass_calls_not_counted(monkeypatch):
+    """graph_layers' compile-ahead pass runs a layer's attention without launching our kernels: those calls are not
+    counted; the same forward outside the pass is."""
+    from swift_liger.ops import _launch
+    ours, _ = pair(next(iter(MODELS)))
+    ids, pos, labels = packed_row(DOCS)
+    outside = _launch.compiling_ahead
+    monkeypatch.setattr(_launch, "compiling_ahead", lambda: True)   # inside the pass (never under the interpreter)
+    with torch.no_grad():
+        ours(input_ids=ids, position_ids=pos, labels=labels)
+    assert va.COUNTS["varlen"] == va.COUNTS["sdpa"] == va.COUNTS["eager"] == 0, va.COUNTS
+    monkeypatch.setattr(_launch, "compiling_ahead", outside)
+    with torch.no_grad():
+        ours(input_ids=ids, position_ids=pos, labels=labels)
+    assert va.COUNTS["varlen"] == LAYERS, va.COUNTS
+
+
 def test_the_softcap_and_the_window_change_the_reference():
     """The Gemma-2 / Qwen2 cases above only prove something if their softcap and window bite at these sizes."""
     ids, pos, _ = packed_row(DOCS)

@@ -12,6 +12,7 @@ from helpers import close_scaled as close
 
 import swift_liger
 from swift_liger import call_counts
+from swift_liger.ops import _launch
 from swift_liger.ops.fp8_linear_op import Fp8Weight, fp8_device_problem
 from swift_liger.patching import fp8 as fp8_patch
 from swift_liger.patching.fp8 import EMULATE_ENV
@@ -75,7 +76,7 @@ def bases(model):
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
-def test_bases_become_fp8_and_train_close_to_16bit(emulate, model_type):
+def test_bases_become_fp8_and_train_close_to_16bit(emulate, model_type, monkeypatch):
     ref, model = pair(model_type)
     originals = [b.weight.detach().clone() for b in bases(model)]
     params = [b.weight for b in bases(model)]
@@ -108,6 +109,13 @@ def test_bases_become_fp8_and_train_close_to_16bit(emulate, model_type):
     with torch.no_grad(), model.disable_adapter(), torch.autocast(DEVICE, dtype=torch.bfloat16):
         base_loss = model(ids, labels=labels).loss
     assert call_counts(model)["fp8_base_calls"] == n
+    call_counts(model, reset=True)   # graph_layers' compile-ahead pass is not a training call: not counted
+    outside = _launch.compiling_ahead
+    monkeypatch.setattr(_launch, "compiling_ahead", lambda: True)
+    with torch.no_grad(), model.disable_adapter(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        model(ids, labels=labels)
+    monkeypatch.setattr(_launch, "compiling_ahead", outside)
+    assert call_counts(model)["fp8_base_calls"] == 0
     swift_liger.revert(model)
     for b, p, w in zip(bases(model), params, originals):
         assert b.weight is p and type(p) is torch.nn.Parameter and torch.equal(p, w) and p.device == w.device
